@@ -1,0 +1,1 @@
+"""ppotune's tuner: the Optuna search over per-GPU knobs. Never imports torch."""

@@ -1,0 +1,57 @@
+"""``ppotune``: one CLI, subcommands (optuna/cli.py style).
+
+Each subcommand lives in its own module exposing ``add_arguments(parser)`` and
+``run(args) -> int``; modules are imported only when their command runs, so
+``ppotune search`` never imports torch.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+__all__ = ["main"]
+
+# command -> (module, one-line help)
+_COMMANDS = {
+    "train": ("trainer.launcher", "run one PPO config with torchrun (a trial or a full training run)"),
+    "search": ("tuner.search", "run an Optuna study of short, isolated PPO trials"),
+    "space": ("tuner.space_cli", "validate a search space YAML and print its size"),
+    "report": ("tuner.report", "write the Pareto report (HTML, PNG, CSV, summary.md) of a study"),
+    "export": ("tuner.export", "write the chosen config: best_config.yaml, verl overrides, why.md"),
+}
+
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2
+        self.exit(EXIT_USAGE, f"ppotune {self.prog.split()[-1]}: error: {message}\n")
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    parser = _Parser(prog="ppotune", description="Tune the per-GPU knobs of FSDP PPO training.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for name, (module_name, help_text) in _COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if only is None or only == name:
+            importlib.import_module(module_name).add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = argv[0] if argv and argv[0] in _COMMANDS else None
+    parser = build_parser(only=command)
+    if command is None:
+        if not argv or argv[0] in ("-h", "--help"):
+            parser.print_help()
+            return 0 if argv else EXIT_USAGE
+        parser.error(f"unknown command {argv[0]!r} (choose from {', '.join(_COMMANDS)})")
+    args = parser.parse_args(argv)
+    module = importlib.import_module(_COMMANDS[command][0])
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
