@@ -1,0 +1,105 @@
+"""Micro-batching: fixed sizes, or dynamic batches under a per-GPU token budget; packing.
+
+Pure functions over lengths and index lists (no torch.distributed): the caller agrees on the
+number of micro-batches across ranks (all-reduce MAX) and passes it back in, because every
+FSDP rank must run the same number of forward/backward passes.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["fixed_micro_batches", "min_num_micro_batches", "token_budget_micro_batches", "pack", "unpack_response"]
+
+
+def fixed_micro_batches(n: int, micro_batch_size: int) -> list[list[int]]:
+    """Consecutive chunks of ``micro_batch_size`` indices (the last may be shorter)."""
+    return [list(range(i, min(i + micro_batch_size, n))) for i in range(0, n, micro_batch_size)]
+
+
+def _lpt(lengths: list[int], num_bins: int, max_tokens: int) -> list[list[int]] | None:
+    """Longest-processing-time-first into ``num_bins`` bins: each item goes to the least-loaded bin.
+    None when an item does not fit under ``max_tokens`` in that bin."""
+    bins: list[list[int]] = [[] for _ in range(num_bins)]
+    loads = [0] * num_bins
+    for i in sorted(range(len(lengths)), key=lambda j: (-lengths[j], j)):
+        b = min(range(num_bins), key=lambda k: (loads[k], k))
+        if loads[b] + lengths[i] > max_tokens:
+            return None
+        bins[b].append(i)
+        loads[b] += lengths[i]
+    return bins
+
+
+def min_num_micro_batches(lengths: list[int], max_tokens: int) -> int:
+    """The fewest balanced micro-batches that keep every one within ``max_tokens`` (a strict cap)."""
+    if not lengths:
+        return 1
+    longest = max(lengths)
+    if longest > max_tokens:
+        raise ValueError(f"a sequence of {longest} tokens exceeds the token budget {max_tokens}")
+    k = max(1, math.ceil(sum(lengths) / max_tokens))
+    while _lpt(lengths, k, max_tokens) is None:
+        k += 1
+    return k
+
+
+def token_budget_micro_batches(lengths: list[int], max_tokens: int, num_micro_batches: int | None = None) -> list[list[int]]:
+    """Partition indices into balanced micro-batches of at most ``max_tokens`` tokens each.
+
+    ``num_micro_batches`` (>= this rank's minimum) forces the count agreed across ranks; some
+    micro-batches may then be empty (the caller runs a zero-weight pass for them). Indices inside
+    a micro-batch are sorted so the result does not depend on tie-breaking order.
+    """
+    k_min = min_num_micro_batches(lengths, max_tokens)
+    k = k_min if num_micro_batches is None else num_micro_batches
+    if k < k_min:
+        raise ValueError(f"{k} micro-batches cannot hold these sequences under {max_tokens} tokens (need {k_min})")
+    bins = _lpt(lengths, k, max_tokens)
+    if bins is None:  # rare: LPT with more bins placed worse; fall back to the minimal packing, then split
+        bins = _lpt(lengths, k_min, max_tokens)
+        assert bins is not None
+        while len(bins) < k:
+            bins.sort(key=lambda b: -sum(lengths[i] for i in b))
+            big = bins[0]
+            if len(big) > 1:
+                bins = bins[1:] + [big[: len(big) // 2], big[len(big) // 2:]]
+            else:
+                bins.append([])
+    bins = [sorted(b) for b in bins]
+    bins.sort(key=lambda b: (len(b) == 0, b[0] if b else 0))
+    return bins
+
+
+def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor):
+    """Remove padding: (B, L) -> (1, T) with the valid tokens of each row back to back.
+
+    Position ids restart at 0 for each sequence, which is how transformers builds a
+    block-diagonal causal mask for packed rows (no attention across sequences).
+    Returns packed ids, packed position ids and the flat indices of the valid tokens.
+    """
+    flat_idx = attention_mask.reshape(-1).nonzero(as_tuple=True)[0]
+    ids = input_ids.reshape(-1)[flat_idx].unsqueeze(0)
+    pos = position_ids.reshape(-1)[flat_idx].unsqueeze(0)
+    return ids, pos, flat_idx
+
+
+def response_positions(attention_mask: torch.Tensor, response_mask: torch.Tensor, prompt_width: int):
+    """For packed rows: the packed index that PREDICTS each valid response token, in row-major order.
+
+    (B, P+R), (B, R) -> (N,) indices into the packed sequence, and the (B, R) boolean mask they fill.
+    The token at padded column P+j is predicted by the logits one position earlier.
+    """
+    valid = attention_mask.bool()
+    packed_index = torch.cumsum(valid.reshape(-1).long(), 0).reshape(valid.shape) - 1  # (B, L) packed position of each valid token
+    resp = response_mask.bool()
+    predictor = packed_index[:, prompt_width - 1: prompt_width - 1 + resp.shape[1]]
+    return predictor[resp], resp
+
+
+def unpack_response(values: torch.Tensor, resp_mask: torch.Tensor) -> torch.Tensor:
+    """(N, ...) values of the valid response tokens -> (B, R, ...) zero-padded."""
+    out = values.new_zeros(resp_mask.shape + values.shape[1:])
+    out[resp_mask] = values
+    return out

@@ -1,0 +1,149 @@
+"""Timers, throughput, MFU and memory: measured like a benchmark.
+
+CUDA: allocator peaks (allocated/reserved) reset at each phase. CPU: peak RSS (VmHWM),
+reset at each phase by writing "5" to /proc/self/clear_refs.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import time
+
+import torch
+
+__all__ = ["PhaseMeter", "actor_mfu", "peak_flops", "summarize_steps", "rss_gb", "vm_size_bytes"]
+
+GB = 1024**3
+
+# Dense bf16 peak FLOP/s per device (vendor sheets); None where unknown -> MFU is null.
+_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12,
+               "A10": 125e12, "L4": 121e12, "4090": 165e12, "V100": 125e12}
+
+
+def peak_flops(device_name: str | None) -> float | None:
+    if not device_name:
+        return None
+    for key, value in _PEAK_FLOPS.items():
+        if key in device_name.upper():
+            return value
+    return None
+
+
+def actor_mfu(*, num_params: int, total_tokens: float, sum_seqlen_sq: float, head_dim: int, num_heads: int,
+              num_layers: int, epochs: int, seconds: float, world_size: int, peak: float | None) -> float | None:
+    """Actor-update MFU per GPU (verl's estimate): training FLOPs of forward+backward,
+    (6·N·Σtokens + 6·ΣL²·head_dim·heads·layers) x epochs, over (seconds x world size x peak FLOP/s)."""
+    if not peak or seconds <= 0:
+        return None
+    flops = (6.0 * num_params * total_tokens + 6.0 * sum_seqlen_sq * head_dim * num_heads * num_layers) * epochs
+    return flops / (seconds * world_size * peak)
+
+
+def _read_status(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def rss_gb() -> float | None:
+    v = _read_status("VmHWM")
+    return None if v is None else v / GB
+
+
+def vm_size_bytes() -> int | None:
+    return _read_status("VmSize")
+
+
+def _reset_rss_peak() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+class PhaseMeter:
+    """Times each PPO phase and records its memory peak on this rank."""
+
+    def __init__(self, device: torch.device, on_phase=None):
+        self.device = device
+        self.on_phase = on_phase  # told each phase's name as it starts (so an OOM report can name it)
+        self.timing: dict[str, float] = {}
+        self.memory: dict[str, float] = {}
+        self.allocated_peak = 0.0
+        self.reserved_peak = 0.0
+        self.current = "setup"
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        self.current = name
+        if self.on_phase is not None:
+            self.on_phase(name)
+        self._sync()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            _reset_rss_peak()
+        t0 = time.perf_counter()
+        yield
+        self._sync()
+        self.timing[name] = self.timing.get(name, 0.0) + time.perf_counter() - t0
+        if self.device.type == "cuda":
+            alloc = torch.cuda.max_memory_allocated() / GB
+            reserved = torch.cuda.max_memory_reserved() / GB
+            self.allocated_peak = max(self.allocated_peak, alloc)
+            self.reserved_peak = max(self.reserved_peak, reserved)
+            self.memory[name] = max(self.memory.get(name, 0.0), reserved)
+        else:
+            self.memory[name] = max(self.memory.get(name, 0.0), rss_gb() or 0.0)
+
+    def reset(self) -> None:
+        self.timing, self.memory = {}, {}
+        self.allocated_peak = self.reserved_peak = 0.0
+
+
+def _cv(xs: list[float]) -> float | None:
+    if len(xs) < 2:
+        return 0.0 if xs else None
+    mean = statistics.fmean(xs)
+    return statistics.stdev(xs) / mean if mean else None
+
+
+def summarize_steps(steps: list[dict], *, device_type: str) -> dict:
+    """Median over measured (non-warm-up) steps; peaks over all steps (warm-up included: it can OOM too)."""
+    measured = [s for s in steps if not s["warmup"]] or []
+    thr = [s["perf/throughput"] for s in measured]
+    step_s = [s["timing_s/step"] for s in measured]
+    phases = sorted({k for s in measured for k in s if k.startswith("timing_s/")})
+    mem_phases = sorted({k for s in steps for k in s if k.startswith("memory/")})
+    peak = lambda key: max((s[key] for s in steps if s.get(key) is not None), default=None)  # noqa: E731
+    mfu = [s["perf/mfu/actor"] for s in measured if s.get("perf/mfu/actor") is not None]
+    if device_type == "cuda":
+        peak_mem, source = peak("perf/max_memory_reserved_gb"), "torch_cuda"
+    else:
+        peak_mem, source = peak("perf/peak_rss_gb"), "rss"
+    return {
+        "num_measured_steps": len(measured),
+        "throughput": statistics.median(thr) if thr else None,
+        "throughput_cv": _cv(thr),
+        "step_s": statistics.median(step_s) if step_s else None,
+        "step_s_cv": _cv(step_s),
+        "timing_s": {k.split("/", 1)[1]: statistics.median([s[k] for s in measured if k in s]) for k in phases},
+        "peak_memory_gb": peak_mem,
+        "peak_memory_allocated_gb": peak("perf/max_memory_allocated_gb"),
+        "peak_memory_reserved_gb": peak("perf/max_memory_reserved_gb"),
+        "peak_rss_gb": peak("perf/peak_rss_gb"),
+        "peak_memory_by_phase_gb": {k.split("/", 1)[1].removesuffix("_gb"): peak(k) for k in mem_phases},
+        "memory_source": source,
+        "mfu": statistics.median(mfu) if mfu else None,
+    }

@@ -1,0 +1,319 @@
+"""One rank of a PPO run (started by torchrun via ``ppotune train``).
+
+setup -> steps (the first ``ppotune.warmup_steps`` marked warm-up) -> optional HF checkpoint -> cleanup.
+Each rank writes ``<rank-dir>/rank<r>.json``: its status (ok | oom | error), and on rank 0 the
+per-step metrics, rewritten after every step so a later failure keeps what was measured.
+An OOM anywhere is caught, recorded, and the rank exits at once (code 3): its peers, blocked in
+a collective, are then ended by torchrun, and the launcher reads the files.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime
+import json
+import os
+import platform
+import resource
+import signal
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+
+__all__ = ["main", "is_oom_error"]
+
+EXIT_OOM = 3
+_OOM_MARKERS = ("out of memory", "can't allocate memory", "cannot allocate memory", "std::bad_alloc")
+
+
+def is_oom_error(exc: BaseException) -> bool:
+    """CUDA OutOfMemoryError, the CPU allocator's failure under an rlimit, or Python's MemoryError."""
+    if isinstance(exc, MemoryError):
+        return True
+    name = type(exc).__name__
+    text = str(exc).lower()
+    return name == "OutOfMemoryError" or any(m in text for m in _OOM_MARKERS)
+
+
+def _die_with_parent() -> None:
+    """If torchrun dies (even by SIGKILL), this rank gets SIGKILL: no orphan keeps a GPU."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str))
+    os.replace(tmp, path)
+
+
+def _apply_memory_limit(limit_gb: float | None, device, notes: list[str]) -> None:
+    """A real cap: on GPU the allocator's per-process fraction; on CPU RLIMIT_AS, ``limit_gb`` of
+    address space above what the process maps after importing torch (its VmSize now)."""
+    if limit_gb is None:
+        return
+    import torch
+
+    from .metrics import vm_size_bytes
+
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, limit_gb * 1024**3 / total), device)
+        return
+    base = vm_size_bytes() or 0
+    cap = int(base + limit_gb * 1024**3)
+    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+    notes.append(f"ppotune.memory_limit_gb: CPU cap is RLIMIT_AS = {base / 1024**3:.2f} GiB mapped after import + {limit_gb} GiB")
+
+
+def _environment(device, world: int) -> dict:
+    import torch
+    import transformers
+
+    name, total = platform.processor() or "cpu", None
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        name, total = props.name, props.total_memory / 1024**3
+    return {"device": device.type, "device_name": name, "device_memory_total_gb": total, "world_size": world,
+            "backend": "nccl" if device.type == "cuda" else "gloo", "torch": torch.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version(), "hostname": socket.gethostname()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="trainer.run")
+    ap.add_argument("config")
+    ap.add_argument("--rank-dir", required=True)
+    args = ap.parse_args(argv)
+    _die_with_parent()
+    rank = int(os.environ.get("RANK", "0"))
+    rank_file = Path(args.rank_dir) / f"rank{rank}.json"
+    state = {"status": "error", "error": None, "phase": "setup", "steps": [], "notes": [], "environment": None}
+    try:
+        from .config import load_config
+
+        cfg = load_config(args.config)
+        _train(cfg, rank, rank_file, state, lambda m: None)
+        state["status"] = "ok"
+        _write_json(rank_file, state)
+        return 0
+    except BaseException as exc:  # noqa: BLE001 - every failure becomes data for the launcher
+        oom = is_oom_error(exc)
+        state["status"] = "oom" if oom else "error"
+        state["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"[:500]
+        state["traceback"] = traceback.format_exc()[-4000:]
+        try:
+            _write_json(rank_file, state)
+        except OSError:
+            pass
+        print(f"[rank {rank}] {state['status']} in phase {state['phase']}: {state['error']}", file=sys.stderr, flush=True)
+        # Peers may be blocked in a collective: leave now, torchrun ends them.
+        os._exit(EXIT_OOM if oom else 1)
+
+
+def _train(cfg, rank: int, rank_file: Path, state: dict, _log) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from . import core
+    from .config import config_to_dict, resolved, world_size
+    from .data import PromptDataset, PromptLoader, left_pad, load_rows
+    from .metrics import PhaseMeter, actor_mfu, peak_flops, summarize_steps
+    from .models import load_actor, load_critic, load_tokenizer, num_params
+    from .parallel import ShardKnobs, shard_model
+    from .step import ActorLoss, MicroBatching, Plans, Roles, StepSettings, Trainee, ppo_step
+    from .tracking import StepLogger
+
+    notes: list[str] = state["notes"]
+    eff = resolved(cfg)
+    want = cfg.ppotune.device
+    use_cuda = torch.cuda.is_available() if want == "auto" else want == "cuda"
+    if use_cuda and not torch.cuda.is_available():
+        raise RuntimeError("ppotune.device=cuda but no CUDA device is visible")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))))
+    _apply_memory_limit(cfg.ppotune.memory_limit_gb, device, notes)
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=cfg.ppotune.dist_timeout_s),
+                            **({"device_id": device} if use_cuda else {}))
+    world = dist.get_world_size()
+    if world != world_size(cfg):
+        notes.append(f"trainer.n_gpus_per_node x nnodes = {world_size(cfg)} but torchrun started {world} ranks; using {world}")
+    state["environment"] = _environment(device, world)
+    meter = PhaseMeter(device, on_phase=lambda name: state.__setitem__("phase", name))
+
+    # ---- data
+    tokenizer = load_tokenizer(cfg.actor_rollout_ref.model.path)
+    rows = load_rows(cfg.data, cfg.ppotune.synthetic)
+    source = cfg.data.train_files or "synthetic"
+    dataset = PromptDataset.build(rows, tokenizer, max_prompt_length=cfg.data.max_prompt_length,
+                                  truncation=cfg.data.truncation, prompt_key=cfg.data.prompt_key, source=source)
+    loader = PromptLoader(len(dataset), cfg.data.train_batch_size, seed=cfg.trainer.seed)
+
+    # ---- models, each sharded with its own knobs
+    a, mdl, ro = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.rollout
+    max_pos = cfg.data.max_prompt_length + cfg.data.max_response_length
+    kw = dict(tiny=cfg.ppotune.tiny, max_positions=max_pos, seed=cfg.trainer.seed)
+    actor_model = load_actor(mdl.path, tokenizer, **kw)
+    n_params = num_params(actor_model)
+    shape = actor_model.config
+    head_dim = getattr(shape, "head_dim", None) or shape.hidden_size // shape.num_attention_heads
+    ref_model = load_actor(mdl.path, tokenizer, **kw).requires_grad_(False)
+    critic_model = load_critic(eff["critic.model.path"], tokenizer, **kw)
+
+    def knobs(fc, strategy, gc):
+        return ShardKnobs(strategy=strategy, param_offload=fc.param_offload, offload_policy=fc.offload_policy,
+                          reshard_after_forward=fc.reshard_after_forward, forward_prefetch=fc.forward_prefetch,
+                          dtype=fc.dtype, gradient_checkpointing=gc, wrap_min_num_params=fc.wrap_policy.min_num_params)
+
+    on_cpu = device.type == "cpu"
+    for key, value in (("actor_rollout_ref.model.enable_activation_offload", mdl.enable_activation_offload),
+                       ("critic.model.enable_activation_offload", cfg.critic.model.enable_activation_offload),
+                       ("actor_rollout_ref.actor.fsdp_config.optimizer_offload", a.fsdp_config.optimizer_offload),
+                       ("critic.fsdp.optimizer_offload", cfg.critic.fsdp.optimizer_offload)):
+        if value and on_cpu:
+            notes.append(f"{key}: no effect on CPU (the tensors already live in host memory)")
+    if ro.name == "vllm":
+        notes.append("actor_rollout_ref.rollout.name=vllm: vLLM rollout is not wired in this trainer; generated with HF generate")
+    if ro.name != "vllm":
+        for key in ("gpu_memory_utilization", "max_num_batched_tokens", "max_num_seqs"):
+            notes.append(f"actor_rollout_ref.rollout.{key}: no effect with rollout.name=hf (vLLM-only knob)")
+
+    actor = shard_model(actor_model, knobs(a.fsdp_config, a.strategy, mdl.enable_gradient_checkpointing), device=device,
+                        name="actor_rollout_ref.actor.fsdp_config", notes=notes)
+    ref = shard_model(ref_model, knobs(cfg.actor_rollout_ref.ref.fsdp_config, a.strategy, False), device=device,
+                      name="actor_rollout_ref.ref.fsdp_config", notes=notes)
+    critic = shard_model(critic_model, knobs(cfg.critic.fsdp, eff["critic.strategy"], cfg.critic.model.enable_gradient_checkpointing),
+                         device=device, name="critic.fsdp", notes=notes)
+    actor_opt = torch.optim.AdamW(actor.module.parameters(), lr=a.optim.lr, betas=tuple(a.optim.betas),
+                                  weight_decay=a.optim.weight_decay)
+    critic_opt = torch.optim.AdamW(critic.module.parameters(), lr=cfg.critic.optim.lr, betas=tuple(cfg.critic.optim.betas),
+                                   weight_decay=cfg.critic.optim.weight_decay)
+
+    n = ro.n
+    kl = cfg.algorithm.kl_ctrl
+    kl_ctrl = (core.AdaptiveKLController(init_kl_coef=kl.kl_coef, target_kl=kl.target_kl, horizon=kl.horizon)
+               if kl.type == "adaptive" else core.FixedKLController(kl_coef=kl.kl_coef))
+    plans = Plans(
+        actor=MicroBatching(a.use_dynamic_bsz, a.ppo_micro_batch_size_per_gpu, a.ppo_max_token_len_per_gpu),
+        critic=MicroBatching(eff["critic.use_dynamic_bsz"], cfg.critic.ppo_micro_batch_size_per_gpu, cfg.critic.ppo_max_token_len_per_gpu),
+        critic_forward=MicroBatching(eff["critic.use_dynamic_bsz"], eff["critic.forward_micro_batch_size_per_gpu"],
+                                     eff["critic.forward_max_token_len_per_gpu"]),
+        ref=MicroBatching(eff["actor_rollout_ref.ref.log_prob_use_dynamic_bsz"], cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu,
+                          eff["actor_rollout_ref.ref.log_prob_max_token_len_per_gpu"]),
+        rollout_log_prob=MicroBatching(eff["actor_rollout_ref.rollout.log_prob_use_dynamic_bsz"], ro.log_prob_micro_batch_size_per_gpu,
+                                       eff["actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"]),
+    )
+    settings = StepSettings(
+        temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k, do_sample=ro.do_sample,
+        max_response_length=cfg.data.max_response_length,
+        ppo_mini_batch_size_per_gpu=a.ppo_mini_batch_size * n // world,
+        critic_mini_batch_size_per_gpu=eff["critic.ppo_mini_batch_size"] * n // world,
+        ppo_epochs=a.ppo_epochs, critic_epochs=eff["critic.ppo_epochs"], gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam,
+        use_kl_in_reward=cfg.algorithm.use_kl_in_reward, kl_penalty=cfg.algorithm.kl_penalty,
+        cliprange_value=cfg.critic.cliprange_value, critic_grad_clip=cfg.critic.grad_clip,
+        actor_loss=ActorLoss(clip_ratio_low=eff["actor_rollout_ref.actor.clip_ratio_low"],
+                             clip_ratio_high=eff["actor_rollout_ref.actor.clip_ratio_high"], clip_ratio_c=a.clip_ratio_c,
+                             entropy_coeff=a.entropy_coeff, use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef,
+                             kl_loss_type=a.kl_loss_type, grad_clip=a.grad_clip),
+        train_batch_size=cfg.data.train_batch_size, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id,
+        vocab_limit=len(tokenizer),
+    )
+    roles = Roles(
+        actor=Trainee(actor, actor_opt, optimizer_offload=a.fsdp_config.optimizer_offload,
+                      activation_offload=mdl.enable_activation_offload, rmpad=mdl.use_remove_padding),
+        ref=Trainee(ref, rmpad=mdl.use_remove_padding),
+        critic=Trainee(critic, critic_opt, optimizer_offload=cfg.critic.fsdp.optimizer_offload,
+                       activation_offload=cfg.critic.model.enable_activation_offload, rmpad=cfg.critic.model.use_remove_padding),
+        tokenizer=tokenizer, kl_ctrl=kl_ctrl, plans=plans, settings=settings,
+    )
+
+    logger = StepLogger(cfg, rank=rank, config_dict=config_to_dict(cfg))
+    peak = peak_flops(state["environment"]["device_name"]) if use_cuda else None
+    per_rank = cfg.data.train_batch_size * n // world
+    total_steps, warmup = cfg.trainer.total_training_steps, cfg.ppotune.warmup_steps
+    for step in range(1, total_steps + 1):
+        # every rank draws the same global batch, repeats each prompt n times, and takes its slice
+        global_idx = [i for i in loader.next() for _ in range(n)]
+        mine = global_idx[rank * per_rank:(rank + 1) * per_rank]
+        prompt_ids, prompt_mask = left_pad([dataset.input_ids[i] for i in mine], cfg.data.max_prompt_length, tokenizer.pad_token_id)
+        truths = [dataset.ground_truths[i] for i in mine]
+        _inject_fault(cfg.ppotune.fault, rank, step)
+        meter.reset()
+        t0 = time.perf_counter()
+        metrics = ppo_step(roles, prompt_ids.to(device), prompt_mask.to(device), truths, meter, device)
+        step_s = time.perf_counter() - t0
+        # memory: max over ranks of each phase's peak (one collective)
+        phases = ["gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor"]
+        mem = torch.tensor([meter.memory.get(p, 0.0) for p in phases] + [meter.allocated_peak, meter.reserved_peak, step_s],
+                           dtype=torch.float64, device=device)
+        dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+        mem = mem.tolist()
+        step_s = mem[-1]  # the slowest rank sets the step time
+        sum_sq = metrics.pop("_sum_seqlen_sq")
+        row = {"step": step, "warmup": step <= warmup, "timing_s/step": step_s}
+        row.update({f"timing_s/{p}": meter.timing.get(p, 0.0) for p in phases})
+        row["perf/throughput"] = metrics["perf/total_num_tokens"] / (step_s * world)
+        row["perf/mfu/actor"] = actor_mfu(num_params=n_params, total_tokens=metrics["perf/total_num_tokens"], sum_seqlen_sq=sum_sq,
+                                          head_dim=head_dim, num_heads=shape.num_attention_heads, num_layers=shape.num_hidden_layers,
+                                          epochs=a.ppo_epochs, seconds=meter.timing.get("update_actor", 0.0), world_size=world, peak=peak)
+        row.update({f"memory/{p}_gb": v for p, v in zip(phases, mem)})
+        if use_cuda:
+            row["perf/max_memory_allocated_gb"], row["perf/max_memory_reserved_gb"] = mem[-3], mem[-2]
+            row["perf/peak_rss_gb"] = None
+        else:
+            row["perf/peak_rss_gb"] = max(mem[: len(phases)])
+        row.update(metrics)
+        state["steps"].append(row)
+        state["summary"] = summarize_steps(state["steps"], device_type=device.type)
+        if rank == 0:
+            _write_json(rank_file, state)
+        logger.log(row)
+
+    state["phase"] = "save"
+    if cfg.trainer.default_local_dir:
+        _save_checkpoint(cfg, roles, tokenizer, device, rank)
+    logger.finish()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _inject_fault(fault: str, rank: int, step: int) -> None:
+    """``ppotune.fault``: a REAL failure for tests of the tuner (rank 1, first step)."""
+    if fault == "none" or rank != 1 or step != 1:
+        return
+    if fault == "hang":
+        while True:  # never reaches the next collective: the peers block in it
+            time.sleep(3600)
+    if fault == "crash":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _save_checkpoint(cfg, roles, tokenizer, device, rank: int) -> None:
+    """HF-format actor and critic (``save_pretrained``) under trainer.default_local_dir."""
+    from .parallel import full_state_dict
+
+    out = Path(cfg.trainer.default_local_dir).expanduser()
+    for name, trainee in (("actor", roles.actor), ("critic", roles.critic)):
+        sd = full_state_dict(trainee.sharded, device=device)
+        if rank == 0:
+            target = out / name
+            target.mkdir(parents=True, exist_ok=True)
+            inner = trainee.sharded.module
+            inner = getattr(inner, "module", inner)  # FSDP1 wraps; FSDP2 is the model itself
+            sd = {k.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", ""): v.detach().cpu()
+                  for k, v in sd.items()}
+            inner.save_pretrained(target, state_dict=sd)
+            tokenizer.save_pretrained(target)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,370 @@
+"""One PPO iteration on one rank, as numbered phases (torchtune's recipe style).
+
+The per-GPU knobs enter only through :class:`MicroBatching`, ``rmpad`` and the sharding:
+losses are token means over the GLOBAL mini-batch (the token count is all-reduced once per
+mini-batch), so the update does not depend on how the batch is split across micro-batches or
+ranks. No ``.item()`` inside micro-batch loops: statistics stay on device and are read once per
+mini-batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from . import core
+from .batching import fixed_micro_batches, min_num_micro_batches, pack, response_positions, token_budget_micro_batches, unpack_response
+from .data import score_response
+from .metrics import PhaseMeter
+from .parallel import Sharded, activation_offload_context, clip_grad_norm, offload_optimizer_state
+from .rollout import generate_responses
+
+__all__ = ["MicroBatching", "ActorLoss", "Trainee", "forward_response", "compute_log_probs", "compute_values",
+           "update_actor", "update_critic", "ppo_step", "assemble_batch", "StepSettings"]
+
+
+@dataclass(frozen=True)
+class MicroBatching:
+    """How a rank splits its sequences: fixed ``micro_batch_size`` or a per-GPU token budget."""
+
+    dynamic: bool
+    micro_batch_size: Optional[int]
+    max_token_len: int
+
+
+@dataclass
+class Trainee:
+    """A sharded model plus (if trained) its optimizer and the knobs that act around its passes."""
+
+    sharded: Sharded
+    optimizer: Optional[torch.optim.Optimizer] = None
+    optimizer_offload: bool = False
+    activation_offload: bool = False
+    rmpad: bool = True
+
+
+@dataclass(frozen=True)
+class ActorLoss:
+    clip_ratio_low: float
+    clip_ratio_high: float
+    clip_ratio_c: float
+    entropy_coeff: float
+    use_kl_loss: bool
+    kl_loss_coef: float
+    kl_loss_type: str
+    grad_clip: float
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """The global (algorithm) settings of a step; identical under every knob setting."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    do_sample: bool
+    max_response_length: int
+    ppo_mini_batch_size_per_gpu: int  # sequences, = ppo_mini_batch_size * n / world_size
+    critic_mini_batch_size_per_gpu: int
+    ppo_epochs: int
+    critic_epochs: int
+    gamma: float
+    lam: float
+    use_kl_in_reward: bool
+    kl_penalty: str
+    cliprange_value: float
+    critic_grad_clip: float
+    actor_loss: ActorLoss
+    train_batch_size: int
+    pad_id: int
+    eos_id: int
+    vocab_limit: int
+
+
+# --------------------------------------------------------------------------- forward passes
+def forward_response(module: torch.nn.Module, mb: dict, *, kind: str, rmpad: bool, prompt_width: int,
+                     temperature: float = 1.0, with_entropy: bool = False) -> dict:
+    """Per-response-token outputs of one micro-batch: ``log_prob`` (+ ``entropy``) or ``values``, each (b, R).
+
+    rmpad: the valid tokens of all rows are packed into one row (no pad token enters the forward).
+    padded: rows keep the [left-padded prompt | right-padded response] layout.
+    """
+    ids, attn, pos, resp = mb["input_ids"], mb["attention_mask"], mb["position_ids"], mb["responses"]
+    R = resp.shape[1]
+    if rmpad:
+        packed_ids, packed_pos, _ = pack(ids, attn, pos)
+        out = module(input_ids=packed_ids, position_ids=packed_pos, use_cache=False).logits[0]  # (T, V or 1)
+        idx, resp_mask = response_positions(attn, mb["response_mask"], prompt_width)
+        rows = out[idx]  # (N, V or 1)
+        if kind == "critic":
+            return {"values": unpack_response(rows[:, 0].float(), resp_mask)}
+        labels = resp[resp_mask]
+        logits = rows.float() / temperature
+        result = {"log_prob": unpack_response(core.logprobs_from_logits(logits, labels), resp_mask)}
+        if with_entropy:
+            result["entropy"] = unpack_response(core.entropy_from_logits(logits), resp_mask)
+        return result
+    out = module(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False).logits
+    rows = out[:, prompt_width - 1: prompt_width - 1 + R]  # logits that predict each response token
+    if kind == "critic":
+        return {"values": rows[..., 0].float() * mb["response_mask"]}
+    logits = rows.float() / temperature
+    result = {"log_prob": core.logprobs_from_logits(logits, resp) * mb["response_mask"]}
+    if with_entropy:
+        result["entropy"] = core.entropy_from_logits(logits) * mb["response_mask"]
+    return result
+
+
+def _select(batch: dict, idx: list[int]) -> dict:
+    index = torch.tensor(idx, dtype=torch.long, device=batch["input_ids"].device)
+    return {k: v.index_select(0, index) for k, v in batch.items()}
+
+
+def plan_micro_batches(batch: dict, idx: list[int], plan: MicroBatching) -> list[list[int]]:
+    """Micro-batches (lists of row indices) of the rows ``idx``; with a token budget the number is
+    all-reduced (MAX) so every rank runs the same number of FSDP passes (some may be empty)."""
+    if not plan.dynamic:
+        return [[idx[i] for i in chunk] for chunk in fixed_micro_batches(len(idx), plan.micro_batch_size)]
+    lengths = batch["attention_mask"][idx].sum(-1).tolist()
+    k = torch.tensor([min_num_micro_batches(lengths, plan.max_token_len)], dtype=torch.long)
+    if dist.is_initialized():
+        k = k.to(batch["input_ids"].device)
+        dist.all_reduce(k, op=dist.ReduceOp.MAX)
+    bins = token_budget_micro_batches(lengths, plan.max_token_len, int(k.item()))
+    return [[idx[i] for i in b] for b in bins]
+
+
+def _forward_only(trainee: Trainee, batch: dict, plan: MicroBatching, *, kind: str, prompt_width: int,
+                  temperature: float) -> torch.Tensor:
+    key = "values" if kind == "critic" else "log_prob"
+    n = batch["input_ids"].shape[0]
+    out = torch.zeros_like(batch["responses"], dtype=torch.float32)
+    module = trainee.sharded.module
+    with torch.no_grad():
+        for mb_idx in plan_micro_batches(batch, list(range(n)), plan):
+            # an empty micro-batch still runs (on row 0) so FSDP's collectives line up across ranks
+            rows = mb_idx or [0]
+            res = forward_response(module, _select(batch, rows), kind=kind, rmpad=trainee.rmpad,
+                                   prompt_width=prompt_width, temperature=temperature)[key]
+            if mb_idx:
+                out[torch.tensor(mb_idx, device=out.device)] = res
+    return out
+
+
+def compute_log_probs(trainee: Trainee, batch: dict, plan: MicroBatching, *, prompt_width: int, temperature: float) -> torch.Tensor:
+    return _forward_only(trainee, batch, plan, kind="actor", prompt_width=prompt_width, temperature=temperature)
+
+
+def compute_values(trainee: Trainee, batch: dict, plan: MicroBatching, *, prompt_width: int) -> torch.Tensor:
+    return _forward_only(trainee, batch, plan, kind="critic", prompt_width=prompt_width, temperature=1.0)
+
+
+# --------------------------------------------------------------------------- updates
+def _all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def _optimizer_step(trainee: Trainee, grad_clip: float, device: torch.device) -> torch.Tensor:
+    grad_norm = clip_grad_norm(trainee.sharded, grad_clip)
+    if trainee.optimizer_offload and device.type == "cuda":
+        offload_optimizer_state(trainee.optimizer, device)
+    if torch.isfinite(grad_norm):  # verl skips the step on a non-finite norm
+        trainee.optimizer.step()
+    trainee.optimizer.zero_grad(set_to_none=True)
+    if trainee.optimizer_offload and device.type == "cuda":
+        offload_optimizer_state(trainee.optimizer, torch.device("cpu"))
+    return grad_norm.detach()
+
+
+def _minibatch_loop(trainee: Trainee, batch: dict, *, mini_per_gpu: int, epochs: int, plan: MicroBatching,
+                    loss_fn, stat_names: list[str], grad_clip: float, device: torch.device) -> dict:
+    """epochs x mini-batches x micro-batches, gradient accumulation; returns mean stats over mini-batches."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    n = batch["input_ids"].shape[0]
+    totals: dict[str, float] = {k: 0.0 for k in stat_names + ["grad_norm"]}
+    num_updates = 0
+    module = trainee.sharded.module
+    for _ in range(epochs):
+        for start in range(0, n, mini_per_gpu):
+            idx = list(range(start, min(start + mini_per_gpu, n)))
+            num_tokens = _all_reduce_sum(batch["response_mask"][idx].sum().to(torch.float64))
+            global_tokens = num_tokens.clamp(min=1.0)
+            acc = torch.zeros(len(stat_names), dtype=torch.float64, device=device)
+            for mb_idx in plan_micro_batches(batch, idx, plan):
+                weight = 1.0 if mb_idx else 0.0  # an empty micro-batch runs on row 0 with zero weight
+                mb = _select(batch, mb_idx or [idx[0]])
+                with activation_offload_context(trainee.activation_offload, device):
+                    loss, stats = loss_fn(module, mb, global_tokens)
+                # FSDP averages gradients over ranks; x world makes the sum of token losses / global tokens exact.
+                (loss * (weight * world)).backward()
+                acc += torch.stack([stats[k].detach().to(torch.float64) for k in stat_names]) * weight
+            grad_norm = _optimizer_step(trainee, grad_clip, device)
+            acc = _all_reduce_sum(acc)
+            values = acc.tolist()  # one device sync per mini-batch, not per micro-batch
+            for k, v in zip(stat_names, values):
+                totals[k] += v
+            totals["grad_norm"] += float(grad_norm)
+            num_updates += 1
+    return {k: v / max(num_updates, 1) for k, v in totals.items()}
+
+
+def update_actor(trainee: Trainee, batch: dict, plan: MicroBatching, loss_cfg: ActorLoss, *, mini_per_gpu: int,
+                 epochs: int, prompt_width: int, temperature: float, device: torch.device) -> dict:
+    def loss_fn(module, mb, global_tokens):
+        out = forward_response(module, mb, kind="actor", rmpad=trainee.rmpad, prompt_width=prompt_width,
+                               temperature=temperature, with_entropy=True)
+        mask = mb["response_mask"]
+        pg = core.compute_policy_loss(mb["old_log_probs"], out["log_prob"], mb["advantages"], mask,
+                                      clip_ratio_low=loss_cfg.clip_ratio_low, clip_ratio_high=loss_cfg.clip_ratio_high,
+                                      clip_ratio_c=loss_cfg.clip_ratio_c, global_num_tokens=global_tokens)
+        entropy = core.compute_entropy_loss(out["entropy"], mask, global_num_tokens=global_tokens)
+        loss = pg["pg_loss"]
+        if loss_cfg.entropy_coeff:
+            loss = loss - loss_cfg.entropy_coeff * entropy
+        kl = core.compute_kl_loss(out["log_prob"], mb["ref_log_probs"], mask, kl_loss_type=loss_cfg.kl_loss_type,
+                                  global_num_tokens=global_tokens)
+        if loss_cfg.use_kl_loss:
+            loss = loss + loss_cfg.kl_loss_coef * kl
+        stats = {"pg_loss": pg["pg_loss"], "pg_clipfrac": pg["pg_clipfrac"], "pg_clipfrac_lower": pg["pg_clipfrac_lower"],
+                 "ppo_kl": pg["ppo_kl"], "entropy": entropy, "kl_loss": kl}
+        return loss, stats
+
+    names = ["pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy", "kl_loss"]
+    stats = _minibatch_loop(trainee, batch, mini_per_gpu=mini_per_gpu, epochs=epochs, plan=plan, loss_fn=loss_fn,
+                            stat_names=names, grad_clip=loss_cfg.grad_clip, device=device)
+    return {f"actor/{k}": v for k, v in stats.items()}
+
+
+def update_critic(trainee: Trainee, batch: dict, plan: MicroBatching, *, cliprange_value: float, grad_clip: float,
+                  mini_per_gpu: int, epochs: int, prompt_width: int, device: torch.device) -> dict:
+    def loss_fn(module, mb, global_tokens):
+        vpreds = forward_response(module, mb, kind="critic", rmpad=trainee.rmpad, prompt_width=prompt_width)["values"]
+        vf = core.compute_value_loss(vpreds, mb["returns"], mb["values"], mb["response_mask"],
+                                     cliprange_value=cliprange_value, global_num_tokens=global_tokens)
+        return vf["vf_loss"], vf
+
+    stats = _minibatch_loop(trainee, batch, mini_per_gpu=mini_per_gpu, epochs=epochs, plan=plan, loss_fn=loss_fn,
+                            stat_names=["vf_loss", "vf_clipfrac"], grad_clip=grad_clip, device=device)
+    return {f"critic/{k}": v for k, v in stats.items()}
+
+
+# --------------------------------------------------------------------------- one iteration
+def assemble_batch(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, responses: torch.Tensor,
+                   response_mask: torch.Tensor) -> dict:
+    """verl's layout: [left-padded prompt | right-padded response], position ids counting valid tokens."""
+    attn = torch.cat([prompt_mask, response_mask], dim=1)
+    return {
+        "input_ids": torch.cat([prompt_ids, responses], dim=1),
+        "attention_mask": attn,
+        "position_ids": (torch.cumsum(attn, dim=1) - 1).clamp(min=0),
+        "responses": responses,
+        "response_mask": response_mask,
+    }
+
+
+@dataclass
+class Plans:
+    actor: MicroBatching
+    critic: MicroBatching
+    critic_forward: MicroBatching
+    ref: MicroBatching
+    rollout_log_prob: MicroBatching
+
+
+@dataclass
+class Roles:
+    actor: Trainee
+    ref: Trainee
+    critic: Trainee
+    tokenizer: object
+    kl_ctrl: object
+    plans: Plans
+    settings: StepSettings
+    actor_num_params: int = 0
+    flops_shape: dict = field(default_factory=dict)  # head_dim, num_heads, num_layers for MFU
+
+
+def ppo_step(roles: Roles, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, ground_truths: list[str],
+             meter: PhaseMeter, device: torch.device) -> dict:
+    """Rollout -> reward -> old/ref log-probs -> values -> advantages -> critic and actor updates."""
+    s = roles.settings
+    P = prompt_ids.shape[1]
+    metrics: dict = {}
+
+    # step 1. rollout: sample responses from the current policy
+    with meter.phase("gen"):
+        responses, response_mask = generate_responses(
+            roles.actor.sharded, prompt_ids, prompt_mask, max_response_length=s.max_response_length,
+            temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, do_sample=s.do_sample,
+            pad_id=s.pad_id, eos_id=s.eos_id, vocab_limit=s.vocab_limit)
+        batch = assemble_batch(prompt_ids, prompt_mask, responses, response_mask)
+
+    # step 2. rule-based reward on the last response token
+    with meter.phase("reward"):
+        scores = torch.zeros_like(response_mask, dtype=torch.float32)
+        lengths = response_mask.sum(-1)
+        texts = roles.tokenizer.batch_decode([r[: int(n)].tolist() for r, n in zip(responses, lengths)], skip_special_tokens=True)
+        seq_scores = torch.tensor([score_response(t, g) for t, g in zip(texts, ground_truths)], dtype=torch.float32, device=device)
+        scores[torch.arange(len(texts), device=device), (lengths - 1).clamp(min=0)] = seq_scores
+        batch["token_level_scores"] = scores
+
+    # step 3. log-probs of the behaviour policy (the actor before this update)
+    with meter.phase("old_log_prob"):
+        batch["old_log_probs"] = compute_log_probs(roles.actor, batch, roles.plans.rollout_log_prob, prompt_width=P,
+                                                   temperature=s.temperature)
+
+    # step 4. log-probs of the frozen reference policy, for the KL penalty
+    with meter.phase("ref"):
+        batch["ref_log_probs"] = compute_log_probs(roles.ref, batch, roles.plans.ref, prompt_width=P, temperature=s.temperature)
+
+    # step 5. critic values
+    with meter.phase("values"):
+        batch["values"] = compute_values(roles.critic, batch, roles.plans.critic_forward, prompt_width=P)
+
+    # step 6. KL-regularized rewards, GAE, advantages whitened over the global batch
+    with meter.phase("adv"):
+        if s.use_kl_in_reward:
+            rewards, kl_mean = core.apply_kl_in_reward(scores, batch["old_log_probs"], batch["ref_log_probs"], response_mask,
+                                                       kl_coef=roles.kl_ctrl.value, kl_penalty_type=s.kl_penalty)
+            kl_sum = _all_reduce_sum(kl_mean.detach().to(torch.float64).reshape(1) * len(texts))
+            current_kl = float(kl_sum.item()) / (len(texts) * (dist.get_world_size() if dist.is_initialized() else 1))
+            metrics["actor/reward_kl_penalty"] = current_kl
+            metrics["actor/kl_coef"] = roles.kl_ctrl.value
+            roles.kl_ctrl.update(current_kl, n_steps=s.train_batch_size)
+        else:
+            rewards = scores
+            metrics["actor/kl_coef"] = roles.kl_ctrl.value
+        batch["token_level_rewards"] = rewards
+        adv, returns = core.compute_gae_advantage_return(rewards, batch["values"], response_mask, gamma=s.gamma, lam=s.lam)
+        moments = _all_reduce_sum(torch.stack(core.masked_moments(adv, response_mask)).to(torch.float64))
+        mean, var = core.moments_to_mean_var(moments[0], moments[1], moments[2])
+        batch["advantages"] = core.whiten(adv, response_mask, mean=mean, var=var)
+        batch["returns"] = returns
+
+    # step 7. critic update (verl's order: critic, then actor)
+    with meter.phase("update_critic"):
+        metrics.update(update_critic(roles.critic, batch, roles.plans.critic, cliprange_value=s.cliprange_value,
+                                     grad_clip=s.critic_grad_clip, mini_per_gpu=s.critic_mini_batch_size_per_gpu,
+                                     epochs=s.critic_epochs, prompt_width=P, device=device))
+
+    # step 8. actor update: clipped surrogate (+ KL loss, entropy bonus)
+    with meter.phase("update_actor"):
+        metrics.update(update_actor(roles.actor, batch, roles.plans.actor, s.actor_loss,
+                                    mini_per_gpu=s.ppo_mini_batch_size_per_gpu, epochs=s.ppo_epochs, prompt_width=P,
+                                    temperature=s.temperature, device=device))
+
+    # global batch statistics (one collective)
+    seq_lens = batch["attention_mask"].sum(-1)
+    local = torch.stack([seq_scores.sum().double(), torch.tensor(float(len(texts)), dtype=torch.float64, device=device),
+                         batch["attention_mask"].sum().double(), response_mask.sum().double(),
+                         (seq_lens.double() ** 2).sum()])
+    glob = _all_reduce_sum(local).tolist()
+    metrics["critic/score/mean"] = metrics["reward/mean"] = glob[0] / glob[1]
+    metrics["response_length/mean"] = glob[3] / glob[1]
+    metrics["perf/total_num_tokens"] = int(glob[2])
+    metrics["_sum_seqlen_sq"] = glob[4]
+    return metrics
