@@ -6,7 +6,6 @@ reset at each phase by writing "5" to /proc/self/clear_refs.
 from __future__ import annotations
 
 import contextlib
-import os
 import statistics
 import time
 

@@ -34,6 +34,7 @@ class Sharded:
     module: nn.Module
     strategy: str
     blocks: list = field(default_factory=list)
+    reshard_after_forward: bool = True
 
 
 def layer_classes(model: nn.Module) -> set[type]:
@@ -92,7 +93,7 @@ def _shard_fsdp1(model, blocks, knobs: ShardKnobs, *, device, offload: bool) -> 
         use_orig_params=True,  # needed to generate from summoned full parameters
         sync_module_states=False,  # every rank builds or loads the same weights
     )
-    return Sharded(wrapped, "fsdp", blocks)
+    return Sharded(wrapped, "fsdp", blocks, knobs.reshard_after_forward)
 
 
 def _shard_fsdp2(model, blocks, knobs: ShardKnobs, *, device, offload: bool, name: str, notes: list[str]) -> Sharded:
@@ -112,7 +113,7 @@ def _shard_fsdp2(model, blocks, knobs: ShardKnobs, *, device, offload: bool, nam
         # FSDP2's explicit prefetch: block i starts all-gathering block i+1 before its own forward ends.
         for cur, nxt in zip(blocks, blocks[1:]):
             cur.set_modules_to_forward_prefetch([nxt])
-    return Sharded(model, "fsdp2", blocks)
+    return Sharded(model, "fsdp2", blocks, knobs.reshard_after_forward)
 
 
 @contextlib.contextmanager
@@ -139,11 +140,7 @@ def full_params(sharded: Sharded):
         for g in groups:
             g.reshard()
         for g in groups:
-            g.set_reshard_after_forward(True if g is sharded.module else _reshard_default(sharded))
-
-
-def _reshard_default(sharded: Sharded) -> bool:
-    return getattr(sharded, "_reshard_after_forward", True)
+            g.set_reshard_after_forward(sharded.reshard_after_forward)
 
 
 def clip_grad_norm(sharded: Sharded, max_norm: float) -> torch.Tensor:

@@ -119,17 +119,14 @@ def _train(cfg, rank: int, rank_file: Path, state: dict, _log) -> None:
     import torch
     import torch.distributed as dist
 
-    from . import core
-    from .config import config_to_dict, resolved, world_size
+    from .config import config_to_dict, world_size
     from .data import PromptDataset, PromptLoader, left_pad, load_rows
     from .metrics import PhaseMeter, actor_mfu, peak_flops, summarize_steps
-    from .models import load_actor, load_critic, load_tokenizer, num_params
-    from .parallel import ShardKnobs, shard_model
-    from .step import ActorLoss, MicroBatching, Plans, Roles, StepSettings, Trainee, ppo_step
+    from .models import load_tokenizer
+    from .step import ppo_step
     from .tracking import StepLogger
 
     notes: list[str] = state["notes"]
-    eff = resolved(cfg)
     want = cfg.ppotune.device
     use_cuda = torch.cuda.is_available() if want == "auto" else want == "cuda"
     if use_cuda and not torch.cuda.is_available():
@@ -158,7 +155,68 @@ def _train(cfg, rank: int, rank_file: Path, state: dict, _log) -> None:
                                   truncation=cfg.data.truncation, prompt_key=cfg.data.prompt_key, source=source)
     loader = PromptLoader(len(dataset), cfg.data.train_batch_size, seed=cfg.trainer.seed)
 
-    # ---- models, each sharded with its own knobs
+    roles, shape_info = build_roles(cfg, tokenizer, device, world, notes)
+    a, n = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout.n
+    logger = StepLogger(cfg, rank=rank, config_dict=config_to_dict(cfg))
+    peak = peak_flops(state["environment"]["device_name"]) if use_cuda else None
+    per_rank = cfg.data.train_batch_size * n // world
+    total_steps, warmup = cfg.trainer.total_training_steps, cfg.ppotune.warmup_steps
+    for step in range(1, total_steps + 1):
+        # every rank draws the same global batch, repeats each prompt n times, and takes its slice
+        global_idx = [i for i in loader.next() for _ in range(n)]
+        mine = global_idx[rank * per_rank:(rank + 1) * per_rank]
+        prompt_ids, prompt_mask = left_pad([dataset.input_ids[i] for i in mine], cfg.data.max_prompt_length, tokenizer.pad_token_id)
+        truths = [dataset.ground_truths[i] for i in mine]
+        _inject_fault(cfg.ppotune.fault, rank, step)
+        meter.reset()
+        t0 = time.perf_counter()
+        metrics = ppo_step(roles, prompt_ids.to(device), prompt_mask.to(device), truths, meter, device)
+        step_s = time.perf_counter() - t0
+        # memory: max over ranks of each phase's peak (one collective)
+        phases = ["gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor"]
+        mem = torch.tensor([meter.memory.get(p, 0.0) for p in phases] + [meter.allocated_peak, meter.reserved_peak, step_s],
+                           dtype=torch.float64, device=device)
+        dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+        mem = mem.tolist()
+        step_s = mem[-1]  # the slowest rank sets the step time
+        sum_sq = metrics.pop("_sum_seqlen_sq")
+        row = {"step": step, "warmup": step <= warmup, "timing_s/step": step_s}
+        row.update({f"timing_s/{p}": meter.timing.get(p, 0.0) for p in phases})
+        row["perf/throughput"] = metrics["perf/total_num_tokens"] / (step_s * world)
+        row["perf/mfu/actor"] = actor_mfu(total_tokens=metrics["perf/total_num_tokens"], sum_seqlen_sq=sum_sq, **shape_info,
+                                          epochs=a.ppo_epochs, seconds=meter.timing.get("update_actor", 0.0), world_size=world, peak=peak)
+        row.update({f"memory/{p}_gb": v for p, v in zip(phases, mem)})
+        if use_cuda:
+            row["perf/max_memory_allocated_gb"], row["perf/max_memory_reserved_gb"] = mem[-3], mem[-2]
+            row["perf/peak_rss_gb"] = None
+        else:
+            row["perf/peak_rss_gb"] = max(mem[: len(phases)])
+        row.update(metrics)
+        state["steps"].append(row)
+        state["summary"] = summarize_steps(state["steps"], device_type=device.type)
+        if rank == 0:
+            _write_json(rank_file, state)
+        logger.log(row)
+
+    state["phase"] = "save"
+    if cfg.trainer.default_local_dir:
+        _save_checkpoint(cfg, roles, tokenizer, device, rank)
+    logger.finish()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def build_roles(cfg, tokenizer, device, world: int, notes: list[str]):
+    """Load, shard and equip actor, ref and critic with this config's knobs; -> (Roles, model shape info)."""
+    import torch
+
+    from . import core
+    from .config import resolved
+    from .models import load_actor, load_critic, num_params
+    from .parallel import ShardKnobs, shard_model
+    from .step import ActorLoss, MicroBatching, Plans, Roles, StepSettings, Trainee
+
+    eff = resolved(cfg)
     a, mdl, ro = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.rollout
     max_pos = cfg.data.max_prompt_length + cfg.data.max_response_length
     kw = dict(tiny=cfg.ppotune.tiny, max_positions=max_pos, seed=cfg.trainer.seed)
@@ -236,54 +294,9 @@ def _train(cfg, rank: int, rank_file: Path, state: dict, _log) -> None:
         tokenizer=tokenizer, kl_ctrl=kl_ctrl, plans=plans, settings=settings,
     )
 
-    logger = StepLogger(cfg, rank=rank, config_dict=config_to_dict(cfg))
-    peak = peak_flops(state["environment"]["device_name"]) if use_cuda else None
-    per_rank = cfg.data.train_batch_size * n // world
-    total_steps, warmup = cfg.trainer.total_training_steps, cfg.ppotune.warmup_steps
-    for step in range(1, total_steps + 1):
-        # every rank draws the same global batch, repeats each prompt n times, and takes its slice
-        global_idx = [i for i in loader.next() for _ in range(n)]
-        mine = global_idx[rank * per_rank:(rank + 1) * per_rank]
-        prompt_ids, prompt_mask = left_pad([dataset.input_ids[i] for i in mine], cfg.data.max_prompt_length, tokenizer.pad_token_id)
-        truths = [dataset.ground_truths[i] for i in mine]
-        _inject_fault(cfg.ppotune.fault, rank, step)
-        meter.reset()
-        t0 = time.perf_counter()
-        metrics = ppo_step(roles, prompt_ids.to(device), prompt_mask.to(device), truths, meter, device)
-        step_s = time.perf_counter() - t0
-        # memory: max over ranks of each phase's peak (one collective)
-        phases = ["gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor"]
-        mem = torch.tensor([meter.memory.get(p, 0.0) for p in phases] + [meter.allocated_peak, meter.reserved_peak, step_s],
-                           dtype=torch.float64, device=device)
-        dist.all_reduce(mem, op=dist.ReduceOp.MAX)
-        mem = mem.tolist()
-        step_s = mem[-1]  # the slowest rank sets the step time
-        sum_sq = metrics.pop("_sum_seqlen_sq")
-        row = {"step": step, "warmup": step <= warmup, "timing_s/step": step_s}
-        row.update({f"timing_s/{p}": meter.timing.get(p, 0.0) for p in phases})
-        row["perf/throughput"] = metrics["perf/total_num_tokens"] / (step_s * world)
-        row["perf/mfu/actor"] = actor_mfu(num_params=n_params, total_tokens=metrics["perf/total_num_tokens"], sum_seqlen_sq=sum_sq,
-                                          head_dim=head_dim, num_heads=shape.num_attention_heads, num_layers=shape.num_hidden_layers,
-                                          epochs=a.ppo_epochs, seconds=meter.timing.get("update_actor", 0.0), world_size=world, peak=peak)
-        row.update({f"memory/{p}_gb": v for p, v in zip(phases, mem)})
-        if use_cuda:
-            row["perf/max_memory_allocated_gb"], row["perf/max_memory_reserved_gb"] = mem[-3], mem[-2]
-            row["perf/peak_rss_gb"] = None
-        else:
-            row["perf/peak_rss_gb"] = max(mem[: len(phases)])
-        row.update(metrics)
-        state["steps"].append(row)
-        state["summary"] = summarize_steps(state["steps"], device_type=device.type)
-        if rank == 0:
-            _write_json(rank_file, state)
-        logger.log(row)
-
-    state["phase"] = "save"
-    if cfg.trainer.default_local_dir:
-        _save_checkpoint(cfg, roles, tokenizer, device, rank)
-    logger.finish()
-    dist.barrier()
-    dist.destroy_process_group()
+    shape_info = {"num_params": n_params, "head_dim": head_dim, "num_heads": shape.num_attention_heads,
+                  "num_layers": shape.num_hidden_layers}
+    return roles, shape_info
 
 
 def _inject_fault(fault: str, rank: int, step: int) -> None:
