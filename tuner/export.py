@@ -1,0 +1,451 @@
+"""``ppotune export``: pick one config from the feasible Pareto front and write it out.
+
+Outputs (in ``--to``):
+- ``best_config.yaml``  the complete training config: the study's base config with the
+  chosen trial's overrides applied; ``ppotune train best_config.yaml`` runs it as is.
+- ``verl_overrides.txt`` one Hydra ``key=value`` per line, verl keys only.
+- ``verl_command.sh``    ``python -m verl.trainer.main_ppo`` with those overrides.
+- ``why.md``             the chosen trial, the runner-up, the margin to the OOM boundary.
+
+The pick never changes the algorithm: only the trial's overrides (per-GPU knobs and
+their derived keys) are applied; global settings stay as the base config has them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import shlex
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import pandas as pd
+import yaml
+
+from trainer.config import ConfigError, apply_overrides, config_from_dict, config_to_dict, flatten
+from tuner import studyio
+from tuner.studyio import StudyError, StudyView, missing
+
+__all__ = [
+    "PICKS",
+    "Choice",
+    "NoFit",
+    "choose",
+    "chosen_overrides",
+    "best_config",
+    "hydra_value",
+    "verl_overrides",
+    "nearest_oom",
+    "write_export",
+    "add_arguments",
+    "run",
+]
+
+PICKS = ("max-throughput", "min-memory", "knee")
+DEFAULT_HEADROOM = 0.10
+EXIT_REFUSED = 2
+
+# Keys a trial sets to make it a short trial, not to tune it: production keeps the
+# user's values (the base config holds them).
+RUN_KEYS = frozenset({
+    "trainer.total_training_steps",
+    "trainer.n_gpus_per_node",
+    "trainer.nnodes",
+    "ppotune.warmup_steps",
+    "ppotune.memory_limit_gb",
+    "ppotune.fault",
+    "ppotune.wandb",
+})
+
+
+class NoFit(StudyError):
+    """No feasible trial satisfies the request (message is the one line the user sees)."""
+
+
+@dataclasses.dataclass
+class Choice:
+    pick: str
+    headroom: float
+    device_gb: Optional[float]
+    device_label: str
+    limit_gb: Optional[float]  # peak memory must be <= this; None = no filter
+    chosen: int  # trial number
+    runner_up: Optional[int]
+    ranking: list[int]  # feasible trials under the limit, best first by ``pick``
+    front: list[int]  # the feasible Pareto front under the limit
+    warning: Optional[str] = None
+
+
+def _pct(f: float) -> str:
+    return f"{f * 100:g}%"
+
+
+def choose(view: StudyView, *, pick: str = "max-throughput", headroom: float = DEFAULT_HEADROOM) -> Choice:
+    """The trial ``pick`` selects among feasible trials with peak <= (1 - headroom) x device memory.
+
+    - ``max-throughput``: the fastest (ties: less memory);
+    - ``min-memory``: the smallest peak (ties: faster);
+    - ``knee``: the Pareto point furthest above the chord joining the front's ends, both
+      objectives scaled to [0, 1] over the front (no point above it: the faster end).
+    Raises :class:`NoFit` when nothing qualifies.
+    """
+    if pick not in PICKS:
+        raise ValueError(f"pick must be one of {PICKS}, got {pick!r}")
+    if not 0.0 <= headroom < 1.0:
+        raise ValueError(f"memory headroom must be in [0, 1), got {headroom}")
+    df = view.trials
+    device_gb, device_label = view.device_memory
+    warning = None
+    if df.empty:
+        raise NoFit(f"study {view.name!r} has no trials")
+    feasible = df["feasible"] & df["throughput"].notna() & df["peak_memory_gb"].notna()
+    if not feasible.any():
+        counts = ", ".join(f"{n} {s}" for s, n in df["status"].value_counts().items())
+        raise NoFit(f"no feasible trial in study {view.name!r} ({counts})")
+    if device_gb is None:
+        limit = None
+        warning = "device memory unknown (no device.memory_total_gb or memory_limit_gb in the study): no headroom filter"
+        under = feasible
+    else:
+        limit = (1.0 - headroom) * device_gb
+        under = feasible & (df["peak_memory_gb"] <= limit + 1e-9)
+        if not under.any():
+            smallest = df.loc[feasible, "peak_memory_gb"].min()
+            raise NoFit(
+                f"no feasible trial keeps {_pct(headroom)} of {device_gb:.1f} GB free "
+                f"(smallest peak: {smallest:.1f} GB)"
+            )
+    front_mask = studyio.pareto_mask(df, among=under)
+    cand = df.loc[under, ["number", "throughput", "peak_memory_gb"]].copy()
+    if pick == "max-throughput":
+        cand = cand.sort_values(["throughput", "peak_memory_gb", "number"], ascending=[False, True, True])
+    elif pick == "min-memory":
+        cand = cand.sort_values(["peak_memory_gb", "throughput", "number"], ascending=[True, False, True])
+    else:
+        front = df.loc[front_mask]
+        t_lo, t_hi = front["throughput"].min(), front["throughput"].max()
+        m_lo, m_hi = front["peak_memory_gb"].min(), front["peak_memory_gb"].max()
+        t_span, m_span = (t_hi - t_lo) or 1.0, (m_hi - m_lo) or 1.0
+        # height above the chord joining the front's two ends, both objectives scaled to [0, 1]:
+        # the knee buys the most throughput per GB relative to the straight trade-off
+        cand["score"] = (cand["throughput"] - t_lo) / t_span - (cand["peak_memory_gb"] - m_lo) / m_span
+        cand = cand.sort_values(["score", "throughput", "number"], ascending=[False, False, True])
+    ranking = [int(n) for n in cand["number"]]
+    chosen = ranking[0]
+    params = {n: view.trial(n).params for n in ranking}
+    runner_up = next((n for n in ranking[1:] if params[n] != params[chosen]), None)
+    return Choice(
+        pick=pick, headroom=headroom, device_gb=device_gb, device_label=device_label, limit_gb=limit,
+        chosen=chosen, runner_up=runner_up, ranking=ranking,
+        front=[int(n) for n in df.loc[front_mask, "number"]], warning=warning,
+    )
+
+
+# --------------------------------------------------------------------------- the config
+def chosen_overrides(view: StudyView, number: int) -> dict[str, Any]:
+    """The dotted keys trial ``number`` set (knobs + derived), minus the trial-length keys."""
+    t = view.trial(number)
+    over = t.user_attrs.get("overrides")
+    if not isinstance(over, dict):
+        over = dict(t.params)  # contracts.md §3 always records overrides; params are the knobs
+    return {k: v for k, v in over.items() if k not in RUN_KEYS}
+
+
+def best_config(view: StudyView, number: int) -> dict:
+    """The study's base config with trial ``number``'s overrides, validated; a full nested dict."""
+    base = view.attrs.get("base_config")
+    if not isinstance(base, dict):
+        raise StudyError(f"study {view.name!r} has no base_config user attribute (contracts.md §3)")
+    merged = apply_overrides(base, chosen_overrides(view, number))
+    try:
+        cfg = config_from_dict(merged, source="best_config.yaml")
+    except ConfigError as e:
+        raise StudyError(f"the config of trial #{number} does not validate: {e}") from None
+    return config_to_dict(cfg)
+
+
+_BARE = re.compile(r"[A-Za-z_~/][A-Za-z0-9_\-./~]*")
+_RESERVED = {"true", "false", "null", "none", "inf", "nan", "yes", "no", "on", "off"}
+
+
+def hydra_value(v: Any) -> str:
+    """A Python value as Hydra's override grammar reads it back (true/false, null, numbers, quoted text)."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "nan"
+        if math.isinf(v):
+            return "inf" if v > 0 else "-inf"
+        return repr(v)
+    if isinstance(v, str):
+        if _BARE.fullmatch(v) and v.lower() not in _RESERVED:
+            return v
+        return "'" + v.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    if isinstance(v, (list, tuple)):
+        return "[" + ",".join(hydra_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ",".join(f"{k}:{hydra_value(x)}" for k, x in v.items()) + "}"
+    raise TypeError(f"cannot format {type(v).__name__} {v!r} for Hydra")
+
+
+def verl_overrides(overrides: dict[str, Any]) -> list[str]:
+    """``key=value`` lines for verl: flattened, sorted, never a ``ppotune.`` key."""
+    flat = {}
+    for k, v in overrides.items():
+        if isinstance(v, dict) and v:
+            flat.update({f"{k}.{kk}": vv for kk, vv in flatten(v).items()})
+        else:
+            flat[k] = v
+    return [f"{k}={hydra_value(v)}" for k, v in sorted(flat.items()) if not k.startswith("ppotune.")]
+
+
+def nearest_oom(view: StudyView, number: int) -> Optional[tuple[int, list[tuple[str, Any, Any]]]]:
+    """The OOM or inferred-OOM trial whose knobs differ least from trial ``number``'s.
+
+    Returns (its number, [(knob, chosen value, OOM value), ...]) or None.
+    """
+    df = view.trials
+    chosen = view.trial(number).params
+    best = None
+    for n in df.loc[df["status"].isin(["oom", "inferred_oom"]), "number"]:
+        other = view.trial(int(n)).params
+        keys = sorted(set(chosen) | set(other))
+        diff = [(k, chosen.get(k), other.get(k)) for k in keys if chosen.get(k) != other.get(k)]
+        score = (len(diff), 0 if df.loc[df["number"] == n, "status"].item() == "oom" else 1, int(n))
+        if best is None or score < best[0]:
+            best = (score, int(n), diff)
+    return None if best is None else (best[1], best[2])
+
+
+# --------------------------------------------------------------------------- files
+def _fmt(v: Any, spec: str = ".1f", unit: str = "") -> str:
+    if missing(v):
+        return "n/a"
+    return f"{v:{spec}}{unit}"
+
+
+def _row(view: StudyView, number: int) -> pd.Series:
+    df = view.trials
+    return df.loc[df["number"] == number].iloc[0]
+
+
+def _why_md(view: StudyView, choice: Choice, overrides: dict, lines: list[str]) -> str:
+    df = view.trials
+    r = _row(view, choice.chosen)
+    base = df.loc[df["baseline"]]
+    out = [f"# Why trial #{choice.chosen}", ""]
+    out.append(f"Study `{view.name}` ({len(df)} trials), storage `{view.storage}`.")
+    if choice.limit_gb is not None:
+        out.append(
+            f"Pick **{choice.pick}** among feasible trials whose peak memory keeps {_pct(choice.headroom)} of the "
+            f"{choice.device_label} free: peak <= {choice.limit_gb:.2f} GB. {len(choice.ranking)} trials qualify; "
+            f"the Pareto front among them: {', '.join(f'#{n}' for n in choice.front)}."
+        )
+    else:
+        out.append(f"Pick **{choice.pick}** among all feasible trials ({choice.warning}).")
+    out += ["", f"## Chosen: trial #{choice.chosen}", ""]
+    out += _metrics_table(view, [choice.chosen] + ([choice.runner_up] if choice.runner_up is not None else [])
+                          + ([int(base.iloc[0]["number"])] if not base.empty else []))
+    if not base.empty:
+        b = base.iloc[0]
+        if b["feasible"] and b["throughput"]:
+            out += ["", f"Against the baseline (trial #{int(b['number'])}, the base config): "
+                    f"{r['throughput'] / b['throughput']:.2f}x throughput, "
+                    f"{r['peak_memory_gb'] / b['peak_memory_gb']:.2f}x peak memory."]
+        else:
+            out += ["", f"The baseline (trial #{int(b['number'])}, the base config) was `{b['status']}`."]
+    confirms = df.loc[df["confirm_of"] == choice.chosen]
+    if not confirms.empty:
+        vals = ", ".join(f"#{int(c['number'])}: {_fmt(c['throughput'], '.1f')}" for _, c in confirms.iterrows())
+        out += ["", f"Re-measured by --confirm: {vals} tokens/s/GPU."]
+    if r["notes"]:
+        out += ["", f"Notes from the run: {r['notes']}"]
+    out += ["", "Knob values (the trial's overrides; the rest is the base config):", "",
+            "| key | value | base config |", "|---|---|---|"]
+    base_flat = flatten(view.attrs.get("base_config") or {})
+    for k, v in sorted(overrides.items()):
+        out.append(f"| `{k}` | `{v}` | `{base_flat.get(k, 'n/a')}` |")
+
+    out += ["", "## Runner-up", ""]
+    if choice.runner_up is None:
+        out.append("None: no other feasible config fits the limit.")
+    else:
+        u = _row(view, choice.runner_up)
+        d_thr = (u["throughput"] / r["throughput"] - 1.0) * 100
+        out.append(
+            f"Trial #{choice.runner_up}: {u['throughput']:.1f} tokens/s/GPU ({d_thr:+.1f}% vs chosen), "
+            f"peak {u['peak_memory_gb']:.2f} GB ({u['peak_memory_gb'] - r['peak_memory_gb']:+.2f} GB)."
+        )
+        cv = max(0.0 if missing(r["throughput_cv"]) else r["throughput_cv"],
+                 0.0 if missing(u["throughput_cv"]) else u["throughput_cv"])
+        if cv and abs(d_thr) < 200 * cv:
+            out.append(f"The throughput gap is within 2x the measured step-time CV ({cv:.1%}): "
+                       "the two are statistically close; consider `ppotune search --confirm`.")
+        diff = _param_diff(view.trial(choice.chosen).params, view.trial(choice.runner_up).params)
+        if diff:
+            out += ["", "| knob | chosen | runner-up |", "|---|---|---|"]
+            out += [f"| `{k}` | `{a}` | `{b}` |" for k, a, b in diff]
+
+    out += ["", "## Margin to the OOM boundary", ""]
+    peak = r["peak_memory_gb"]
+    if choice.device_gb is not None:
+        free = choice.device_gb - peak
+        out.append(f"Peak {peak:.2f} GB leaves {free:.2f} GB ({free / choice.device_gb:.0%}) of the {choice.device_label} free.")
+    near = nearest_oom(view, choice.chosen)
+    if near is None:
+        out.append("No trial ran out of memory: the boundary was not reached by the search.")
+    else:
+        n, diff = near
+        o = _row(view, n)
+        how = "ran out of memory" if o["status"] == "oom" else f"was inferred to run out of memory (from #{o['inferred_from']})"
+        out.append(f"The nearest out-of-memory config is trial #{n}, which {how}; it differs in {len(diff)} knob(s):")
+        out += ["", "| knob | chosen | OOM trial |", "|---|---|---|"]
+        out += [f"| `{k}` | `{a}` | `{b}` |" for k, a, b in diff]
+    out += ["", "## Files", "",
+            "- `best_config.yaml`: `ppotune train best_config.yaml --nproc N`",
+            "- `verl_command.sh` / `verl_overrides.txt`: append your verl run's own settings (model, data, batch sizes).",
+            "", "```", *lines, "```", ""]
+    return "\n".join(out)
+
+
+def _param_diff(a: dict, b: dict) -> list[tuple[str, Any, Any]]:
+    return [(k, a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+
+
+def _metrics_table(view: StudyView, numbers: list[int]) -> list[str]:
+    out = ["| trial | status | throughput (tokens/s/GPU) | CV | peak memory (GB) | external | allocated | reserved | RSS | step (s) |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    for n in dict.fromkeys(numbers):
+        r = _row(view, n)
+        tag = " (baseline)" if r["baseline"] else ""
+        ext = _fmt(r["mem.external_peak_gb"], ".2f") + (f" {r['memory_source']}" if r["memory_source"] else "")
+        out.append(
+            f"| #{n}{tag} | {r['status']} | {_fmt(r['throughput'], '.1f')} | {_fmt(r['throughput_cv'], '.1%')} | "
+            f"{_fmt(r['peak_memory_gb'], '.2f')} | {ext} | {_fmt(r['mem.allocated_peak_gb'], '.2f')} | "
+            f"{_fmt(r['mem.reserved_peak_gb'], '.2f')} | {_fmt(r['mem.rss_peak_gb'], '.2f')} | {_fmt(r['step_s'], '.3f')} |"
+        )
+    return out
+
+
+def _verl_command(view: StudyView, choice: Choice, lines: list[str]) -> str:
+    base = flatten(view.attrs.get("base_config") or {})
+    assumed = [f"{k}={hydra_value(base[k])}" for k in (
+        "data.train_batch_size", "data.max_prompt_length", "data.max_response_length",
+        "actor_rollout_ref.actor.ppo_mini_batch_size", "actor_rollout_ref.rollout.n",
+    ) if k in base]
+    nproc = view.attrs.get("nproc")
+    out = [
+        "#!/usr/bin/env bash",
+        f"# ppotune export: study {view.name}, trial #{choice.chosen} ({choice.pick}, headroom {_pct(choice.headroom)}).",
+        "# The knobs below are per-GPU; they were measured with"
+        + (f" {nproc} GPUs per node and" if nproc else "") + ":",
+        "#   " + " ".join(assumed),
+        "# Append your run's own settings (model path, data files, batch sizes) as arguments: ./verl_command.sh data.train_files=...",
+        "set -euo pipefail",
+        "exec python -m verl.trainer.main_ppo \\",
+    ]
+    out += [f"    {shlex.quote(line)} \\" for line in lines]
+    out.append('    "$@"')
+    return "\n".join(out) + "\n"
+
+
+@dataclasses.dataclass
+class ExportResult:
+    choice: Choice
+    files: dict[str, Path]
+    overrides: list[str]
+
+
+def write_export(
+    view: StudyView,
+    out_dir: str | Path,
+    *,
+    pick: str = "max-throughput",
+    headroom: float = DEFAULT_HEADROOM,
+    validate_verl: bool = False,
+) -> ExportResult:
+    """Choose, validate, then write the four files. Raises :class:`NoFit`/:class:`StudyError`
+    (and verl_validate's errors with ``validate_verl``) before writing anything."""
+    choice = choose(view, pick=pick, headroom=headroom)
+    overrides = chosen_overrides(view, choice.chosen)
+    config = best_config(view, choice.chosen)
+    lines = verl_overrides(overrides)
+    if validate_verl:
+        from tuner.verl_validate import validate_overrides
+
+        validate_overrides(lines)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    files = {
+        "best_config": out / "best_config.yaml",
+        "verl_overrides": out / "verl_overrides.txt",
+        "verl_command": out / "verl_command.sh",
+        "why": out / "why.md",
+    }
+    r = _row(view, choice.chosen)
+    header = (
+        f"# ppotune export: study {view.name}, trial #{choice.chosen} ({choice.pick}, headroom {_pct(headroom)}):\n"
+        f"# {r['throughput']:.1f} tokens/s/GPU, peak {r['peak_memory_gb']:.2f} GB. See why.md.\n"
+        f"# Run it: ppotune train {files['best_config'].name} --nproc N\n"
+    )
+    files["best_config"].write_text(header + yaml.safe_dump(config, sort_keys=False, default_flow_style=False))
+    files["verl_overrides"].write_text("".join(line + "\n" for line in lines))
+    files["verl_command"].write_text(_verl_command(view, choice, lines))
+    os.chmod(files["verl_command"], 0o755)
+    files["why"].write_text(_why_md(view, choice, overrides, lines))
+    return ExportResult(choice=choice, files=files, overrides=lines)
+
+
+# --------------------------------------------------------------------------- CLI
+def add_arguments(parser) -> None:
+    studyio.add_study_arguments(parser)
+    parser.add_argument("--pick", choices=PICKS, default="max-throughput",
+                        help="which Pareto config: the fastest, the smallest, or the knee (default: max-throughput)")
+    parser.add_argument("--memory-headroom", type=float, default=DEFAULT_HEADROOM, metavar="F",
+                        help="keep this fraction of device memory free: peak <= (1-F) x device memory (default 0.10)")
+    parser.add_argument("--to", metavar="DIR", help="where to write (default: the --out dir, else the current dir)")
+    parser.add_argument("--validate-verl", action="store_true",
+                        help="compose verl's own ppo_trainer config with the overrides; fail on an unknown or mistyped key")
+
+
+def _fail(message: str) -> int:
+    print(f"ppotune export: {message}", file=sys.stderr)
+    return EXIT_REFUSED
+
+
+def run(args) -> int:
+    if not 0.0 <= args.memory_headroom < 1.0:
+        return _fail(f"--memory-headroom must be in [0, 1), got {args.memory_headroom}")
+    if args.validate_verl:
+        from tuner.verl_validate import verl_root
+
+        if verl_root() is None or not (verl_root() / "trainer" / "config" / "ppo_trainer.yaml").is_file():
+            return _fail("--validate-verl needs verl installed (pip install --no-deps verl hydra-core)")
+    from tuner.verl_validate import VerlNotInstalled, VerlOverrideError
+
+    try:
+        view = studyio.view_from_args(args)
+        to = args.to or args.out or "."
+        result = write_export(view, to, pick=args.pick, headroom=args.memory_headroom,
+                              validate_verl=args.validate_verl)
+    except (StudyError, VerlNotInstalled) as e:
+        return _fail(str(e))
+    except VerlOverrideError as e:
+        return _fail(f"verl rejects an override: {e}")
+    c = result.choice
+    if c.warning:
+        print(f"ppotune export: warning: {c.warning}", file=sys.stderr)
+    r = _row(view, c.chosen)
+    print(f"trial #{c.chosen} ({c.pick}): {r['throughput']:.1f} tokens/s/GPU, peak {r['peak_memory_gb']:.2f} GB")
+    if args.validate_verl:
+        print(f"verl accepts the {len(result.overrides)} overrides")
+    for f in result.files.values():
+        print(f"  {f}")
+    return 0
