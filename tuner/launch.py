@@ -1,0 +1,366 @@
+"""One trial as a subprocess: its own process group, a hard timeout, a log, a classification.
+
+The tuner starts ``python -m tuner.launch --reap ... -- ppotune train ...`` in a new session.
+That tiny wrapper ("reaper") is what makes a trial die with the tuner:
+
+* it sets ``PR_SET_PDEATHSIG`` (SIGTERM when the tuner dies, even by SIGKILL) and
+  ``PR_SET_CHILD_SUBREAPER`` (a rank whose torchrun died is re-parented to the wrapper, not
+  to init, so it is still found);
+* on SIGTERM it terminates its whole tree (process group + every descendant): SIGTERM,
+  a grace period, then SIGKILL; when the trial exits by itself it kills any leftover.
+
+The tuner's side (:func:`launch_trial`) waits with a hard timeout, samples memory
+(:mod:`tuner.memory`), and classifies the finished process from its exit code and result
+JSON (:func:`classify`): ``ok | oom | hang | crash | invalid`` (+ ``interrupted`` when the
+tuner itself is stopping).
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+import psutil
+
+from tuner.memory import MemoryPeaks, MemorySampler
+
+__all__ = ["TrialRun", "train_command", "launch_trial", "classify", "log_tail", "REPO_ROOT"]
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+EXIT_CONFIG_REFUSED = 2  # contract: `ppotune train` exit codes
+EXIT_OOM = 3
+
+
+@dataclass
+class TrialRun:
+    status: str  # ok | oom | hang | crash | invalid | interrupted
+    error: Optional[str]
+    returncode: Optional[int]
+    result: Optional[dict]
+    duration_s: float
+    log_path: str
+    result_path: str
+    log_tail: Optional[str] = None
+    memory: MemoryPeaks = field(default_factory=MemoryPeaks)
+    leftover_pids: list = field(default_factory=list)  # processes still alive after cleanup (should be [])
+
+
+def train_command(config_path: str | Path, *, nproc: int, steps: int, warmup: int, result_path: str | Path,
+                  memory_limit_gb: Optional[float] = None, python: str = sys.executable) -> list[str]:
+    """``ppotune train`` through ``python -m tuner.cli`` (works without the console script)."""
+    cmd = [python, "-m", "tuner.cli", "train", str(config_path), "--nproc", str(nproc), "--steps", str(steps),
+           "--warmup", str(warmup), "--result", str(result_path)]
+    if memory_limit_gb is not None:
+        cmd += ["--memory-limit-gb", repr(float(memory_limit_gb))]
+    return cmd
+
+
+def log_tail(path: str | Path, *, lines: int = 40, max_chars: int = 4000) -> Optional[str]:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - 64 * 1024))
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return None
+    tail = "\n".join(text.splitlines()[-lines:])
+    return tail[-max_chars:] or None
+
+
+def classify(returncode: Optional[int], result: Optional[dict], *, timed_out: bool = False,
+             interrupted: bool = False, timeout_s: Optional[float] = None,
+             stderr_hint: Optional[str] = None) -> tuple[str, Optional[str]]:
+    """(status, one-line error) of a finished trial process.
+
+    ``invalid``: the config was refused (exit code 2, or a result error starting with
+    ``config:``); ``oom``: result status oom; ``crash``: a signal, an exit without a result
+    file, or any other error; ``hang``: our timeout fired first.
+    """
+    if interrupted:
+        return "interrupted", "interrupted: the tuner was stopped while the trial ran"
+    if timed_out:
+        return "hang", f"no result after {timeout_s:.0f} s (--trial-timeout); trial process group killed" \
+            if timeout_s is not None else "trial timed out; process group killed"
+    if result is not None:
+        status, error = result.get("status"), result.get("error")
+        if status == "ok":
+            thr = (result.get("summary") or {}).get("throughput")
+            if thr is None:
+                return "crash", "result status ok but no measured throughput (no step after warm-up?)"
+            return "ok", None
+        if status == "oom":
+            return "oom", error or "out of memory"
+        if status == "error":
+            if (error or "").startswith("config:") or returncode == EXIT_CONFIG_REFUSED:
+                return "invalid", error
+            return "crash", error or f"exit code {returncode}"
+        return "crash", f"result file has unknown status {status!r}"
+    if returncode is None:
+        return "crash", "the trial process did not exit"
+    if returncode == EXIT_CONFIG_REFUSED:
+        return "invalid", stderr_hint or "config refused (exit code 2)"
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = str(-returncode)
+        return "crash", f"killed by {name} without a result file"
+    if returncode == EXIT_OOM:
+        return "oom", "exit code 3 (out of memory) without a result file"
+    return "crash", f"exited with code {returncode} without a result file"
+
+
+def _read_result(path: Path) -> tuple[Optional[dict], Optional[str]]:
+    if not path.is_file():
+        return None, None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        return None, f"unreadable result file: {e}"
+    if not isinstance(data, dict):
+        return None, "result file is not a JSON object"
+    return data, None
+
+
+def _last_error_line(path: Path) -> Optional[str]:
+    tail = log_tail(path, lines=20) or ""
+    for line in reversed(tail.splitlines()):
+        if "error" in line.lower():
+            return line.strip()
+    return None
+
+
+def _alive(pids: Sequence[int]) -> list[int]:
+    out = []
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            if p.status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.Error:
+            pass
+    return out
+
+
+def _signal_all(pids: Sequence[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _trial_env(extra_env: Optional[dict]) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # CUDA's indices == NVML's indices
+    if extra_env:
+        env.update({k: str(v) for k, v in extra_env.items() if v is not None})
+    return env
+
+
+def launch_trial(cmd: Sequence[str], *, trial_dir: str | Path, result_path: str | Path,
+                 timeout_s: Optional[float], grace_s: float = 10.0, extra_env: Optional[dict] = None,
+                 stop_event: Optional[threading.Event] = None, gpus: Optional[Sequence[str]] = None,
+                 use_nvml: bool = False, sample_hz: float = 10.0,
+                 on_start: Optional[callable] = None) -> TrialRun:
+    """Run ``cmd`` as one trial and classify it. Never raises for what the trial does."""
+    trial_dir = Path(trial_dir)
+    trial_dir.mkdir(parents=True, exist_ok=True)
+    log_path = trial_dir / "train.log"
+    result_path = Path(result_path)
+    if result_path.exists():
+        result_path.unlink()
+    t0 = time.monotonic()
+    wrapper = [sys.executable, "-m", "tuner.launch", "--reap", "--ppid", str(os.getpid()),
+               "--grace", repr(float(grace_s)), "--", *cmd]
+    with open(log_path, "ab") as log:
+        log.write(f"$ {' '.join(cmd)}\n".encode())
+        log.flush()
+        proc = subprocess.Popen(wrapper, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, env=_trial_env(extra_env), cwd=str(REPO_ROOT))
+    if on_start is not None:
+        on_start(proc.pid)
+    sampler = MemorySampler(proc.pid, gpus=gpus, use_nvml=use_nvml, hz=sample_hz)
+    sampler.start()
+    timed_out = interrupted = False
+    while True:
+        try:
+            rc = proc.wait(timeout=0.2)
+            break
+        except subprocess.TimeoutExpired:
+            pass
+        if stop_event is not None and stop_event.is_set():
+            interrupted = True
+        elif timeout_s is not None and time.monotonic() - t0 > timeout_s:
+            timed_out = True
+        if timed_out or interrupted:
+            why = "timed out" if timed_out else "interrupted"
+            with open(log_path, "ab") as log:
+                log.write(f"\nppotune search: trial {why} after {time.monotonic() - t0:.1f} s; "
+                          f"terminating its process group\n".encode())
+            rc = _terminate(proc, grace_s, sampler)
+            break
+    duration = time.monotonic() - t0
+    peaks = sampler.stop()
+    leftovers = _alive(peaks.pids_seen)
+    if leftovers:  # the wrapper should have done this; be certain
+        _signal_all(leftovers, signal.SIGKILL)
+        time.sleep(0.2)
+        leftovers = _alive(leftovers)
+    result, read_error = _read_result(result_path)
+    status, error = classify(rc, result, timed_out=timed_out, interrupted=interrupted, timeout_s=timeout_s,
+                             stderr_hint=_last_error_line(log_path))
+    if read_error and status == "crash" and result is None:
+        error = read_error
+    tail = log_tail(log_path) if status not in ("ok",) else None
+    return TrialRun(status=status, error=error, returncode=rc, result=result, duration_s=duration,
+                    log_path=str(log_path), result_path=str(result_path), log_tail=tail, memory=peaks,
+                    leftover_pids=leftovers)
+
+
+def _terminate(proc: subprocess.Popen, grace_s: float, sampler: MemorySampler) -> Optional[int]:
+    """SIGTERM the wrapper (it terminates its tree), then SIGKILL whatever is left."""
+    try:
+        proc.send_signal(signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    try:
+        return proc.wait(timeout=grace_s + 5.0)
+    except subprocess.TimeoutExpired:
+        pass
+    pids = sampler.pids_seen | {p.pid for p in _tree(proc.pid)}
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    _signal_all(list(pids), signal.SIGKILL)
+    try:
+        return proc.wait(timeout=5.0)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def _tree(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+# --------------------------------------------------------------------------- the reaper (child side)
+def _prctl(option: int, arg: int) -> bool:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(option, arg, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _reap_main(argv: list[str]) -> int:
+    """``python -m tuner.launch --reap --ppid PID --grace S -- CMD...``"""
+    sep = argv.index("--")
+    opts, cmd = argv[:sep], argv[sep + 1:]
+    ppid = int(opts[opts.index("--ppid") + 1]) if "--ppid" in opts else None
+    grace = float(opts[opts.index("--grace") + 1]) if "--grace" in opts else 10.0
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    if ppid is not None and os.getppid() != ppid:
+        return 143  # the tuner died before we could watch it
+    stop = threading.Event()
+
+    def on_signal(signum, _frame):
+        stop.set()
+
+    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(s, on_signal)
+    child = subprocess.Popen(cmd)  # same process group: our session
+    me = os.getpid()
+    rc: Optional[int] = None
+    while rc is None and not stop.is_set():
+        # We are a subreaper: reap adopted orphans too, and find our child's status among them.
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            pid, status = 0, 0
+        if pid == child.pid:
+            rc = os.waitstatus_to_exitcode(status)
+            child.returncode = rc
+            continue
+        if pid == 0:
+            stop.wait(0.05)
+    # Whatever is still below us now is either being stopped or an orphan of a finished trial.
+    _kill_tree(me, grace if stop.is_set() else 2.0)
+    if rc is None:
+        return 128 + signal.SIGTERM
+    if rc < 0:  # re-raise the child's signal so the tuner sees it
+        try:
+            signal.signal(-rc, signal.SIG_DFL)
+        except (OSError, ValueError):  # SIGKILL/SIGSTOP have no handler to reset
+            pass
+        os.kill(me, -rc)
+        time.sleep(1)
+    return rc
+
+
+def _kill_tree(me: int, grace_s: float) -> None:
+    """SIGTERM every descendant, wait up to ``grace_s``, SIGKILL the rest; reap as we go."""
+
+    def live() -> list[psutil.Process]:
+        out = []
+        try:
+            procs = psutil.Process(me).children(recursive=True)
+        except psutil.Error:
+            return out
+        for p in procs:
+            try:
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    out.append(p)
+            except psutil.Error:
+                pass
+        return out
+
+    def reap() -> None:
+        while True:
+            try:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        procs = live()
+        if not procs:
+            break
+        for p in procs:
+            try:
+                p.send_signal(sig)
+            except psutil.Error:
+                pass
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            reap()
+            if not live():
+                break
+            time.sleep(0.05)
+    reap()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--reap":
+        sys.exit(_reap_main(sys.argv[2:]))
+    print("usage: python -m tuner.launch --reap --ppid PID --grace S -- CMD...", file=sys.stderr)
+    sys.exit(2)

@@ -1,0 +1,179 @@
+"""Memory of a trial, read from outside: NVML (device + per-process) or, without NVML, psutil RSS.
+
+:class:`MemorySampler` is a thread that samples at ``hz`` (>= 10) until stopped and keeps
+peaks. With NVML it reads, for each of the trial's GPUs, the device's used memory and the
+memory of the trial's own processes (``nvmlDeviceGetComputeRunningProcesses`` filtered to
+the trial's process tree) - that includes the CUDA context and NCCL buffers torch's
+allocator never sees. Without NVML (``nvmlInit`` raises, e.g. no driver) it sums the RSS of
+the trial's process tree. ``source`` says which: ``"nvml"`` or ``"psutil"``.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Optional, Sequence
+
+import psutil
+
+__all__ = ["MemoryPeaks", "MemorySampler", "nvml_available", "visible_gpus", "gpu_info", "process_tree"]
+
+GIB = float(1 << 30)
+
+_nvml_lock = threading.Lock()
+_nvml_ok: Optional[bool] = None
+
+
+def nvml_available() -> bool:
+    """``nvmlInit()`` once per process; False when the library or the driver is missing."""
+    global _nvml_ok
+    with _nvml_lock:
+        if _nvml_ok is None:
+            try:
+                import pynvml
+
+                pynvml.nvmlInit()
+                _nvml_ok = pynvml.nvmlDeviceGetCount() > 0
+            except Exception:  # NVMLError_LibraryNotFound / DriverNotLoaded / ImportError
+                _nvml_ok = False
+        return _nvml_ok
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES entries (indices or UUIDs)."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [d.strip() for d in env.split(",") if d.strip() and d.strip() != "-1"]
+    if not nvml_available():
+        return []
+    import pynvml
+
+    return [str(i) for i in range(pynvml.nvmlDeviceGetCount())]
+
+
+def _handle(ident: str):
+    import pynvml
+
+    if ident.isdigit():
+        return pynvml.nvmlDeviceGetHandleByIndex(int(ident))
+    return pynvml.nvmlDeviceGetHandleByUUID(ident)
+
+
+def gpu_info(ident: str = "0") -> tuple[Optional[str], Optional[float]]:
+    """(name, total memory GB) of a GPU, or (None, None) without NVML."""
+    if not nvml_available():
+        return None, None
+    import pynvml
+
+    try:
+        h = _handle(ident)
+        name = pynvml.nvmlDeviceGetName(h)
+        name = name.decode() if isinstance(name, bytes) else name
+        return name, pynvml.nvmlDeviceGetMemoryInfo(h).total / GIB
+    except Exception:
+        return None, None
+
+
+def process_tree(root_pid: int) -> list[psutil.Process]:
+    try:
+        root = psutil.Process(root_pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+@dataclass
+class MemoryPeaks:
+    external_peak_gb: Optional[float] = None  # the external measure: NVML per-process (or device) / summed RSS
+    external_source: str = "psutil"  # nvml | psutil
+    device_used_peak_gb: Optional[float] = None  # NVML device used memory (max over the trial's GPUs)
+    process_peak_gb: Optional[float] = None  # NVML memory of the trial's own processes (max over GPUs)
+    tree_rss_peak_gb: Optional[float] = None  # summed RSS of the process tree (always sampled)
+    samples: int = 0
+    pids_seen: tuple = ()
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("pids_seen")
+        return d
+
+
+class MemorySampler(threading.Thread):
+    """Sample a process tree's memory at ``hz`` until :meth:`stop`; keep the peaks."""
+
+    def __init__(self, root_pid: int, *, gpus: Optional[Sequence[str]] = None, use_nvml: bool = True,
+                 hz: float = 10.0):
+        super().__init__(name=f"memory-sampler-{root_pid}", daemon=True)
+        assert hz >= 10.0, "sample at 10 Hz or more: short phases peak for well under a second"
+        self.root_pid = root_pid
+        self.interval_s = 1.0 / hz
+        self._stop_event = threading.Event()
+        self._handles = []
+        if use_nvml and nvml_available():
+            for ident in (gpus if gpus is not None else visible_gpus()):
+                try:
+                    self._handles.append(_handle(str(ident)))
+                except Exception:
+                    pass
+        self.source = "nvml" if self._handles else "psutil"
+        self.peaks = MemoryPeaks(external_source=self.source)
+        self._pids: set[int] = set()
+
+    # ---- sampling
+    def _sample(self) -> None:
+        procs = process_tree(self.root_pid)
+        pids = {p.pid for p in procs}
+        self._pids |= pids
+        rss = 0
+        for p in procs:
+            try:
+                rss += p.memory_info().rss
+            except psutil.Error:
+                pass
+        pk = self.peaks
+        pk.samples += 1
+        if procs:
+            pk.tree_rss_peak_gb = max(pk.tree_rss_peak_gb or 0.0, rss / GIB)
+        if self._handles:
+            import pynvml
+
+            dev_used, proc_used = 0, 0
+            for h in self._handles:
+                try:
+                    dev_used = max(dev_used, pynvml.nvmlDeviceGetMemoryInfo(h).used)
+                    mine = sum((getattr(pr, "usedGpuMemory", None) or 0)
+                               for pr in pynvml.nvmlDeviceGetComputeRunningProcesses(h) if pr.pid in pids)
+                    proc_used = max(proc_used, mine)
+                except Exception:
+                    continue
+            pk.device_used_peak_gb = max(pk.device_used_peak_gb or 0.0, dev_used / GIB)
+            if proc_used:
+                pk.process_peak_gb = max(pk.process_peak_gb or 0.0, proc_used / GIB)
+
+    def run(self) -> None:
+        while not self._stop_event.is_set():
+            t = time.monotonic()
+            try:
+                self._sample()
+            except Exception:  # never let a sampling hiccup end the measurement
+                pass
+            self._stop_event.wait(max(0.0, self.interval_s - (time.monotonic() - t)))
+
+    def stop(self) -> MemoryPeaks:
+        self._stop_event.set()
+        if self.is_alive():
+            self.join(timeout=5)
+        pk = self.peaks
+        if self.source == "nvml":
+            # PIDs in a container's namespace often do not match NVML's host PIDs: then the
+            # device's used memory is the best outside view there is.
+            pk.external_peak_gb = pk.process_peak_gb if pk.process_peak_gb is not None else pk.device_used_peak_gb
+        else:
+            pk.external_peak_gb = pk.tree_rss_peak_gb
+        pk.pids_seen = tuple(sorted(self._pids))
+        return pk
+
+    @property
+    def pids_seen(self) -> set[int]:
+        return set(self._pids)
