@@ -67,7 +67,8 @@ def _overrides(params: dict) -> dict:
     return over
 
 
-def make_demo_study(storage, study_name: str = "demo", *, device_gb=DEVICE_GB, memory_limit_gb=None):
+def make_demo_study(storage, study_name: str = "demo", *, device_gb=DEVICE_GB, memory_limit_gb=None,
+                    extra_overrides=None):
     """A finished-but-one study of 13 trials, written the way the tuner writes (contracts.md §3)."""
     base = config_to_dict(load_config(ROOT / "configs" / "tiny_cpu.yaml"))
     study = optuna.create_study(storage=storage, study_name=study_name, directions=["maximize", "minimize"])
@@ -94,7 +95,7 @@ def make_demo_study(storage, study_name: str = "demo", *, device_gb=DEVICE_GB, m
         ua = {
             "status": status,
             "baseline": False,
-            "overrides": _overrides(params),
+            "overrides": {**_overrides(params), **(extra_overrides or {}).get(trial.number, {})},
             "throughput": thr,
             "throughput_cv": 0.02 if thr else None,
             "step_s": (8 * 96 / thr) if thr else None,
@@ -337,9 +338,14 @@ def _has_command(name: str) -> bool:
     return r.returncode == 0
 
 
+_REAL_SEARCH: dict[str, Path] = {}  # one real search per session, shared with test_export.py
+
+
 @pytest.fixture(scope="module")
 def real_search(tmp_path_factory) -> Path:
     """A real 4-trial search on CPU with the shipped tiny space (skipped until `search` exists)."""
+    if "out" in _REAL_SEARCH:
+        return _REAL_SEARCH["out"]
     if not _has_command("search"):
         pytest.skip("`ppotune search` is not available yet")
     if not (ROOT / "search_spaces" / "tiny_cpu.yaml").is_file():
@@ -349,6 +355,7 @@ def real_search(tmp_path_factory) -> Path:
            "--trials", "4", "--nproc", "2", "--steps", "2", "--warmup", "1", "--out", str(out)]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
     assert r.returncode == 0, f"search failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    _REAL_SEARCH["out"] = out
     return out
 
 
