@@ -10,12 +10,23 @@ import math
 
 import torch
 
-__all__ = ["fixed_micro_batches", "min_num_micro_batches", "token_budget_micro_batches", "pack", "unpack_response"]
+__all__ = ["rank_rows", "fixed_micro_batches", "min_num_micro_batches", "token_budget_micro_batches", "pack", "unpack_response"]
 
 
 def fixed_micro_batches(n: int, micro_batch_size: int) -> list[list[int]]:
     """Consecutive chunks of ``micro_batch_size`` indices (the last may be shorter)."""
     return [list(range(i, min(i + micro_batch_size, n))) for i in range(0, n, micro_batch_size)]
+
+
+def rank_rows(num_rows: int, mini_batch_rows: int, world_size: int, rank: int) -> list[int]:
+    """The global rows a rank holds: each global mini-batch is split evenly across ranks.
+
+    So the k-th optimizer step sees the same sequences whatever the world size, which is what
+    makes an update independent of the number of GPUs (a per-GPU knob).
+    """
+    per = mini_batch_rows // world_size
+    assert per * world_size == mini_batch_rows and num_rows % mini_batch_rows == 0
+    return [m + rank * per + i for m in range(0, num_rows, mini_batch_rows) for i in range(per)]
 
 
 def _lpt(lengths: list[int], num_bins: int, max_tokens: int) -> list[list[int]] | None:

@@ -109,7 +109,8 @@ def load_critic(path: str, tokenizer, *, tiny=None, max_positions: int = 512, se
     """
     if path == TINY:
         actor = load_actor(TINY, tokenizer, tiny=tiny, max_positions=max_positions, seed=seed)
-        cfg = Qwen2Config(**{**actor.config.to_dict(), "num_labels": 1, "id2label": {0: "value"}, "label2id": {"value": 0}})
+        cfg = Qwen2Config(**{**actor.config.to_dict(), "num_labels": 1, "id2label": {0: "value"}, "label2id": {"value": 0},
+                             "classifier_dropout": 0.0})  # dropout would make old values and updates disagree
         cfg._attn_implementation = "sdpa"
         torch.manual_seed(seed + 1)
         model = Qwen2ForTokenClassification(cfg)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 __all__ = ["ShardKnobs", "shard_model", "full_params", "clip_grad_norm", "full_state_dict", "offload_optimizer_state",
-           "activation_offload_context", "layer_classes"]
+           "activation_offload_context", "layer_classes", "clean_state_dict"]
 
 
 @dataclass(frozen=True)
@@ -166,6 +166,12 @@ def full_state_dict(sharded: Sharded, *, device: torch.device) -> dict | None:
 
     sd = get_model_state_dict(sharded.module, options=StateDictOptions(full_state_dict=True, cpu_offload=device.type != "cpu"))
     return sd if dist.get_rank() == 0 else None
+
+
+def clean_state_dict(sd: dict) -> dict:
+    """Plain HF parameter names (no FSDP / checkpoint wrapper prefixes), tensors on CPU."""
+    return {k.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", ""): v.detach().cpu()
+            for k, v in sd.items()}
 
 
 def offload_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:

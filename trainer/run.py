@@ -119,6 +119,7 @@ def _train(cfg, rank: int, rank_file: Path, state: dict, _log) -> None:
     import torch
     import torch.distributed as dist
 
+    from .batching import rank_rows
     from .config import config_to_dict, world_size
     from .data import PromptDataset, PromptLoader, left_pad, load_rows
     from .metrics import PhaseMeter, actor_mfu, peak_flops, summarize_steps
@@ -159,12 +160,11 @@ def _train(cfg, rank: int, rank_file: Path, state: dict, _log) -> None:
     a, n = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout.n
     logger = StepLogger(cfg, rank=rank, config_dict=config_to_dict(cfg))
     peak = peak_flops(state["environment"]["device_name"]) if use_cuda else None
-    per_rank = cfg.data.train_batch_size * n // world
     total_steps, warmup = cfg.trainer.total_training_steps, cfg.ppotune.warmup_steps
     for step in range(1, total_steps + 1):
         # every rank draws the same global batch, repeats each prompt n times, and takes its slice
         global_idx = [i for i in loader.next() for _ in range(n)]
-        mine = global_idx[rank * per_rank:(rank + 1) * per_rank]
+        mine = [global_idx[i] for i in rank_rows(len(global_idx), a.ppo_mini_batch_size * n, world, rank)]
         prompt_ids, prompt_mask = left_pad([dataset.input_ids[i] for i in mine], cfg.data.max_prompt_length, tokenizer.pad_token_id)
         truths = [dataset.ground_truths[i] for i in mine]
         _inject_fault(cfg.ppotune.fault, rank, step)
@@ -312,7 +312,7 @@ def _inject_fault(fault: str, rank: int, step: int) -> None:
 
 def _save_checkpoint(cfg, roles, tokenizer, device, rank: int) -> None:
     """HF-format actor and critic (``save_pretrained``) under trainer.default_local_dir."""
-    from .parallel import full_state_dict
+    from .parallel import clean_state_dict, full_state_dict
 
     out = Path(cfg.trainer.default_local_dir).expanduser()
     for name, trainee in (("actor", roles.actor), ("critic", roles.critic)):
@@ -322,9 +322,7 @@ def _save_checkpoint(cfg, roles, tokenizer, device, rank: int) -> None:
             target.mkdir(parents=True, exist_ok=True)
             inner = trainee.sharded.module
             inner = getattr(inner, "module", inner)  # FSDP1 wraps; FSDP2 is the model itself
-            sd = {k.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", ""): v.detach().cpu()
-                  for k, v in sd.items()}
-            inner.save_pretrained(target, state_dict=sd)
+            inner.save_pretrained(target, state_dict=clean_state_dict(sd))
             tokenizer.save_pretrained(target)
 
 
