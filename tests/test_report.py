@@ -270,6 +270,18 @@ def test_report_on_journal_storage(tmp_path):
     assert log.stat().st_size == size
 
 
+def test_write_report_as_search_calls_it(tmp_path):
+    """`ppotune search --report` calls write_report(storage url, study name, search out dir)."""
+    from optuna.storages.journal import JournalFileBackend, JournalStorage
+
+    from tuner.report import write_report
+
+    log = tmp_path / "study.log"
+    make_demo_study(JournalStorage(JournalFileBackend(str(log))))
+    page = write_report(f"journal:{log}", "demo", tmp_path)
+    assert page == tmp_path / "report" / "report.html" and page.is_file()
+
+
 def test_report_few_trials_and_unknown_device(tmp_path):
     """Two trials, no device memory: importances say why they are missing, no crash."""
     study = optuna.create_study(storage=f"sqlite:///{tmp_path / 'study.db'}", study_name="small",
@@ -352,7 +364,7 @@ def real_search(tmp_path_factory) -> Path:
         pytest.skip("search_spaces/tiny_cpu.yaml is not available yet")
     out = tmp_path_factory.mktemp("real_search")
     cmd = [sys.executable, "-m", "tuner.cli", "search", "configs/tiny_cpu.yaml", "--space", "search_spaces/tiny_cpu.yaml",
-           "--trials", "4", "--nproc", "2", "--steps", "2", "--warmup", "1", "--out", str(out)]
+           "--trials", "4", "--nproc", "2", "--steps", "2", "--warmup", "1", "--out", str(out), "--report"]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
     assert r.returncode == 0, f"search failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     _REAL_SEARCH["out"] = out
@@ -370,6 +382,8 @@ def test_report_on_real_search(real_search, tmp_path):
                        cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     check_report_dir(tmp_path, len(statuses), statuses)
+    # `search --report` wrote the same report next to the study
+    check_report_dir(real_search / "report", len(statuses), statuses)
     # the tuner wrote the contract's study attributes
     for key in ("ppotune_schema", "base_config", "device", "nproc"):
         assert key in view.attrs, key

@@ -100,7 +100,7 @@ def choose(view: StudyView, *, pick: str = "max-throughput", headroom: float = D
     warning = None
     if df.empty:
         raise NoFit(f"study {view.name!r} has no trials")
-    feasible = df["feasible"] & df["throughput"].notna() & df["peak_memory_gb"].notna()
+    feasible = studyio.measured_feasible(df)
     if not feasible.any():
         counts = ", ".join(f"{n} {s}" for s, n in df["status"].value_counts().items())
         raise NoFit(f"no feasible trial in study {view.name!r} ({counts})")
@@ -267,6 +267,8 @@ def _why_md(view: StudyView, choice: Choice, overrides: dict, lines: list[str]) 
         out += ["", f"Re-measured by --confirm: {vals} tokens/s/GPU."]
     if r["notes"]:
         out += ["", f"Notes from the run: {r['notes']}"]
+    if not overrides:
+        out += ["", "The base config itself is the pick: there is no knob to change."]
     out += ["", "Knob values (the trial's overrides; the rest is the base config):", "",
             "| key | value | base config |", "|---|---|---|"]
     base_flat = flatten(view.attrs.get("base_config") or {})

@@ -82,7 +82,7 @@ def compute_importances(view: StudyView, *, min_trials: int = MIN_TRIALS_FOR_IMP
     evaluator about the penalty, not about the knobs.
     """
     df = view.trials
-    feas = df.loc[df["feasible"] & df["throughput"].notna() & df["peak_memory_gb"].notna()] if not df.empty else df
+    feas = df.loc[studyio.measured_feasible(df)] if not df.empty else df
     n = len(feas)
     if n < min_trials:
         return Importances({}, {}, n, f"not enough feasible trials to estimate importances ({n}; need {min_trials})")
@@ -143,7 +143,7 @@ def knob_effects(view: StudyView) -> list[Effect]:
     """
     df = view.trials
     knobs = view.knobs
-    ok = df.loc[df["feasible"] & df["throughput"].notna() & df["peak_memory_gb"].notna()] if not df.empty else df
+    ok = df.loc[studyio.measured_feasible(df)] if not df.empty else df
     params = {int(n): view.trial(int(n)).params for n in ok["number"]}
     rows = {int(r["number"]): r for _, r in ok.iterrows()}
     pairs: dict[str, list[tuple[int, int, bool, str]]] = {k: [] for k in knobs}
@@ -168,17 +168,20 @@ def knob_effects(view: StudyView) -> list[Effect]:
                     f"(noise {thr_tol:.0%}), memory {d_mem:.2f} GB (noise {mem_tol:.2f} GB)")
             pairs[diff[0]].append((a, b, same, text))
     notes: dict[str, str] = {}
+    note_trials: dict[str, int] = {}
     for text in df.get("notes", pd.Series(dtype=str)).dropna():
         for note in str(text).split("; "):
             m = _NOTE_NO_EFFECT.match(note)
             if m:
                 notes.setdefault(m.group(1), m.group(2))
+                note_trials[m.group(1)] = note_trials.get(m.group(1), 0) + 1
     out = []
     for k in sorted(set(knobs) | set(notes)):
         ev = pairs.get(k, [])
         if k in notes:
             extra = f"; {len(ev)} isolated pair(s)" if ev else ""
-            out.append(Effect(k, "no effect", f"trial note: {notes[k]}{extra}"))
+            searched = "" if k in knobs else " (not a searched knob)"
+            out.append(Effect(k, "no effect", f"trial note on {note_trials[k]} trial(s): {notes[k]}{searched}{extra}"))
         elif ev and all(s for *_, s, _ in ev):
             out.append(Effect(k, "no effect", "; ".join(t for *_, t in ev)))
         elif ev:
@@ -236,7 +239,7 @@ def plot_pareto(view: StudyView, *, headroom: float = DEFAULT_HEADROOM, chosen: 
     fig, (ax, strip) = plt.subplots(
         2, 1, figsize=(10, 7.2), sharex=True, gridspec_kw={"height_ratios": [4, 1.5], "hspace": 0.16}
     )
-    ok = df.loc[df["feasible"] & df["throughput"].notna() & df["peak_memory_gb"].notna()] if not df.empty else df
+    ok = df.loc[studyio.measured_feasible(df)] if not df.empty else df
     xs = list(ok["peak_memory_gb"]) if len(ok) else []
     strip_pts = []  # (row, x, penalized, number)
     unplaced: dict[str, list[int]] = {}
@@ -247,9 +250,15 @@ def plot_pareto(view: StudyView, *, headroom: float = DEFAULT_HEADROOM, chosen: 
         else:
             strip_pts.append((r["status"], x, pen, int(r["number"])))
     measured_x = xs + [x for _, x, pen, _ in strip_pts if not pen]
-    hi = max(measured_x + ([dev] if dev else []) + [1.0])
-    xmax = hi * 1.12
-    xmin = 0.0
+    lo, hi = (min(measured_x), max(measured_x)) if measured_x else (0.0, dev or 1.0)
+    # Show the device line when the trials come near it; otherwise zoom on the trials
+    # and say where the line is, or every point collapses against the y axis.
+    show_device = bool(dev) and hi >= 0.5 * (1 - headroom) * dev
+    if show_device or not measured_x:
+        xmin, xmax = 0.0, max(hi, dev or 0.0, 1e-3) * 1.08
+    else:
+        pad = max(hi - lo, 0.05 * hi, 1e-3)
+        xmin, xmax = max(0.0, lo - pad), hi + pad
 
     # feasible trials, front, baseline, pick
     if len(ok):
@@ -269,9 +278,13 @@ def plot_pareto(view: StudyView, *, headroom: float = DEFAULT_HEADROOM, chosen: 
             ax.scatter([c["peak_memory_gb"]], [c["throughput"]], s=240, facecolors="none", edgecolors="#2ca02c",
                        linewidths=2.2, label=f"export pick #{chosen}", zorder=6)
         label_all = len(ok) <= 60
+        dups: dict[int, list[int]] = {}
+        for _, r in df.loc[df["duplicate_of"].notna()].iterrows():
+            dups.setdefault(int(r["duplicate_of"]), []).append(int(r["number"]))
         for _, r in ok.iterrows():
             if label_all or r["pareto"] or r["baseline"]:
-                ax.annotate(f"#{int(r['number'])}", (r["peak_memory_gb"], r["throughput"]), xytext=(4, 4),
+                same = "".join(f"=#{d}" for d in dups.get(int(r["number"]), []))
+                ax.annotate(f"#{int(r['number'])}{same}", (r["peak_memory_gb"], r["throughput"]), xytext=(4, 4),
                             textcoords="offset points", fontsize=7, color="#333333")
         ax.set_ylim(0, ok["throughput"].max() * 1.15)
     else:
@@ -283,11 +296,14 @@ def plot_pareto(view: StudyView, *, headroom: float = DEFAULT_HEADROOM, chosen: 
 
     # the device line and the headroom line, on both panels
     for a in (ax, strip):
-        if dev:
+        if show_device:
             a.axvline(dev, color="#d62728", lw=1.6)
             a.axvline((1 - headroom) * dev, color="#d62728", lw=1.0, ls="--")
             a.axvspan((1 - headroom) * dev, xmax, color="#d62728", alpha=0.06)
-    if dev:
+    if dev and not show_device:
+        ax.text(0.99, 0.02, f"off scale \u2192 {dev_label}; keep {headroom:.0%} free: {(1 - headroom) * dev:.1f} GB",
+                transform=ax.transAxes, ha="right", va="bottom", fontsize=8, color="#d62728")
+    if show_device:
         top = ax.get_ylim()[1]
         ax.text(dev, top * 0.98, f"{dev_label} ", color="#d62728", fontsize=8, ha="right", va="top", rotation=90)
         ax.text((1 - headroom) * dev, top * 0.98, f"keep {headroom:.0%} free: {(1 - headroom) * dev:.1f} GB ",
@@ -319,6 +335,9 @@ def plot_pareto(view: StudyView, *, headroom: float = DEFAULT_HEADROOM, chosen: 
             names = ", ".join(f"#{n}" for n in unplaced[status][:12]) + (" ..." if len(unplaced[status]) > 12 else "")
             strip.text(xmin + (xmax - xmin) * 0.01, ypos[status], f"no measurement: {names}", fontsize=7,
                        va="center", ha="left", color=color)
+    if not strip_pts and not unplaced:
+        strip.text(0.5, 0.5, "no failed or skipped trial", transform=strip.transAxes, ha="center", va="center",
+                   fontsize=9, color="#888888")
     strip.set_yticks(list(ypos.values()))
     strip.set_yticklabels([STATUS_STYLE[s][0] for s in ypos], fontsize=8)
     strip.set_ylim(-0.7, len(rows) - 0.3)
@@ -329,7 +348,7 @@ def plot_pareto(view: StudyView, *, headroom: float = DEFAULT_HEADROOM, chosen: 
                     fontsize=8, loc="left", color="#555555")
     handles, labels = ax.get_legend_handles_labels()
     h2, l2 = strip.get_legend_handles_labels()
-    ax.legend(handles + h2, labels + l2, fontsize=7, loc="upper left", framealpha=0.9)
+    fig.legend(handles + h2, labels + l2, fontsize=7, loc="upper left", bbox_to_anchor=(0.905, 0.88), framealpha=0.9)
     return fig
 
 
@@ -521,6 +540,8 @@ def _all_trials_table(view: StudyView) -> str:
             extra.append(f"inferred from #{int(r['inferred_from'])}")
         if not pd.isna(r["confirm_of"]):
             extra.append(f"confirms #{int(r['confirm_of'])}")
+        if not pd.isna(r["duplicate_of"]):
+            extra.append(f"same config as #{int(r['duplicate_of'])} (not re-run)")
         if r["error"]:
             extra.append((str(r["error"]).strip().splitlines() or [""])[0][:160])
         if r["notes"]:
@@ -720,13 +741,19 @@ def write_report(storage_url: str, study_name: Optional[str], out_dir: str | Pat
                  memory_headroom: float = DEFAULT_HEADROOM) -> Path:
     """Write report.html, pareto.png, importances.png, phases.png, trials.csv and summary.md.
 
-    ``storage_url``: an Optuna storage URL, a journal file path, or a search out dir.
-    Returns the path of report.html. Never writes to the storage.
+    ``storage_url``: an Optuna storage URL, ``journal:PATH``, or a search out dir.
+    ``out_dir``: where to write; a ``ppotune search`` output dir (it holds study.db,
+    study.log or trials/) gets the files in ``out_dir/report``, where
+    ``ppotune report --out DIR`` puts them. Returns the path of report.html. Never
+    writes to the storage. (``ppotune search --report`` calls this.)
     """
     spec = studyio.resolve_storage(storage=storage_url)
     study = studyio.load_study(spec, study_name)
     view = StudyView(study=study, trials=studyio.trials_frame(study), storage=spec)
-    return write_view_report(view, out_dir, memory_headroom=memory_headroom)
+    out = Path(out_dir)
+    if any((out / n).exists() for n in ("study.db", "study.log", "trials")):
+        out = out / "report"
+    return write_view_report(view, out, memory_headroom=memory_headroom)
 
 
 def write_view_report(view: StudyView, out_dir: str | Path, *, memory_headroom: float = DEFAULT_HEADROOM) -> Path:

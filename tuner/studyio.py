@@ -28,6 +28,7 @@ __all__ = [
     "load",
     "trials_frame",
     "pareto_mask",
+    "measured_feasible",
     "device_memory_gb",
     "short_knob",
     "knob_columns",
@@ -84,33 +85,42 @@ def resolve_storage(
     if db.is_file():
         return f"sqlite:///{db.resolve()}"
     if log.is_file():
-        return str(log.resolve())
+        return f"journal:{log.resolve()}"
     raise StudyError(f"{d}: neither study.db nor study.log found")
 
 
-def _is_journal(spec: str) -> bool:
-    if spec.startswith(("journal://", "file://")):
-        return True
-    return "://" not in spec
+def _classify(spec: str) -> tuple[str, str]:
+    """-> ("journal", path) or ("rdb", url). Same spellings as ``ppotune search --storage``:
+    ``journal:PATH``, a ``*.log``/``*.journal`` path, a ``*.db``/``*.sqlite`` path, or an Optuna URL."""
+    if spec.startswith("journal:"):
+        path = spec[len("journal:"):]
+        return "journal", path[2:] if path.startswith("//") else path
+    if spec.startswith("file://"):
+        return "journal", spec[len("file://"):]
+    if "://" in spec:
+        return "rdb", spec
+    if Path(spec).suffix in (".db", ".sqlite", ".sqlite3"):
+        return "rdb", f"sqlite:///{Path(spec).expanduser().resolve()}"
+    return "journal", spec
 
 
 def open_storage(spec: str) -> optuna.storages.BaseStorage:
     """Open a storage without writing to it.
 
     ``sqlite:///path`` is reopened as a read-only SQLite URI; other RDB URLs skip
-    Optuna's table creation and schema migration; a plain path (or ``journal://path``)
-    is a JournalStorage file, which reading never modifies.
+    Optuna's table creation and schema migration; a journal file is only read.
     """
-    if _is_journal(spec):
-        path = spec.split("://", 1)[1] if "://" in spec else spec
-        if not Path(path).is_file():
+    kind, where = _classify(spec)
+    if kind == "journal":
+        path = Path(where).expanduser()
+        if not path.is_file():
             raise StudyError(f"{path}: journal file not found")
         from optuna.storages.journal import JournalFileBackend, JournalStorage
 
-        return JournalStorage(JournalFileBackend(path))
-    url = spec
-    if spec.startswith("sqlite:///") and "?" not in spec:
-        path = spec[len("sqlite:///"):]
+        return JournalStorage(JournalFileBackend(str(path)))
+    url = where
+    if url.startswith("sqlite:///") and "?" not in url:
+        path = url[len("sqlite:///"):]
         if path and path != ":memory:":
             if not Path(path).is_file():
                 raise StudyError(f"{path}: SQLite file not found")
@@ -242,10 +252,10 @@ def trials_frame(study: optuna.Study) -> pd.DataFrame:
     """One row per trial, whatever its state (inferred OOMs and failures included).
 
     Columns: number, state, status, baseline, feasible, pareto, throughput,
-    throughput_cv, step_s, peak_memory_gb, memory_source, memory_penalized,
+    throughput_cv, step_s, peak_memory_gb, memory_source,
     ``mem.<field>`` (:data:`MEMORY_FIELDS`), ``time.<phase>``, duration_s,
     value_throughput / value_memory (the objective values Optuna holds, penalized for
-    OOM), inferred_from, confirm_of, notes, error, datetime_start/complete, and
+    OOM), inferred_from, confirm_of, duplicate_of, notes, error, datetime_start/complete, and
     ``params.<dotted key>`` for every knob.
     """
     rows = []
@@ -285,6 +295,8 @@ def trials_frame(study: optuna.Study) -> pd.DataFrame:
             "duration_s": duration,
             "inferred_from": ua.get("inferred_from"),
             "confirm_of": ua.get("confirm_of"),
+            # the tuner records a re-sampled config without re-running it (values copied)
+            "duplicate_of": ua.get("duplicate_of"),
             "notes": "; ".join(str(n) for n in (ua.get("notes") or [])),
             "error": ua.get("error"),
             "datetime_start": t.datetime_start,
@@ -305,7 +317,7 @@ def trials_frame(study: optuna.Study) -> pd.DataFrame:
     front = [c for c in df.columns if not c.startswith(PARAM_PREFIX)]
     params = sorted(c for c in df.columns if c.startswith(PARAM_PREFIX))
     df = df[front + params]
-    for c in ("inferred_from", "confirm_of"):
+    for c in ("inferred_from", "confirm_of", "duplicate_of"):
         df[c] = df[c].astype("Int64")
     # text columns hold None when absent (pandas >= 3 would make them NaN, which is truthy)
     for c in ("memory_source", "error"):
@@ -313,12 +325,20 @@ def trials_frame(study: optuna.Study) -> pd.DataFrame:
     return df.sort_values("number").reset_index(drop=True)
 
 
+def measured_feasible(df: pd.DataFrame) -> pd.Series:
+    """Feasible trials with both objectives measured, each config once (duplicates left out)."""
+    if df.empty:
+        return pd.Series(dtype=bool)
+    return (df["feasible"].astype(bool) & df["throughput"].notna() & df["peak_memory_gb"].notna()
+            & df["duplicate_of"].isna())
+
+
 def pareto_mask(df: pd.DataFrame, among: Optional[pd.Series] = None) -> pd.Series:
     """Feasible trials not dominated in (max throughput, min peak memory).
 
     ``among`` restricts the candidates further (e.g. to those under a headroom).
     """
-    cand = df["feasible"].astype(bool) & df["throughput"].notna() & df["peak_memory_gb"].notna()
+    cand = measured_feasible(df)
     if among is not None:
         cand &= among.astype(bool)
     mask = pd.Series(False, index=df.index)
