@@ -174,10 +174,10 @@ def check_report_dir(report_dir: Path, n_trials: int, statuses: dict[int, str]) 
 
     for name in ("pareto.png", "importances.png", "phases.png"):
         p = report_dir / name
-        assert p.is_file() and p.stat().st_size > 15_000, f"{name} is missing or trivial"
+        assert p.is_file() and p.stat().st_size > 8_000, f"{name} is missing or trivial"
         img = mpimg.imread(p)
         assert img.shape[0] > 200 and img.shape[1] > 400
-    assert (img.std() > 0.01)  # not a blank canvas
+        assert img.std() > 0.01, f"{name} is a blank canvas"
 
     with open(report_dir / "trials.csv", newline="") as f:
         rows = list(csv.DictReader(f))

@@ -23,15 +23,14 @@ import warnings
 from pathlib import Path
 from typing import Any, Optional
 
-import matplotlib
+import optuna
+import pandas as pd
+# Figure objects, not pyplot: no global backend or figure registry (Agg renders the PNGs;
+# a notebook keeps its own backend).
+from matplotlib.figure import Figure
 
-matplotlib.use("Agg")  # files only; never a display
-import matplotlib.pyplot as plt  # noqa: E402
-import optuna  # noqa: E402
-import pandas as pd  # noqa: E402
-
-from tuner import studyio  # noqa: E402
-from tuner.studyio import PHASES, StudyError, StudyView, missing, short_knob  # noqa: E402
+from tuner import studyio
+from tuner.studyio import PHASES, StudyError, StudyView, missing, short_knob
 
 __all__ = [
     "write_report",
@@ -43,6 +42,7 @@ __all__ = [
     "plot_pareto",
     "plot_importances",
     "plot_phases",
+    "figure_png",
     "add_arguments",
     "run",
 ]
@@ -236,9 +236,8 @@ def plot_pareto(view: StudyView, *, headroom: float = DEFAULT_HEADROOM, chosen: 
     """Throughput vs peak memory. Returns a matplotlib Figure (the caller saves or shows it)."""
     df = view.trials
     dev, dev_label = view.device_memory
-    fig, (ax, strip) = plt.subplots(
-        2, 1, figsize=(10, 7.2), sharex=True, gridspec_kw={"height_ratios": [4, 1.5], "hspace": 0.16}
-    )
+    fig = Figure(figsize=(10, 7.2))
+    ax, strip = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [4, 1.5], "hspace": 0.16})
     ok = df.loc[studyio.measured_feasible(df)] if not df.empty else df
     xs = list(ok["peak_memory_gb"]) if len(ok) else []
     strip_pts = []  # (row, x, penalized, number)
@@ -354,7 +353,8 @@ def plot_pareto(view: StudyView, *, headroom: float = DEFAULT_HEADROOM, chosen: 
 
 def plot_importances(imp: Importances):
     knobs = sorted(set(imp.throughput) | set(imp.memory), key=lambda k: -(imp.throughput.get(k, 0) + imp.memory.get(k, 0)))
-    fig, axes = plt.subplots(1, 2, figsize=(10, max(2.4, 0.42 * len(knobs) + 1.2)), sharey=True)
+    fig = Figure(figsize=(10, max(2.4, 0.42 * len(knobs) + 1.2)))
+    axes = fig.subplots(1, 2, sharey=True)
     for a, (title, vals, color) in zip(axes, (("throughput", imp.throughput, "#1f77b4"),
                                               ("peak memory", imp.memory, "#d62728"))):
         a.set_title(f"importance for {title}", fontsize=10)
@@ -384,7 +384,8 @@ def plot_phases(view: StudyView, numbers: list[int]):
     """Median step time split by phase, one bar per trial."""
     df = view.trials.set_index("number")
     numbers = [n for n in numbers if n in df.index]
-    fig, ax = plt.subplots(figsize=(10, max(2.2, 0.45 * len(numbers) + 1.3)))
+    fig = Figure(figsize=(10, max(2.2, 0.45 * len(numbers) + 1.3)))
+    ax = fig.subplots()
     if not numbers:
         ax.text(0.5, 0.5, "no measured trial", ha="center", va="center", transform=ax.transAxes)
         return fig
@@ -421,10 +422,10 @@ def _z(v: Any) -> float:
     return 0.0 if missing(v) else float(v)
 
 
-def _png(fig, path: Optional[Path] = None, dpi: int = 110) -> bytes:
+def figure_png(fig: Figure, path: Optional[Path] = None, dpi: int = 110) -> bytes:
+    """A figure as PNG bytes (also written to ``path`` if given)."""
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight")
-    plt.close(fig)
     data = buf.getvalue()
     if path is not None:
         path.write_bytes(data)
@@ -766,9 +767,9 @@ def write_view_report(view: StudyView, out_dir: str | Path, *, memory_headroom: 
     front = sorted(front, key=lambda n: -float(df.loc[df["number"] == n, "throughput"].iloc[0]))
     base = [int(n) for n in df.loc[df["baseline"] & df["feasible"], "number"]] if not df.empty else []
     images = {
-        "pareto": _png(plot_pareto(view, headroom=memory_headroom, chosen=chosen), out / "pareto.png"),
-        "importances": _png(plot_importances(data.importances), out / "importances.png"),
-        "phases": _png(plot_phases(view, list(dict.fromkeys(front + base))), out / "phases.png"),
+        "pareto": figure_png(plot_pareto(view, headroom=memory_headroom, chosen=chosen), out / "pareto.png"),
+        "importances": figure_png(plot_importances(data.importances), out / "importances.png"),
+        "phases": figure_png(plot_phases(view, list(dict.fromkeys(front + base))), out / "phases.png"),
     }
     df.to_csv(out / "trials.csv", index=False)
     (out / "summary.md").write_text(_summary_md(data))
