@@ -81,14 +81,16 @@ def build_result(rank_files: dict[int, dict], *, config: dict, nproc: int, retur
         error = f"rank {ooms[0]} out of memory in phase {first.get('phase')}: {first.get('error')}"
     elif all_ok and returncode == 0:
         status, error = "ok", None
-    elif errors:
-        status, first = "error", rank_files[errors[0]]
-        error = f"rank {errors[0]} failed in phase {first.get('phase')}: {first.get('error')}"
     else:
         status = "error"
         missing = sorted(set(range(nproc)) - set(rank_files))
-        error = (f"rank(s) {missing} exited without a status (killed by a signal?); torchrun exit code {returncode}"
-                 if missing else f"torchrun exit code {returncode}")
+        parts = []
+        if missing:  # the root cause: a rank that died without writing (a signal); peers only saw broken links
+            parts.append(f"rank(s) {missing} exited without a status (killed by a signal?); torchrun exit code {returncode}")
+        if errors:
+            first = rank_files[errors[0]]
+            parts.append(f"rank {errors[0]} failed in phase {first.get('phase')}: {first.get('error')}")
+        error = "; ".join(parts) or f"torchrun exit code {returncode}"
     env = lead.get("environment") or next((f["environment"] for f in rank_files.values() if f.get("environment")), None)
     notes = list(dict.fromkeys(lead.get("notes") or next((f["notes"] for f in rank_files.values() if f.get("notes")), [])))
     return {
@@ -119,7 +121,12 @@ def run(args) -> int:
     t0 = time.time()
     result_path = Path(args.result) if args.result else None
     try:
-        cfg = load_config(args.config, _overrides(args))
+        overrides = _overrides(args)
+        if args.steps is not None and args.warmup is None:
+            # --steps alone keeps the config's warm-up when it fits, else leaves one measured step
+            draft = load_config(args.config, overrides, validate=False)
+            overrides.append(f"ppotune.warmup_steps={min(draft.ppotune.warmup_steps, max(0, args.steps - 1))}")
+        cfg = load_config(args.config, overrides)
     except ConfigError as e:
         print(f"ppotune train: error: {e}", file=sys.stderr)
         if result_path:

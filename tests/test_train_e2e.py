@@ -1,0 +1,128 @@
+"""`ppotune train` end to end: real torchrun, 2 processes on gloo, the tiny preset."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import pandas as pd
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = str(ROOT / "configs" / "tiny_cpu.yaml")
+SCHEMA = json.loads((ROOT / "trainer" / "result_schema.json").read_text())
+PHASES = ["gen", "reward", "old_log_prob", "ref", "values", "adv", "update_actor", "update_critic", "step"]
+
+
+def train(*args, result: Path, timeout: int = 300):
+    cmd = [sys.executable, "-m", "tuner.cli", "train", *map(str, args), "--result", str(result)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    data = json.loads(result.read_text()) if result.exists() else None
+    if data is not None:
+        jsonschema.validate(data, SCHEMA)
+    return proc, data
+
+
+def _no_process_mentions(token: str) -> None:
+    left = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if any(token in part for part in (p.info["cmdline"] or [])):
+                left.append(p.pid)
+        except psutil.Error:
+            pass
+    assert not left, f"processes left behind: {left}"
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
+def test_three_steps_on_two_processes(tmp_path, strategy):
+    proc, r = train(BASE, f"actor_rollout_ref.actor.strategy={strategy}", "--nproc", 2, "--steps", 3, "--warmup", 1,
+                    result=tmp_path / "r.json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert r["status"] == "ok" and r["error"] is None
+    assert r["summary"]["throughput"] > 0 and r["summary"]["num_measured_steps"] == 2
+    assert r["environment"]["world_size"] == 2 and r["environment"]["backend"] == "gloo"
+    assert len(r["steps"]) == 3 and r["steps"][0]["warmup"] and not r["steps"][1]["warmup"]
+    for step in r["steps"]:
+        for phase in PHASES:
+            assert step[f"timing_s/{phase}"] >= 0, phase
+        for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/pg_clipfrac", "actor/ppo_kl", "actor/grad_norm",
+                    "critic/vf_loss", "critic/vf_clipfrac", "critic/grad_norm", "reward/mean", "actor/kl_coef", "perf/peak_rss_gb"):
+            assert key in step, key
+        assert step["perf/mfu/actor"] is None  # no peak-FLOPs figure for a CPU
+    assert set(r["summary"]["timing_s"]) >= set(PHASES)
+    assert r["summary"]["memory_source"] == "rss" and r["summary"]["peak_memory_gb"] > 0.05
+    assert r["config"]["actor_rollout_ref"]["actor"]["strategy"] == strategy
+    assert any("no effect" in n for n in r["notes"])  # vLLM-only knobs under rollout.name=hf
+
+
+def test_knobs_without_effect_on_cpu_are_reported(tmp_path):
+    proc, r = train(BASE, "actor_rollout_ref.actor.fsdp_config.param_offload=true",
+                    "actor_rollout_ref.actor.fsdp_config.forward_prefetch=true",
+                    "actor_rollout_ref.model.enable_activation_offload=true", "--nproc", 2, "--steps", 1,
+                    "--save", tmp_path / "ckpt", result=tmp_path / "r.json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    notes = "\n".join(r["notes"])
+    for key in ("actor_rollout_ref.actor.fsdp_config.param_offload: no effect on CPU",
+                "actor_rollout_ref.actor.fsdp_config.forward_prefetch: applied, but no effect on CPU",
+                "actor_rollout_ref.model.enable_activation_offload: no effect on CPU"):
+        assert key in notes
+    # a full run ends with an HF-format checkpoint that loads offline
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
+
+    actor = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "actor", local_files_only=True)
+    critic = AutoModelForTokenClassification.from_pretrained(tmp_path / "ckpt" / "critic", local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(tmp_path / "ckpt" / "actor", local_files_only=True)
+    assert actor.config.num_hidden_layers == 2 and critic.config.num_labels == 1 and tok.decode(tok("12+3=")["input_ids"]) == "12+3="
+
+
+def test_parquet_input_and_local_checkpoint(tmp_path):
+    rows = [{"data_source": "gsm8k", "prompt": [{"role": "user", "content": f"What is {i} + {i}?"}], "ability": "math",
+             "reward_model": {"style": "rule", "ground_truth": f"#### {2 * i}"}, "extra_info": {"index": i}} for i in range(40)]
+    path = tmp_path / "train.parquet"
+    pd.DataFrame(rows).to_parquet(path)
+    # first a run that saves a checkpoint, then a run that starts from it with the parquet data
+    proc, _ = train(BASE, "--nproc", 1, "--steps", 1, "--save", tmp_path / "ckpt", result=tmp_path / "a.json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc, r = train(BASE, f"data.train_files={path}", f"actor_rollout_ref.model.path={tmp_path / 'ckpt' / 'actor'}",
+                    "--nproc", 2, "--steps", 2, "--warmup", 1, result=tmp_path / "b.json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert r["status"] == "ok" and r["config"]["data"]["train_files"] == str(path)
+
+
+def test_memory_cap_gives_a_real_oom_and_no_process_survives(tmp_path):
+    proc, r = train(BASE, "--nproc", 2, "--steps", 2, "--memory-limit-gb", 0.1, result=tmp_path / "r.json")
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert r["status"] == "oom"
+    assert "can't allocate memory" in r["error"] or "out of memory" in r["error"].lower()
+    assert r["oom_rank"] in (0, 1) and r["oom_phase"]
+    _no_process_mentions(str(tmp_path))
+
+
+def test_one_rank_crashing_ends_the_run(tmp_path):
+    proc, r = train(BASE, "ppotune.fault=crash", "--nproc", 2, "--steps", 2, result=tmp_path / "r.json", timeout=120)
+    assert proc.returncode == 1
+    assert r["status"] == "error" and "rank(s) [1]" in r["error"]
+    _no_process_mentions(str(tmp_path))
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["actor_rollout_ref.actor.not_a_knob=1"], "actor_rollout_ref.actor.not_a_knob: unknown key"),
+    (["data.train_batch_size=lots"], "data.train_batch_size: expected int"),
+    (["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3"], "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu: 3 does not divide"),
+    (["actor_rollout_ref.model.path=/no/such/model"], "actor_rollout_ref.model.path: not 'tiny' and not a local HF checkpoint"),
+    (["data.train_files=/no/such/train.parquet"], "data.train_files: file not found"),
+])
+def test_bad_input_exits_2_with_one_line(tmp_path, args, needle):
+    proc, r = train(BASE, *args, "--nproc", 2, result=tmp_path / "r.json", timeout=60)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0] and "tiny_cpu.yaml" in lines[0]
+    assert r["status"] == "error" and r["error"].startswith("config:")
+
+
+def test_missing_config_file_exits_2(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "tuner.cli", "train", str(tmp_path / "nope.yaml")], cwd=ROOT,
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "nope.yaml: config: file not found" in proc.stderr
