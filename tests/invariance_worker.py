@@ -5,6 +5,7 @@ responses, advantages and returns); each rank takes its slice. Rank 0 saves the 
 parameters of actor and critic to OUT/<variant>.pt.
 """
 import json
+import os
 import sys
 
 import torch
@@ -40,11 +41,17 @@ def fixed_batch(cfg, tokenizer, device):
 
 def main():
     out_dir, variants = sys.argv[1], json.loads(open(sys.argv[2]).read())
-    dist.init_process_group("gloo")
+    use_cuda = os.environ.get("PPOTUNE_TEST_DEVICE") == "cuda"
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        # cuBLAS must be deterministic for exact comparisons across runs
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    dist.init_process_group("nccl" if use_cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cpu")
+    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     for name, overrides in variants.items():
-        cfg = load_config(BASE, {**overrides, "trainer.n_gpus_per_node": world,
+        cfg = load_config(BASE, {**overrides, "trainer.n_gpus_per_node": world, "ppotune.device": device.type,
                                  "actor_rollout_ref.actor.optim.lr": 1e-4, "critic.optim.lr": 1e-4})
         tokenizer = load_tokenizer(cfg.actor_rollout_ref.model.path)
         roles, _ = build_roles(cfg, tokenizer, device, world, [])

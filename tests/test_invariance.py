@@ -1,6 +1,7 @@
 """Per-GPU knobs must not change training: one PPO update of actor and critic from the same
 weights and batch gives the same parameters under every knob setting (fp32, gloo, real FSDP)."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -27,20 +28,21 @@ VARIANTS_2 = {
 }
 
 
-def _torchrun(nproc: int, out: Path, variants: dict) -> None:
+def run_variants(nproc: int, out: Path, variants: dict, env: dict | None = None) -> dict:
+    """torchrun the worker over ``variants``; -> {variant: saved parameters and stats}."""
     spec = out / f"variants{nproc}.json"
     spec.write_text(json.dumps(variants))
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                           str(WORKER), str(out), str(spec)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+                           str(WORKER), str(out), str(spec)], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **(env or {})})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return {name: torch.load(out / f"{name}.pt") for name in variants}
 
 
 @pytest.fixture(scope="module")
 def updated(tmp_path_factory):
     out = tmp_path_factory.mktemp("invariance")
-    _torchrun(2, out, VARIANTS_2)
-    _torchrun(1, out, {"one_process": {}})
-    return {p.stem: torch.load(p) for p in out.glob("*.pt")}
+    return {**run_variants(2, out, VARIANTS_2), **run_variants(1, out, {"one_process": {}})}
 
 
 # Softmax is shift-invariant, so the exact gradient of a key-projection bias is zero: what the
@@ -49,7 +51,7 @@ def updated(tmp_path_factory):
 _ZERO_GRADIENT = ("self_attn.k_proj.bias",)
 
 
-def _max_rel_diff(a: dict, b: dict) -> tuple[float, str]:
+def max_rel_diff(a: dict, b: dict) -> tuple[float, str]:
     worst, where = 0.0, ""
     for k, v in b.items():
         if k.endswith(_ZERO_GRADIENT):
@@ -61,14 +63,14 @@ def _max_rel_diff(a: dict, b: dict) -> tuple[float, str]:
 
 
 def test_update_moves_parameters_far_beyond_the_tolerance(updated):
-    moved, _ = _max_rel_diff(updated["base"]["init_actor"], updated["base"]["actor"])
+    moved, _ = max_rel_diff(updated["base"]["init_actor"], updated["base"]["actor"])
     assert moved > 100 * TOL, "the update is too small for the invariance check to mean anything"
 
 
 @pytest.mark.parametrize("variant", [v for v in VARIANTS_2 if v != "base"] + ["one_process"])
 def test_same_parameters_under_every_knob(updated, variant):
     for part in ("actor", "critic"):
-        rel, key = _max_rel_diff(updated[variant][part], updated["base"][part])
+        rel, key = max_rel_diff(updated[variant][part], updated["base"][part])
         assert rel <= TOL, f"{variant}: {part}.{key} differs by {rel:.2e} (relative)"
     for k, v in updated["base"]["stats"].items():
         assert updated[variant]["stats"][k] == pytest.approx(v, rel=1e-4, abs=1e-6), k

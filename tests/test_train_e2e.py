@@ -1,5 +1,6 @@
 """`ppotune train` end to end: real torchrun, 2 processes on gloo, the tiny preset."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,9 +16,9 @@ SCHEMA = json.loads((ROOT / "trainer" / "result_schema.json").read_text())
 PHASES = ["gen", "reward", "old_log_prob", "ref", "values", "adv", "update_actor", "update_critic", "step"]
 
 
-def train(*args, result: Path, timeout: int = 300):
+def train(*args, result: Path, timeout: int = 300, env: dict | None = None):
     cmd = [sys.executable, "-m", "tuner.cli", "train", *map(str, args), "--result", str(result)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env={k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None})
     data = json.loads(result.read_text()) if result.exists() else None
     if data is not None:
         jsonschema.validate(data, SCHEMA)
@@ -61,13 +62,17 @@ def test_knobs_without_effect_on_cpu_are_reported(tmp_path):
     proc, r = train(BASE, "actor_rollout_ref.actor.fsdp_config.param_offload=true",
                     "actor_rollout_ref.actor.fsdp_config.forward_prefetch=true",
                     "actor_rollout_ref.model.enable_activation_offload=true", "--nproc", 2, "--steps", 1,
-                    "--save", tmp_path / "ckpt", result=tmp_path / "r.json")
+                    "--save", tmp_path / "ckpt", "--wandb", result=tmp_path / "r.json",
+                    env={"WANDB_DIR": str(tmp_path), "WANDB_MODE": None, "WANDB_API_KEY": None})
     assert proc.returncode == 0, proc.stderr[-2000:]
     notes = "\n".join(r["notes"])
     for key in ("actor_rollout_ref.actor.fsdp_config.param_offload: no effect on CPU",
                 "actor_rollout_ref.actor.fsdp_config.forward_prefetch: applied, but no effect on CPU",
                 "actor_rollout_ref.model.enable_activation_offload: no effect on CPU"):
         assert key in notes
+    # --wandb without credentials records an offline run
+    runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1 and runs[0].stat().st_size > 0
     # a full run ends with an HF-format checkpoint that loads offline
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 

@@ -16,7 +16,7 @@ _CONSOLE_KEYS = ("timing_s/step", "perf/throughput", "reward/mean", "actor/pg_lo
 
 def wandb_mode() -> str:
     """'online' only when credentials exist (env key or a netrc entry for the wandb host)."""
-    if os.environ.get("WANDB_MODE"):
+    if os.environ.get("WANDB_MODE"):  # an empty value counts as unset
         return os.environ["WANDB_MODE"]
     if os.environ.get("WANDB_API_KEY"):
         return "online"
