@@ -131,3 +131,12 @@ def test_missing_config_file_exits_2(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "tuner.cli", "train", str(tmp_path / "nope.yaml")], cwd=ROOT,
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "nope.yaml: config: file not found" in proc.stderr
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
+def test_bf16_mixed_precision(tmp_path, strategy):
+    proc, r = train(BASE, f"actor_rollout_ref.actor.strategy={strategy}", "actor_rollout_ref.actor.fsdp_config.dtype=bfloat16",
+                    "actor_rollout_ref.ref.fsdp_config.dtype=bfloat16", "critic.fsdp.dtype=bfloat16",
+                    "--nproc", 2, "--steps", 1, result=tmp_path / "r.json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert r["status"] == "ok" and r["steps"][0]["actor/grad_norm"] > 0

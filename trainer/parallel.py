@@ -35,6 +35,7 @@ class Sharded:
     strategy: str
     blocks: list = field(default_factory=list)
     reshard_after_forward: bool = True
+    compute_dtype: str = "float32"
 
 
 def layer_classes(model: nn.Module) -> set[type]:
@@ -93,7 +94,7 @@ def _shard_fsdp1(model, blocks, knobs: ShardKnobs, *, device, offload: bool) -> 
         use_orig_params=True,  # needed to generate from summoned full parameters
         sync_module_states=False,  # every rank builds or loads the same weights
     )
-    return Sharded(wrapped, "fsdp", blocks, knobs.reshard_after_forward)
+    return Sharded(wrapped, "fsdp", blocks, knobs.reshard_after_forward, knobs.dtype)
 
 
 def _shard_fsdp2(model, blocks, knobs: ShardKnobs, *, device, offload: bool, name: str, notes: list[str]) -> Sharded:
@@ -113,7 +114,7 @@ def _shard_fsdp2(model, blocks, knobs: ShardKnobs, *, device, offload: bool, nam
         # FSDP2's explicit prefetch: block i starts all-gathering block i+1 before its own forward ends.
         for cur, nxt in zip(blocks, blocks[1:]):
             cur.set_modules_to_forward_prefetch([nxt])
-    return Sharded(model, "fsdp2", blocks, knobs.reshard_after_forward)
+    return Sharded(model, "fsdp2", blocks, knobs.reshard_after_forward, knobs.dtype)
 
 
 @contextlib.contextmanager
@@ -126,7 +127,12 @@ def full_params(sharded: Sharded):
     if sharded.strategy == "fsdp":
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-        with FSDP.summon_full_params(sharded.module, writeback=False, recurse=True):
+        # Summoned parameters are the fp32 masters while the wrapped blocks still cast their inputs to
+        # the mixed-precision dtype: autocast makes every matmul agree on the compute dtype.
+        device_type = next(sharded.module.parameters()).device.type
+        mixed = sharded.compute_dtype != "float32"
+        autocast = torch.autocast(device_type, dtype=_dtype(sharded.compute_dtype)) if mixed else contextlib.nullcontext()
+        with FSDP.summon_full_params(sharded.module, writeback=False, recurse=True), autocast:
             yield sharded.module.module
         return
     groups = [sharded.module] + list(sharded.blocks)
