@@ -81,6 +81,20 @@ def test_memory_cap_is_the_device(tmp_path, capsys):
     assert "warning: device memory unknown" in capsys.readouterr().err
 
 
+def test_device_memory_rules():
+    from tuner.studyio import device_memory_gb
+
+    h100 = {"kind": "cuda", "name": "H100", "memory_total_gb": 80.0}
+    assert device_memory_gb({"device": h100, "memory_limit_gb": 40.0}) == (40.0, "memory cap 40 GB (--memory-limit-gb)")
+    assert device_memory_gb({"device": h100, "memory_limit_gb": None})[0] == 80.0
+    # on CPU the cap is an RLIMIT_AS per rank, not comparable with RSS: the machine's RAM bounds the trial
+    gb, label = device_memory_gb({"device": {"kind": "cpu", "name": "Xeon", "memory_total_gb": 23.5},
+                                  "memory_limit_gb": 0.45})
+    assert gb == 23.5 and "rlimit" in label
+    assert device_memory_gb({"device": {"kind": "cpu", "name": None, "memory_total_gb": None}}) == (
+        None, "device memory unknown")
+
+
 def test_best_config_is_base_plus_overrides(demo_out, tmp_path):
     rc, to = _export(demo_out, tmp_path)
     assert rc == 0

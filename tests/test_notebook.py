@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from test_report import make_demo_study, real_search  # noqa: F401  (real_search: fixture)
+from test_report import DEMO_TRIALS, make_demo_study, real_search  # noqa: F401  (real_search: fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "pareto_report.ipynb"
@@ -41,7 +41,7 @@ def test_notebook_executes_on_a_study(tmp_path, monkeypatch):
     make_demo_study(f"sqlite:///{tmp_path / 'study.db'}")
     nb = _execute(monkeypatch, str(tmp_path))
     out = _outputs(nb)
-    assert "study 'demo': 13 trials" in out
+    assert f"study 'demo': {len(DEMO_TRIALS)} trials" in out
     assert "Trial #11" in out and "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4" in out
     assert _images(nb) >= 2  # the Pareto plot and the importances
 

@@ -54,6 +54,8 @@ DEMO_TRIALS = [
      {"error": "config: actor_rollout_ref.actor.fsdp_config.offload_policy: offload_policy is an FSDP2 option"}),
     ("ok", (2, "fsdp2", False, True, 8, 2), 1900.0, 47.0, 50.0, {}),
     ("ok", (4, "fsdp2", False, True, 8, 2), 2150.0, 63.0, 53.0, {}),
+    # the tuner's dedupe: TPE re-sampled #10's config; recorded as FAIL, not re-run (not in contracts.md §3 yet)
+    ("duplicate", (2, "fsdp2", False, True, 8, 2), None, None, 0.0, {"duplicate_of": 10}),
     ("running", (1, "fsdp2", False, False, 2, 2), None, None, None, {}),
 ]
 PENALTY_GB = 160.0
@@ -125,7 +127,9 @@ def make_demo_study(storage, study_name: str = "demo", *, device_gb=DEVICE_GB, m
         ua.update(extra)
         for k, v in ua.items():
             trial.set_user_attr(k, v)
-        if status == "ok":
+        if status == "duplicate":
+            study.tell(trial, state=optuna.trial.TrialState.FAIL)
+        elif status == "ok":
             trial.set_constraint("oom", -1.0)
             study.tell(trial, [thr, peak])
         elif status in ("oom", "inferred_oom", "hang"):
@@ -202,7 +206,8 @@ def test_report_files(demo_report):
 
 def test_report_content(demo_report):
     text = (demo_report / "report.html").read_text()
-    assert "still running" in text  # trial 12 is RUNNING
+    assert "still running" in text  # trial 13 is RUNNING
+    assert "same config as #10 (not re-run)" in text
     assert "NVIDIA H100 80GB HBM3 memory 80.0 GB" in text
     # baseline #0 (1500) vs best under 10% headroom: #11 (2150; #4 at 74.5 GB is over 72 GB)
     assert "1.43x" in text
@@ -233,7 +238,8 @@ def test_trials_frame_matches_contract(demo_out):
     assert list(df.index) == list(range(len(DEMO_TRIALS)))
     assert df.loc[1, "state"] == "COMPLETE" and not df.loc[1, "feasible"]
     assert df.loc[1, "value_throughput"] == 0.0 and df.loc[1, "value_memory"] == PENALTY_GB
-    assert df.loc[8, "state"] == "FAIL" and df.loc[12, "status"] == "running"
+    assert df.loc[8, "state"] == "FAIL" and df.loc[13, "status"] == "running"
+    assert df.loc[12, "state"] == "FAIL" and df.loc[12, "duplicate_of"] == 10
     assert df.loc[2, "inferred_from"] == 1
     assert set(df.index[df["pareto"]]) == {3, 4, 5, 6, 10, 11}
     assert df.loc[0, "baseline"] and df.loc[0, "time.gen"] > 0

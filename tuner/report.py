@@ -62,6 +62,8 @@ STATUS_STYLE = {  # status -> (label, colour, marker)
     "hang": ("hang (timed out)", "#ff7f0e", "v"),
     "crash": ("crash", "#7f7f7f", "s"),
     "invalid": ("invalid config", "#bcbd22", "D"),
+    "duplicate": ("duplicate (not run)", "#c7c7c7", "o"),  # the tuner's dedupe: same config as an earlier trial
+    "running": ("running", "#17becf", "o"),
 }
 STRIP_ROWS = ("oom", "inferred_oom", "hang", "crash", "invalid")
 
@@ -282,7 +284,8 @@ def plot_pareto(view: StudyView, *, headroom: float = DEFAULT_HEADROOM, chosen: 
             dups.setdefault(int(r["duplicate_of"]), []).append(int(r["number"]))
         for _, r in ok.iterrows():
             if label_all or r["pareto"] or r["baseline"]:
-                same = "".join(f"=#{d}" for d in dups.get(int(r["number"]), []))
+                k = len(dups.get(int(r["number"]), []))
+                same = f" (+{k} re-sampled)" if k else ""
                 ax.annotate(f"#{int(r['number'])}{same}", (r["peak_memory_gb"], r["throughput"]), xytext=(4, 4),
                             textcoords="offset points", fontsize=7, color="#333333")
         ax.set_ylim(0, ok["throughput"].max() * 1.15)

@@ -195,16 +195,22 @@ def load(
 def device_memory_gb(study_attrs: dict) -> tuple[Optional[float], str]:
     """The memory a config must fit: the cap the trials ran under, else the device's.
 
-    Returns (GB or None, a label saying which).
+    Returns (GB or None, a label saying which). On CPU a cap is an address-space rlimit
+    per rank on top of what the process maps after import, which no RSS figure can be
+    held against; there the machine's RAM is the bound (the trials that finished under
+    the cap have fit it by construction).
     """
     cap = study_attrs.get("memory_limit_gb")
-    if cap is not None:
-        return float(cap), f"memory cap {float(cap):g} GB (--memory-limit-gb)"
     dev = study_attrs.get("device") or {}
     total = dev.get("memory_total_gb")
+    name = dev.get("name") or dev.get("kind") or "device"
+    if cap is not None and dev.get("kind") != "cpu":
+        return float(cap), f"memory cap {float(cap):g} GB (--memory-limit-gb)"
     if total is not None:
-        name = dev.get("name") or dev.get("kind") or "device"
-        return float(total), f"{name} memory {float(total):.1f} GB"
+        label = f"{name} memory {float(total):.1f} GB"
+        if cap is not None:
+            label += f" (the CPU cap of {float(cap):g} GB per rank is an rlimit, not comparable with RSS)"
+        return float(total), label
     return None, "device memory unknown"
 
 
