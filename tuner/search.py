@@ -6,8 +6,9 @@ minimize peak memory (GB). OOM and hang trials are COMPLETE but infeasible
 (``trial.set_constraint``) with penalized values, so TPE/NSGA-II learn the memory boundary;
 crash and invalid are FAIL. Before launching a candidate the tuner checks, at zero cost:
 the space's constraints and the trainer's config validation (``invalid``), a config
-already measured (a ``duplicate_of`` copy, not counted toward ``--trials``), and a config at
-least as memory-hungry as a known OOM on every monotone knob (``inferred_oom``).
+already in the study (``duplicate``: FAIL with ``duplicate_of``, not run, not counted toward
+``--trials``; after a few in a row the tuner enqueues an unmeasured config itself), and a
+config at least as memory-hungry as a known OOM on every monotone knob (``inferred_oom``).
 
 Output: ``<out>/study.db`` (or ``--storage``), ``<out>/trials/<n>/{config.yaml,train.log,result.json}``.
 """
@@ -42,7 +43,8 @@ from tuner.space import Candidate, Space, SpaceError, base_flat_config, load_spa
 __all__ = ["add_arguments", "run", "build_sampler"]
 
 EXIT_OK, EXIT_USAGE, EXIT_INTERRUPTED = 0, 2, 130
-MAX_CONSECUTIVE_FREE = 100  # free (duplicate) proposals in a row before this process gives up
+MAX_CONSECUTIVE_FREE = 100  # duplicate proposals in a row before this process gives up
+EXPLORE_AFTER_DUPLICATES = 3  # then the next trial is an unmeasured config picked at random
 SWEEP_EVERY_S = 30.0
 
 
@@ -123,7 +125,7 @@ class Prepared:
     cand: Candidate
     baseline: bool = False
     confirm_of: Optional[int] = None
-    decision: str = "launch"  # launch | invalid | duplicate | duplicate_wait | inferred_oom
+    decision: str = "launch"  # launch | invalid | duplicate | inferred_oom
     error: Optional[str] = None
     source: Optional[FrozenTrial] = None  # duplicate / inferred-from trial
 
@@ -150,6 +152,8 @@ class Search:
     _started: float = field(default_factory=time.monotonic)
     _grid: Optional[list] = None
     _size: Optional[int] = None
+    _dup_in_a_row: int = 0
+    _rng: random.Random = field(default_factory=random.Random)
 
     # ---- identity of trials already in the study
     def _eff(self, t: FrozenTrial) -> Optional[dict]:
@@ -165,8 +169,7 @@ class Search:
             if t.state not in (TrialState.COMPLETE, TrialState.FAIL, TrialState.RUNNING):
                 continue
             ua = t.user_attrs
-            if (ua.get("status") == "interrupted" or ua.get("duplicate_of") is not None
-                    or ua.get("confirm_of") is not None):
+            if ua.get("status") in ("interrupted", "duplicate") or ua.get("confirm_of") is not None:
                 continue
             eff = self._eff(t)
             if eff is None:
@@ -198,6 +201,21 @@ class Search:
                 return cand
         return None
 
+    def _unmeasured(self, known: dict) -> Optional[Candidate]:
+        """A random config not yet in the study (the grid when it is small, else sampling)."""
+        if self._space_size() <= 100_000:
+            return self._next_grid_point(known)
+        for _ in range(200):
+            cand = self.space.sample(self.trial_flat, self._rng)
+            if cand is not None and self.space.identity(cand.effective) not in known:
+                return cand
+        return None
+
+    def _space_size(self) -> int:
+        if self._size is None:
+            self._size = self.space.size(self.trial_flat, limit=100_000)
+        return self._size
+
     # ---- ask (under the lock): decide what to do with the next trial
     def ask(self) -> Optional[Prepared]:
         with self.lock():
@@ -211,19 +229,20 @@ class Search:
                 return None
             known = self._known(trials)
             waiting = any(t.state == TrialState.WAITING for t in trials)
-            if self.args.sampler == "grid" and not waiting:
-                point = self._next_grid_point(known)
-                if point is None:
-                    self._stopped_reason = "the grid is exhausted"
-                    return None
-                self.study.enqueue_trial(point.params, skip_if_exists=False)
-            elif not waiting:
-                if self._size is None:
-                    self._size = self.space.size(self.trial_flat, limit=100_000)
-                size = self._size
+            if not waiting:
+                size = self._space_size()
                 if len(known) >= size:
-                    self._stopped_reason = f"every one of the {size} configs of the space is measured"
+                    self._stopped_reason = f"every one of the {size} configs of the space is in the study"
                     return None
+                if self.args.sampler == "grid" or self._dup_in_a_row >= EXPLORE_AFTER_DUPLICATES:
+                    # grid: our own enumeration (GridSampler cannot do conditional knobs);
+                    # otherwise the sampler keeps proposing measured configs: explore instead.
+                    point = self._unmeasured(known)
+                    if point is None:
+                        self._stopped_reason = "no unmeasured config left"
+                        return None
+                    self.study.enqueue_trial(point.params, skip_if_exists=False)
+                    self._dup_in_a_row = 0
             trial = self.study.ask()
             return self._prepare(trial, known)
 
@@ -267,9 +286,7 @@ class Search:
         ident = self.space.identity(cand.effective)
         prev = known.get(ident)
         if prev is not None and prev.number != trial.number:
-            prep.source = prev
-            prep.decision = "duplicate" if prev.state != TrialState.RUNNING else "duplicate_wait"
-            trial.set_user_attr("duplicate_of", prev.number)
+            prep.source, prep.decision = prev, "duplicate"
             return prep
         for t in known.values():
             if t.user_attrs.get("status") == "oom" and t.state == TrialState.COMPLETE:
@@ -288,7 +305,8 @@ class Search:
 
     # ---- run / record
     def _common_attrs(self, prep: Prepared) -> dict:
-        attrs = {"overrides": prep.cand.overrides, "baseline": prep.baseline, "throughput": None,
+        # overrides, baseline, owner and heartbeat were set when the trial was asked
+        attrs = {"throughput": None,
                  "throughput_cv": None, "step_s": None, "peak_memory_gb": None, "memory_source": None,
                  "memory": None, "timing_s": {}, "notes": [], "error": None, "log_tail": None,
                  "log_path": None, "result_path": None, "config_path": None, "duration_s": 0.0}
@@ -298,27 +316,20 @@ class Search:
 
     def process(self, prep: Prepared, slot: int) -> None:
         trial = prep.trial
-        attrs = self._common_attrs(prep)
+        attrs = self._common_attrs(prep) if prep.decision != "duplicate" else {"duration_s": 0.0}
         values = None
-        if prep.decision == "duplicate_wait":
-            prep = self._wait_for(prep)
-        if self.stop_event.is_set() and prep.decision in ("launch", "duplicate_wait"):
+        if self.stop_event.is_set() and prep.decision == "launch":
             self._interrupt_own(trial, "interrupted before launch: the tuner was stopped")
             return
         if prep.decision == "invalid":
             status, attrs["error"] = "invalid", prep.error
         elif prep.decision == "duplicate":
+            # Not run again and not a second data point: the original holds the measurement.
             src = prep.source
-            status = src.user_attrs.get("status", "crash")
-            for k in ("throughput", "throughput_cv", "step_s", "peak_memory_gb", "memory_source", "memory",
-                      "timing_s", "notes", "error", "log_path", "result_path", "config_path"):
-                attrs[k] = src.user_attrs.get(k, attrs.get(k))
+            status = "duplicate"
             attrs["duplicate_of"] = src.number
-            if "inferred_from" in src.user_attrs:
-                attrs["inferred_from"] = src.user_attrs["inferred_from"]
-            values = tuple(src.values) if src.values is not None and status in st.COMPLETE_STATUSES else None
-            if status in st.COMPLETE_STATUSES and values is None:
-                values = (0.0, self.penalty_gb)
+            attrs["error"] = (f"duplicate: the sampler proposed the config of trial {src.number} "
+                              f"({src.user_attrs.get('status') or src.state.name.lower()}); not run")
         elif prep.decision == "inferred_oom":
             status = "inferred_oom"
             attrs["inferred_from"] = prep.source.number
@@ -335,22 +346,8 @@ class Search:
             self.heartbeat.remove(trial._trial_id)
         free = prep.decision == "duplicate"
         self._free_in_a_row = self._free_in_a_row + 1 if free else 0
+        self._dup_in_a_row = self._dup_in_a_row + 1 if free else 0
         self._report(frozen, status, attrs, prep)
-
-    def _wait_for(self, prep: Prepared) -> Prepared:
-        """The same config is running in another trial: wait for it, then copy it."""
-        number = prep.source.number
-        while not self.stop_event.is_set():
-            t = self.study.get_trials(deepcopy=False)[number]
-            if t.state.is_finished():
-                if t.user_attrs.get("status") == "interrupted":
-                    prep.decision, prep.source = "launch", None
-                    self.storage.set_trial_user_attr(prep.trial._trial_id, "duplicate_of", None)
-                else:
-                    prep.decision, prep.source = "duplicate", t
-                return prep
-            time.sleep(1.0)
-        return prep
 
     def _interrupt_own(self, trial: optuna.trial.Trial, reason: str, attrs: Optional[dict] = None) -> None:
         frozen = self.storage.get_trial(trial._trial_id)
@@ -415,15 +412,15 @@ class Search:
 
     def _report(self, frozen: FrozenTrial, status: str, attrs: dict, prep: Prepared) -> None:
         note = ""
-        if "duplicate_of" in attrs:
-            note = f"same config as trial {attrs['duplicate_of']} (not re-run, not counted)"
+        if status == "duplicate":
+            note = f"same config as trial {attrs['duplicate_of']} (not run, not counted)"
         elif status == "inferred_oom":
             note = f"inferred from OOM trial {attrs['inferred_from']} (not launched)"
         elif prep.baseline:
             note = "baseline"
         elif prep.confirm_of is not None:
             note = f"confirms trial {prep.confirm_of}"
-        if attrs.get("error") and status not in ("inferred_oom",) and "duplicate_of" not in attrs:
+        if attrs.get("error") and status not in ("inferred_oom", "duplicate"):
             note = (note + " | " if note else "") + str(attrs["error"]).splitlines()[0][:160]
         params = dict(frozen.params)
         line = trial_line(frozen.number, status, throughput=attrs.get("throughput") if status == "ok" else None,
@@ -433,8 +430,8 @@ class Search:
             self.display.trial_done(line, counted=st.counted(frozen), status=status,
                                     throughput=attrs.get("throughput"), memory_gb=attrs.get("peak_memory_gb"),
                                     number=frozen.number, duration_s=float(attrs.get("duration_s") or 0.0))
-        if self.tracker is not None and "duplicate_of" not in attrs:
-            self.tracker.log_trial(frozen.number, status=status, params=params, overrides=attrs["overrides"],
+        if self.tracker is not None and status != "duplicate":
+            self.tracker.log_trial(frozen.number, status=status, params=params, overrides=prep.cand.overrides,
                                    attrs=attrs, values=tuple(frozen.values) if frozen.values else None)
 
     # ---- workers
@@ -464,8 +461,7 @@ class Search:
             already = {t.user_attrs.get("confirm_of") for t in trials
                        if "confirm_of" in t.user_attrs and t.user_attrs.get("status") != "interrupted"}
             front = [t for t in self.study.best_trials
-                     if t.user_attrs.get("status") == "ok" and "duplicate_of" not in t.user_attrs
-                     and "confirm_of" not in t.user_attrs]
+                     if t.user_attrs.get("status") == "ok" and t.user_attrs.get("confirm_of") is None]
             front.sort(key=lambda t: -t.values[0])
             todo = [t for t in front[:k] if t.number not in already]
         for orig in todo:
@@ -585,6 +581,7 @@ def run(args: argparse.Namespace) -> int:
     search = Search(args=args, study=study, storage=storage, lock=lock, space=space, trial_base=trial_base,
                     trial_flat=trial_flat, out_dir=out_dir, device=device, penalty_gb=penalty, display=display,
                     tracker=tracker)
+    search._rng = random.Random(_process_seed(args.seed, created))
     search.heartbeat = st.Heartbeat(storage)
     search.heartbeat.start()
 

@@ -57,9 +57,9 @@ __all__ = [
 
 SCHEMA = 1
 DIRECTIONS = ["maximize", "minimize"]  # throughput (tokens/s/GPU), peak memory (GB)
-STATUSES = ("ok", "oom", "inferred_oom", "hang", "crash", "invalid", "interrupted")
+STATUSES = ("ok", "oom", "inferred_oom", "hang", "crash", "invalid", "interrupted", "duplicate")
 COMPLETE_STATUSES = ("ok", "oom", "inferred_oom", "hang")  # COMPLETE; all but ok infeasible
-FAIL_STATUSES = ("crash", "invalid", "interrupted")
+FAIL_STATUSES = ("crash", "invalid", "interrupted", "duplicate")
 CONSTRAINT_KEY = "infeasible"  # trial.constraints == {"infeasible": 1.0} (OOM/hang) or {-1.0} (ok)
 HEARTBEAT_S = 15.0
 STALE_AFTER_S = 120.0  # a RUNNING trial of another host with no heartbeat for this long is stale
@@ -79,22 +79,22 @@ def resolve_storage(storage: Optional[str], out_dir: Path) -> StorageSpec:
     a journal file; ``*.db`` / ``*.sqlite`` path -> SQLite; anything else: an RDB URL."""
     if storage is None:
         path = (out_dir / "study.db").resolve()
-        return StorageSpec(f"sqlite:///{path}", "sqlite", path, path.with_name(path.name + ".lock"))
+        return StorageSpec(f"sqlite:///{path}", "sqlite", path, path.with_name(path.name + ".ppotune-lock"))
     if storage.startswith("journal:"):
         path = Path(storage[len("journal:"):]).expanduser().resolve()
-        return StorageSpec(f"journal:{path}", "journal", path, path.with_name(path.name + ".lock"))
+        return StorageSpec(f"journal:{path}", "journal", path, path.with_name(path.name + ".ppotune-lock"))
     if "://" not in storage:
         path = Path(storage).expanduser().resolve()
         if path.suffix in (".log", ".journal"):
-            return StorageSpec(f"journal:{path}", "journal", path, path.with_name(path.name + ".lock"))
+            return StorageSpec(f"journal:{path}", "journal", path, path.with_name(path.name + ".ppotune-lock"))
         if path.suffix in (".db", ".sqlite", ".sqlite3"):
-            return StorageSpec(f"sqlite:///{path}", "sqlite", path, path.with_name(path.name + ".lock"))
+            return StorageSpec(f"sqlite:///{path}", "sqlite", path, path.with_name(path.name + ".ppotune-lock"))
         raise ValueError(f"--storage: {storage!r} is neither an Optuna URL nor a .db/.log/.journal path")
     if storage.startswith("sqlite:///"):
         raw = storage[len("sqlite:///"):]
         if raw and raw != ":memory:":
             path = Path(raw).expanduser().resolve()
-            return StorageSpec(f"sqlite:///{path}", "sqlite", path, path.with_name(path.name + ".lock"))
+            return StorageSpec(f"sqlite:///{path}", "sqlite", path, path.with_name(path.name + ".ppotune-lock"))
     return StorageSpec(storage, "rdb", None, None)
 
 
@@ -169,11 +169,12 @@ def open_study(spec: StorageSpec, name: str, lock: StudyLock, *, sampler: optuna
 # --------------------------------------------------------------------------- counting
 def counted(t: FrozenTrial) -> bool:
     """Does this trial count toward ``--trials``? Finished or running trials, except
-    interrupted ones (their retry counts), free duplicates and ``--confirm`` re-runs."""
+    interrupted ones (their retry counts), duplicates (a proposal of a config already in the
+    study: recorded, never run) and ``--confirm`` re-runs."""
     if t.state not in (TrialState.COMPLETE, TrialState.FAIL, TrialState.RUNNING):
         return False
     ua = t.user_attrs
-    if ua.get("status") == "interrupted" or ua.get("duplicate_of") is not None or ua.get("confirm_of") is not None:
+    if ua.get("status") in ("interrupted", "duplicate") or ua.get("confirm_of") is not None:
         return False
     return True
 
