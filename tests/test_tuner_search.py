@@ -1,0 +1,317 @@
+"""``ppotune search`` end to end: REAL trials (``ppotune train`` on the tiny preset, 2 CPU
+processes, --steps 2 --warmup 1). Nothing stands in for the trainer or for Optuna.
+
+One study is shared by many assertions (module fixture): the baseline, a real distributed
+hang (``ppotune.fault=hang``), a real OOM (``--memory-limit-gb 0.25``: a 1024-wide model
+cannot allocate its weights under that RLIMIT_AS cap, a 64-wide one runs), an inferred
+OOM that is never launched, a real crash (``ppotune.fault=crash``: rank 1 SIGKILLs
+itself), a duplicate proposal, a plain ok trial and a ``--confirm`` re-run. Trials are
+enqueued through Optuna's own API so the sequence is deterministic.
+"""
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import optuna
+import pytest
+import yaml
+from optuna.trial import TrialState
+
+from conftest import TINY_BASE, processes_with, wait_until
+from trainer.config import load_config
+from tuner import study as st
+
+pytestmark = pytest.mark.slow
+
+HIDDEN, MICRO, FAULT = "ppotune.tiny.hidden_size", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", "ppotune.fault"
+SPACE = f"""
+knobs:
+  {HIDDEN}: {{type: categorical, choices: [64, 1024], memory: increasing}}
+  {MICRO}: {{type: pow2, low: 1, high: 4, memory: increasing}}
+  {FAULT}: {{type: categorical, choices: [none, crash, hang], memory: none}}
+"""
+BASELINE = {HIDDEN: 64, MICRO: 2, FAULT: "none"}
+
+
+def knobs(hidden, micro, fault="none") -> dict:
+    return {HIDDEN: hidden, MICRO: micro, FAULT: fault}
+
+
+def common(d: Path, space: Path, *extra) -> list:
+    return [TINY_BASE, "--space", space, "--steps", 2, "--warmup", 1, "--out", d / "out", "--seed", 0,
+            "--kill-grace", 3, *extra]
+
+
+def load(storage: str, name: str = "tiny_cpu--space") -> optuna.Study:
+    return optuna.load_study(study_name=name, storage=storage)
+
+
+def by_number(study: optuna.Study) -> dict:
+    return {t.number: t for t in study.get_trials()}
+
+
+def trial_where(study, **params) -> list:
+    return [t for t in study.get_trials() if all(t.params.get(k) == v for k, v in params.items())]
+
+
+# --------------------------------------------------------------------------- the shared study
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory, cli):
+    d = tmp_path_factory.mktemp("shared")
+    space = d / "space.yaml"
+    space.write_text(SPACE)
+    args = common(d, space, "--memory-limit-gb", 0.25)
+    storage = f"sqlite:///{d / 'out' / 'study.db'}"
+    runs = []
+    t0 = time.monotonic()
+    # 1. the baseline alone
+    runs.append(cli("search", *args, "--trials", 1, "--trial-timeout", 180))
+    assert runs[-1].returncode == 0, runs[-1].stdout + runs[-1].stderr
+    # 2. a real distributed hang, killed at a short trial timeout (resumes the study)
+    load(storage).enqueue_trial(knobs(64, 2, "hang"))
+    runs.append(cli("search", *args, "--trials", 2, "--trial-timeout", 20))
+    assert runs[-1].returncode == 0, runs[-1].stdout + runs[-1].stderr
+    # 3. OOM, inferred OOM, crash, a duplicate of the baseline, an ok trial; then --confirm 1
+    study = load(storage)
+    for p in (knobs(1024, 1), knobs(1024, 4), knobs(64, 2, "crash"), BASELINE, knobs(64, 4)):
+        study.enqueue_trial(p)
+    runs.append(cli("search", *args, "--trials", 6, "--trial-timeout", 180, "--confirm", 1))
+    assert runs[-1].returncode == 0, runs[-1].stdout + runs[-1].stderr
+    return SimpleNamespace(dir=d, out=d / "out", storage=storage, study=load(storage), runs=runs,
+                           seconds=time.monotonic() - t0)
+
+
+def status_of(study, status):
+    return [t for t in study.get_trials() if t.user_attrs.get("status") == status]
+
+
+def test_study_completes_with_baseline_first(shared):
+    study = shared.study
+    first = by_number(study)[0]
+    assert first.user_attrs["baseline"] is True and first.user_attrs["status"] == "ok"
+    assert first.params == BASELINE and first.user_attrs["overrides"] == {}
+    assert sum(1 for t in study.get_trials() if t.user_attrs.get("baseline")) == 1
+    assert st.count_progress(study.get_trials()) == 6
+    assert len([t for t in study.get_trials() if st.counted(t)]) >= 6
+
+
+def test_every_trial_has_a_status_and_launched_ones_a_memory_source(shared):
+    for t in shared.study.get_trials():
+        assert t.state in (TrialState.COMPLETE, TrialState.FAIL), t
+        assert t.user_attrs["status"] in st.STATUSES
+        if t.user_attrs["status"] in ("ok", "oom", "hang", "crash"):
+            assert t.user_attrs["memory_source"] == "psutil"  # no NVML on this machine: the fallback
+            mem = t.user_attrs["memory"]
+            assert mem["external_source"] == "psutil" and mem["external_peak_gb"] > 0
+            assert mem["samples"] >= 10
+            assert t.user_attrs["duration_s"] > 0
+            assert Path(t.user_attrs["log_path"]).is_file()
+
+
+def test_pareto_front_is_feasible_and_not_empty(shared):
+    front = shared.study.best_trials
+    assert front
+    for t in front:
+        assert t.user_attrs["status"] == "ok" and t.constraints == {st.CONSTRAINT_KEY: -1.0}
+        assert t.values[0] == pytest.approx(t.user_attrs["throughput"])
+        assert t.values[1] == pytest.approx(t.user_attrs["peak_memory_gb"])
+        # the memory objective is the max of the outside and the inside view
+        mem = t.user_attrs["memory"]
+        assert t.values[1] >= mem["external_peak_gb"] and t.values[1] >= mem["rss_peak_gb"]
+
+
+def test_real_oom_is_infeasible_and_the_study_goes_on(shared):
+    (oom,) = status_of(shared.study, "oom")
+    assert oom.params == knobs(1024, 1)
+    assert oom.state == TrialState.COMPLETE
+    assert oom.constraints == {st.CONSTRAINT_KEY: 1.0}
+    penalty = shared.study.user_attrs["penalty_memory_gb"]
+    assert oom.values == [0.0, pytest.approx(penalty)]
+    assert "out of memory" in oom.user_attrs["error"]
+    assert any(t.number > oom.number and t.user_attrs.get("status") == "ok" for t in shared.study.get_trials())
+
+
+def test_dominating_config_is_inferred_oom_and_never_launched(shared):
+    (oom,) = status_of(shared.study, "oom")
+    (inf,) = status_of(shared.study, "inferred_oom")
+    assert inf.params == knobs(1024, 4)
+    assert inf.user_attrs["inferred_from"] == oom.number
+    assert inf.state == TrialState.COMPLETE and inf.constraints == {st.CONSTRAINT_KEY: 1.0}
+    assert inf.user_attrs["duration_s"] == 0
+    assert inf.user_attrs["log_path"] is None and inf.user_attrs["config_path"] is None
+    assert not (shared.out / "trials" / str(inf.number)).exists()  # no directory, no log, no process
+    assert f"trials/{inf.number}/" not in "".join(r.stdout for r in shared.runs)
+
+
+def test_hang_is_killed_at_the_trial_timeout_with_nothing_left(shared, no_processes_left):
+    (hang,) = status_of(shared.study, "hang")
+    assert hang.params == knobs(64, 2, "hang")
+    assert hang.state == TrialState.COMPLETE and hang.constraints == {st.CONSTRAINT_KEY: 1.0}
+    assert 20 <= hang.user_attrs["duration_s"] < 20 + 3 + 10
+    assert "trial-timeout" in hang.user_attrs["error"] and hang.user_attrs["log_tail"]
+    assert no_processes_left(str(shared.out / "trials" / str(hang.number)), timeout=5) == []
+
+
+def test_crash_is_a_failure_with_reason_and_log(shared):
+    (crash,) = status_of(shared.study, "crash")
+    assert crash.params == knobs(64, 2, "crash")
+    assert crash.state == TrialState.FAIL
+    assert crash.user_attrs["error"] and crash.user_attrs["log_tail"]
+
+
+def test_duplicate_proposal_is_recorded_not_run(shared):
+    (dup,) = status_of(shared.study, "duplicate")
+    assert dup.params == BASELINE and dup.user_attrs["duplicate_of"] == 0
+    assert dup.state == TrialState.FAIL and not st.counted(dup)
+    assert not (shared.out / "trials" / str(dup.number)).exists()
+    # each measured config was measured once (the confirm run aside)
+    measured = [tuple(sorted(t.params.items())) for t in shared.study.get_trials()
+                if t.user_attrs["status"] in ("ok", "oom", "hang", "crash") and "confirm_of" not in t.user_attrs]
+    assert len(measured) == len(set(measured))
+
+
+def test_confirm_reruns_the_best_pareto_config(shared):
+    confirms = [t for t in shared.study.get_trials() if "confirm_of" in t.user_attrs]
+    assert len(confirms) == 1
+    (c,) = confirms
+    orig = by_number(shared.study)[c.user_attrs["confirm_of"]]
+    assert orig.user_attrs["status"] == "ok" and c.params == orig.params
+    assert c.user_attrs["overrides"] == orig.user_attrs["overrides"]
+    assert c.user_attrs["status"] == "ok" and c.user_attrs["throughput"] > 0
+    best = max((t for t in shared.study.best_trials if "confirm_of" not in t.user_attrs), key=lambda t: t.values[0])
+    assert orig.number == best.number or orig.values[0] >= best.values[0]
+
+
+def test_trial_files_follow_the_contract(shared):
+    ok = [t for t in status_of(shared.study, "ok") if not t.user_attrs.get("baseline")][0]
+    d = shared.out / "trials" / str(ok.number)
+    assert Path(ok.user_attrs["config_path"]) == d / "config.yaml"
+    assert Path(ok.user_attrs["result_path"]) == d / "result.json"
+    cfg = load_config(d / "config.yaml")
+    assert cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu == ok.params[MICRO]
+    assert cfg.trainer.n_gpus_per_node == 2 and cfg.trainer.total_training_steps == 2
+    assert cfg.ppotune.memory_limit_gb == 0.25
+    assert "--nproc 2 --steps 2 --warmup 1" in (d / "train.log").read_text().splitlines()[0]
+    for key in ("throughput", "throughput_cv", "step_s", "peak_memory_gb", "timing_s", "notes", "error",
+                "log_tail", "log_path", "result_path", "config_path", "duration_s", "overrides", "baseline"):
+        assert key in ok.user_attrs, key
+    assert set(ok.user_attrs["timing_s"]) >= {"gen", "update_actor", "update_critic", "step"}
+
+
+def test_study_attrs_follow_the_contract(shared):
+    ua = shared.study.user_attrs
+    assert ua["ppotune_schema"] == 1
+    assert ua["nproc"] == 2 and ua["steps"] == 2 and ua["warmup"] == 1
+    assert ua["memory_limit_gb"] == 0.25
+    assert ua["device"]["kind"] == "cpu" and ua["device"]["memory_total_gb"] > 0
+    assert ua["base_config"]["trainer"]["n_gpus_per_node"] == 2
+    assert set(ua["space"]["knobs"]) == {HIDDEN, MICRO, FAULT}
+    assert ua["space_path"].endswith("space.yaml") and ua["base_config_path"].endswith("tiny_cpu.yaml")
+    assert [d.name for d in shared.study.directions] == ["MAXIMIZE", "MINIMIZE"]
+
+
+def test_one_plain_line_per_finished_trial(shared):
+    out = "".join(r.stdout for r in shared.runs)
+    for t in shared.study.get_trials():
+        lines = [ln for ln in out.splitlines() if ln.startswith(f"trial {t.number:4d} ")]
+        assert len(lines) == 1, (t.number, lines)
+        assert t.user_attrs["status"] in lines[0]
+
+
+def test_resume_refuses_a_different_setup(shared, cli):
+    r = cli("search", *common(shared.dir, shared.dir / "space.yaml", "--memory-limit-gb", 0.25),
+            "--trials", 6, "--nproc", 1)
+    assert r.returncode == 2
+    assert "nproc=2" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+# --------------------------------------------------------------------------- stop and resume
+def _start(cli, d, space, trials):
+    return cli.popen("search", *common(d, space), "--trials", trials, "--trial-timeout", 180)
+
+
+def _ranks_running(trial_dir: Path) -> bool:
+    return any("trainer.run" in " ".join(p.cmdline()) for p in processes_with(str(trial_dir)))
+
+
+def test_sigint_then_sigkill_then_resume_loses_and_duplicates_nothing(tmp_path, cli, no_processes_left):
+    space = tmp_path / "space.yaml"
+    space.write_text(SPACE)
+    out = tmp_path / "out"
+    storage = f"sqlite:///{out / 'study.db'}"
+
+    # Ctrl-C while the baseline runs: the trial is killed, marked interrupted and enqueued again
+    tuner = _start(cli, tmp_path, space, 2)
+    assert wait_until(lambda: _ranks_running(out / "trials" / "0"), 90), tuner.poll()
+    tuner.send_signal(signal.SIGINT)
+    text = tuner.communicate(timeout=60)[0]
+    assert tuner.returncode == 130, text
+    assert no_processes_left(str(out), timeout=10) == []
+    t0 = by_number(load(storage))[0]
+    assert t0.state == TrialState.FAIL and t0.user_attrs["status"] == "interrupted"
+    (retry,) = load(storage).get_trials(states=(TrialState.WAITING,))
+    assert retry.user_attrs["retry_of"] == 0 and retry.user_attrs["baseline"] is True
+
+    # SIGKILL while the retry runs: no trial process survives the tuner
+    tuner = _start(cli, tmp_path, space, 2)
+    assert wait_until(lambda: _ranks_running(out / "trials" / str(retry.number)), 90), tuner.poll()
+    tuner.kill()
+    tuner.wait()
+    assert no_processes_left(str(out), timeout=20) == []
+    assert by_number(load(storage))[retry.number].state == TrialState.RUNNING  # left behind
+
+    # the same command again: the stale trial is swept, re-run, and the study completes
+    r = cli("search", *common(tmp_path, space), "--trials", 2, "--trial-timeout", 180)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert no_processes_left(str(out), timeout=10) == []
+    study = load(storage)
+    trials = study.get_trials()
+    assert st.count_progress(trials) == 2
+    interrupted = [t.number for t in trials if t.user_attrs.get("status") == "interrupted"]
+    assert interrupted == [0, retry.number]
+    assert "died" in by_number(study)[retry.number].user_attrs["error"]
+    baselines = [t for t in trials if t.user_attrs.get("baseline") and t.user_attrs.get("status") != "interrupted"]
+    assert len(baselines) == 1 and baselines[0].user_attrs["status"] == "ok"
+    assert baselines[0].user_attrs["retry_of"] == retry.number
+    counted = [t for t in trials if st.counted(t)]
+    assert len({tuple(sorted(t.params.items())) for t in counted}) == len(counted)
+
+
+# --------------------------------------------------------------------------- many workers
+@pytest.mark.parametrize("kind", ["journal", "sqlite"])
+def test_two_tuners_on_one_storage_add_up(tmp_path, cli, kind, no_processes_left):
+    space = tmp_path / "space.yaml"
+    space.write_text(SPACE.replace("[none, crash, hang]", "[none]"))
+    storage = str(tmp_path / "study.log") if kind == "journal" else f"sqlite:///{tmp_path / 'study.db'}"
+    args = [*common(tmp_path, space), "--trials", 3, "--trial-timeout", 300, "--storage", storage]
+    tuners = [cli.popen("search", *args) for _ in range(2)]
+    outs = [p.communicate(timeout=900)[0] for p in tuners]
+    assert [p.returncode for p in tuners] == [0, 0], outs
+    study = load(st.resolve_storage(storage, tmp_path).url if kind == "sqlite" else
+                 optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(storage)))
+    trials = study.get_trials()
+    counted = [t for t in trials if st.counted(t)]
+    assert len(counted) == 3
+    assert all(t.state.is_finished() for t in trials)
+    owners = {t.user_attrs["owner"]["pid"] for t in counted}
+    assert owners == {p.pid for p in tuners} or len(owners) == 2  # both processes ran trials
+    assert sum(1 for t in trials if t.user_attrs.get("baseline")) == 1
+    assert len({tuple(sorted(t.params.items())) for t in counted}) == 3  # distinct configs
+    launched = [t for t in counted if t.user_attrs.get("status") != "inferred_oom"]
+    dirs = {Path(t.user_attrs["config_path"]).parent.name for t in launched}
+    assert dirs == {str(t.number) for t in launched}
+    assert no_processes_left(str(tmp_path / "out"), timeout=10) == []
+
+
+def test_bad_space_exits_2_before_any_trial(tmp_path, cli):
+    space = tmp_path / "bad.yaml"
+    space.write_text("knobs:\n  actor_rollout_ref.actor.no_such_knob: {type: bool}\n")
+    r = cli("search", TINY_BASE, "--space", space, "--trials", 3, "--out", tmp_path / "out")
+    assert r.returncode == 2
+    (line,) = r.stderr.strip().splitlines()
+    assert str(space) in line and "actor_rollout_ref.actor.no_such_knob" in line
+    assert not (tmp_path / "out" / "trials").exists()
