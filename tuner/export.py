@@ -426,10 +426,15 @@ def run(args) -> int:
     if not 0.0 <= args.memory_headroom < 1.0:
         return _fail(f"--memory-headroom must be in [0, 1), got {args.memory_headroom}")
     if args.validate_verl:
+        import importlib.util
+
         from tuner.verl_validate import verl_root
 
-        if verl_root() is None or not (verl_root() / "trainer" / "config" / "ppo_trainer.yaml").is_file():
-            return _fail("--validate-verl needs verl installed (pip install --no-deps verl hydra-core)")
+        root = verl_root()
+        if root is None or not (root / "trainer" / "config" / "ppo_trainer.yaml").is_file():
+            return _fail("--validate-verl needs verl installed (pip install --no-deps verl==0.9.1 hydra-core)")
+        if importlib.util.find_spec("hydra") is None:
+            return _fail("--validate-verl needs hydra-core installed (pip install hydra-core)")
     from tuner.verl_validate import VerlNotInstalled, VerlOverrideError
 
     try:

@@ -238,6 +238,7 @@ def plot_pareto(view: StudyView, *, headroom: float = DEFAULT_HEADROOM, chosen: 
     """Throughput vs peak memory. Returns a matplotlib Figure (the caller saves or shows it)."""
     df = view.trials
     dev, dev_label = view.device_memory
+    dev_label = dev_label.split(" (")[0]  # the caveat is in the page text
     fig = Figure(figsize=(10, 7.2))
     ax, strip = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [4, 1.5], "hspace": 0.16})
     ok = df.loc[studyio.measured_feasible(df)] if not df.empty else df
@@ -326,13 +327,17 @@ def plot_pareto(view: StudyView, *, headroom: float = DEFAULT_HEADROOM, chosen: 
             strip.scatter([min(p[1], xmax * 0.995) for p in pen], [ypos[status]] * len(pen), marker=marker, s=55,
                           **({"c": color} if marker in ("x", "+") else {"facecolors": "none", "edgecolors": color}),
                           alpha=0.6, label=f"{label}: penalized value", zorder=3)
+        pinned: dict[float, list[int]] = {}  # penalties far off the scale: pinned to the edge, named once
         for _, x, penalized, n in pts:
-            if x > xmax * 0.995:  # a penalty far off the scale: pin it to the edge and say where it is
-                strip.annotate(f"#{n} at {x:g} GB →", (xmax * 0.995, ypos[status]), xytext=(-8, 0),
-                               textcoords="offset points", fontsize=7, ha="right", va="center", color=color)
+            if x > xmax * 0.995:
+                pinned.setdefault(round(x, 1), []).append(n)
             else:
                 strip.annotate(f"#{n}", (x, ypos[status]), xytext=(0, 6), textcoords="offset points",
                                fontsize=7, ha="center", color=color)
+        for x, ns in pinned.items():
+            names = ", ".join(f"#{n}" for n in ns[:10]) + (" ..." if len(ns) > 10 else "")
+            strip.annotate(f"{names} at {x:g} GB \u2192", (xmax * 0.995, ypos[status]), xytext=(-8, 0),
+                           textcoords="offset points", fontsize=7, ha="right", va="center", color=color)
         if status in unplaced:
             names = ", ".join(f"#{n}" for n in unplaced[status][:12]) + (" ..." if len(unplaced[status]) > 12 else "")
             strip.text(xmin + (xmax - xmin) * 0.01, ypos[status], f"no measurement: {names}", fontsize=7,
