@@ -417,8 +417,7 @@ def plot_phases(view: StudyView, numbers: list[int]):
     ax.invert_yaxis()
     ax.set_xlabel("median seconds per PPO step")
     if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=7, ncol=9, loc="upper center", bbox_to_anchor=(0.5, -0.16 - 0.6 / max(len(numbers), 1)),
-                  frameon=False)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     ax.grid(True, axis="x", alpha=0.3)
     ax.set_title("step time by phase (Pareto configs and baseline)", fontsize=10)
     fig.tight_layout()
@@ -503,9 +502,9 @@ def _knob_value_table(view: StudyView, numbers: list[int]) -> str:
         ref = params[base_n[0]].get(k) if base_n else None
         cells = []
         for n in cols:
-            v = params[n].get(k, "–")
+            v = params[n].get(k)  # absent: a conditional knob this trial did not use
             cls = ' class="diff"' if base_n and n not in base_n and v != ref else ""
-            cells.append(f"<td{cls}>{_e(v)}</td>")
+            cells.append(f"<td{cls}>{'–' if v is None else _e(v)}</td>")
         rows.append(f'<tr><th class="knob" title="{_e(k)}">{_e(short_knob(k))}</th>{"".join(cells)}</tr>')
     return f'<table class="t"><tr><th>knob</th>{head}</tr>{"".join(rows)}</table>'
 
