@@ -244,7 +244,12 @@ class Search:
                     self.study.enqueue_trial(point.params, skip_if_exists=False)
                     self._dup_in_a_row = 0
             trial = self.study.ask()
-            return self._prepare(trial, known)
+            try:
+                return self._prepare(trial, known)
+            except Exception as e:  # noqa: BLE001 - e.g. enqueued params outside the space
+                prep = Prepared(trial=trial, cand=Candidate(params=dict(trial.params), overrides={}, effective={}),
+                                decision="invalid", error=f"tuner: could not prepare the trial: {type(e).__name__}: {e}")
+                return prep
 
     def _prepare(self, trial: optuna.trial.Trial, known: dict) -> Prepared:
         ua = trial.user_attrs
@@ -655,7 +660,7 @@ def _write_report(storage_url: str, study_name: str, out_dir: Path) -> None:
         print("ppotune search: --report: tuner.report has no write_report()", flush=True)
         return
     try:
-        fn(storage_url, study_name, out_dir)
-        print(f"ppotune search: report written to {out_dir}", flush=True)
+        where = fn(storage_url, study_name, out_dir)
+        print(f"ppotune search: report written to {where or out_dir}", flush=True)
     except Exception as e:  # noqa: BLE001 - the study is safe; the report is a view of it
         print(f"ppotune search: --report failed: {type(e).__name__}: {e}", flush=True)

@@ -29,11 +29,15 @@ class TrialTracker:
     def __init__(self, *, project: str, group: str, out_dir: Path):
         if not os.environ.get("WANDB_MODE") and not has_credentials():
             os.environ["WANDB_MODE"] = "offline"
+        os.environ.setdefault("WANDB_SILENT", "true")  # keep one line per trial readable
         self.mode = os.environ.get("WANDB_MODE", "online")
         self.project = project
         self.group = group
         self.dir = Path(out_dir) / "wandb"
         self.dir.mkdir(parents=True, exist_ok=True)
+        where = f"runs under {self.dir}" + (f"; upload later with `wandb sync {self.dir}/wandb/offline-run-*`"
+                                            if self.mode == "offline" else "")
+        print(f"ppotune search: wandb {self.mode} (project {project}, group {group}): {where}", flush=True)
 
     def log_trial(self, number: int, *, status: str, params: dict, overrides: dict, attrs: dict,
                   values: Optional[tuple[float, float]]) -> Optional[str]:
