@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from test_report import DEVICE_GB, ROOT, make_demo_study, real_search  # noqa: F401  (real_search: fixture)
+from test_report import ROOT, make_demo_study, real_search  # noqa: F401  (real_search: fixture)
 from trainer.config import flatten, load_config
 from tuner.cli import main
 
@@ -228,3 +228,11 @@ def test_exported_config_trains(real_search, tmp_path):  # noqa: F811
                         "--steps", "2", "--warmup", "1", "--result", str(tmp_path / "result.json")],
                        cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, f"{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+
+
+def test_report_and_export_never_import_torch():
+    code = ("import sys, tuner.report, tuner.export, tuner.studyio, tuner.verl_validate; "
+            "from tuner.cli import build_parser; build_parser(); "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr

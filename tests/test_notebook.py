@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "pareto_report.ipynb"
 
 
-def _execute(monkeypatch, storage: str, study: str = "") -> "nbformat.NotebookNode":  # noqa: F821
+def _execute(monkeypatch, storage: str, study: str = ""):
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
     pytest.importorskip("ipykernel")

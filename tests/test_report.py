@@ -13,7 +13,6 @@ import os
 import re
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import optuna
@@ -308,7 +307,8 @@ def test_report_few_trials_and_unknown_device(tmp_path):
     text = (tmp_path / "r" / "report.html").read_text()
     assert "not enough feasible trials to estimate importances (1; need 4)" in text
     assert "Device memory unknown" in text
-    rows = list(csv.DictReader(open(tmp_path / "r" / "trials.csv")))
+    with open(tmp_path / "r" / "trials.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
     assert [r["status"] for r in rows] == ["ok", "oom"]
 
 
