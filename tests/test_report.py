@@ -394,3 +394,29 @@ def test_report_on_real_search(real_search, tmp_path):
     for key in ("ppotune_schema", "base_config", "device", "nproc"):
         assert key in view.attrs, key
     assert view.trials["baseline"].any()
+
+
+# --------------------------------------------------------------------------- the tuner's shared real study
+try:  # the tuner's module fixture: baseline, real hang, OOM, inferred OOM, crash, duplicate, --confirm
+    from test_tuner_search import shared  # noqa: F401
+except Exception:  # not there yet, or it cannot be imported here
+    shared = None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shared is None, reason="tests/test_tuner_search.py::shared is not available")
+def test_report_and_export_on_the_tuners_real_study(shared, tmp_path):  # noqa: F811
+    """Every status of contracts.md §3 from REAL trials, read by report and export."""
+    from tuner import studyio
+    from tuner.cli import main
+
+    view = studyio.load(storage=shared.storage)
+    statuses = {int(r["number"]): r["status"] for _, r in view.trials.iterrows()}
+    assert {"ok", "oom", "inferred_oom", "hang", "crash", "duplicate"} <= set(statuses.values())
+    assert main(["report", "--storage", shared.storage, "--to", str(tmp_path / "r")]) == 0
+    check_report_dir(tmp_path / "r", len(statuses), statuses)
+    text = (tmp_path / "r" / "report.html").read_text()
+    assert "confirms #" in text and "same config as #" in text
+    assert main(["export", "--storage", shared.storage, "--to", str(tmp_path / "e")]) == 0
+    why = (tmp_path / "e" / "why.md").read_text()
+    assert "nearest out-of-memory config is trial #" in why

@@ -522,6 +522,8 @@ def _pareto_table(view: StudyView, numbers: list[int]) -> str:
     for n in numbers:
         r = df.loc[n]
         tag = " ★" if r["baseline"] else ""
+        if not missing(r["confirm_of"]):
+            tag += f"<br><span class='muted'>confirms #{int(r['confirm_of'])}</span>"
         phases = "".join(f"<td>{_f(r.get(f'time.{p}'), '.3f')}</td>" for p in PHASES)
         rows.append(
             f"<tr><td>#{n}{tag}</td><td>{_f(r['throughput'], '.1f')}</td><td>{_f(r['throughput_cv'], '.1%')}</td>"
