@@ -231,7 +231,7 @@ class Search:
             waiting = any(t.state == TrialState.WAITING for t in trials)
             if not waiting:
                 size = self._space_size()
-                if len(known) >= size:
+                if sum(1 for t in known.values() if t.user_attrs.get("status") != "invalid") >= size:
                     self._stopped_reason = f"every one of the {size} configs of the space is in the study"
                     return None
                 if self.args.sampler == "grid" or self._dup_in_a_row >= EXPLORE_AFTER_DUPLICATES:
