@@ -63,6 +63,7 @@ STATUS_STYLE = {  # status -> (label, colour, marker)
     "crash": ("crash", "#7f7f7f", "s"),
     "invalid": ("invalid config", "#bcbd22", "D"),
     "duplicate": ("duplicate (not run)", "#c7c7c7", "o"),  # the tuner's dedupe: same config as an earlier trial
+    "interrupted": ("interrupted (re-queued)", "#9467bd", "o"),  # the tuner stopped or died mid-trial
     "running": ("running", "#17becf", "o"),
 }
 STRIP_ROWS = ("oom", "inferred_oom", "hang", "crash", "invalid")
@@ -550,6 +551,9 @@ def _all_trials_table(view: StudyView) -> str:
             extra.append(f"inferred from #{int(r['inferred_from'])}")
         if not pd.isna(r["confirm_of"]):
             extra.append(f"confirms #{int(r['confirm_of'])}")
+        retry = view.trial(n).user_attrs.get("retry_of")
+        if retry is not None:
+            extra.append(f"re-run of interrupted #{retry}")
         if not pd.isna(r["duplicate_of"]):
             extra.append(f"same config as #{int(r['duplicate_of'])} (not re-run)")
         if r["error"]:
