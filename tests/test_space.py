@@ -108,7 +108,7 @@ def test_unsafe_or_bad_expressions_are_refused(text):
 # --------------------------------------------------------------------------- loading errors
 @pytest.mark.parametrize("text,key", [
     ("knobs:\n  a: {type: bool\n", "malformed YAML at line"),
-    (f"knobs:\n  actor_rollout_ref.actor.no_such_knob: {{type: bool}}\n", "actor_rollout_ref.actor.no_such_knob"),
+    ("knobs:\n  actor_rollout_ref.actor.no_such_knob: {type: bool}\n", "actor_rollout_ref.actor.no_such_knob"),
     ("# nothing here\n", "knobs: empty space"),
     ("knobs: {}\n", "knobs: empty space"),
     (f"knobs:\n  {MICRO}: {{type: pow2, low: 3, high: 8}}\n", f"{MICRO}.low: must be a power of two"),

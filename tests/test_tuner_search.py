@@ -11,14 +11,12 @@ enqueued through Optuna's own API so the sequence is deterministic.
 from __future__ import annotations
 
 import signal
-import subprocess
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import optuna
 import pytest
-import yaml
 from optuna.trial import TrialState
 
 from conftest import TINY_BASE, processes_with, wait_until

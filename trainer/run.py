@@ -242,8 +242,12 @@ def build_roles(cfg, tokenizer, device, world: int, notes: list[str]):
     if ro.name == "vllm":
         notes.append("actor_rollout_ref.rollout.name=vllm: vLLM rollout is not wired in this trainer; generated with HF generate")
     if ro.name != "vllm":
+        from .config import RolloutConfig
+
+        defaults = RolloutConfig()
         for key in ("gpu_memory_utilization", "max_num_batched_tokens", "max_num_seqs"):
-            notes.append(f"actor_rollout_ref.rollout.{key}: no effect with rollout.name=hf (vLLM-only knob)")
+            if getattr(ro, key) != getattr(defaults, key):  # only the ones somebody set
+                notes.append(f"actor_rollout_ref.rollout.{key}: no effect with rollout.name=hf (vLLM-only knob)")
 
     actor = shard_model(actor_model, knobs(a.fsdp_config, a.strategy, mdl.enable_gradient_checkpointing), device=device,
                         name="actor_rollout_ref.actor.fsdp_config", notes=notes)

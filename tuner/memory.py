@@ -6,6 +6,10 @@ memory of the trial's own processes (``nvmlDeviceGetComputeRunningProcesses`` fi
 the trial's process tree) - that includes the CUDA context and NCCL buffers torch's
 allocator never sees. Without NVML (``nvmlInit`` raises, e.g. no driver) it sums the RSS of
 the trial's process tree. ``source`` says which: ``"nvml"`` or ``"psutil"``.
+
+Like NVML's per-GPU figure, the psutil objective is per rank: the peak RSS of the largest single
+process of the tree (on CPU a rank stands for a GPU, and ``--memory-limit-gb`` caps each process).
+The summed RSS of the whole tree is kept beside it (``tree_rss_peak_gb``).
 """
 from __future__ import annotations
 
@@ -90,6 +94,7 @@ class MemoryPeaks:
     device_used_peak_gb: Optional[float] = None  # NVML device used memory (max over the trial's GPUs)
     process_peak_gb: Optional[float] = None  # NVML memory of the trial's own processes (max over GPUs)
     tree_rss_peak_gb: Optional[float] = None  # summed RSS of the process tree (always sampled)
+    process_rss_peak_gb: Optional[float] = None  # RSS of the largest single process (per rank on CPU)
     samples: int = 0
     pids_seen: tuple = ()
 
@@ -125,16 +130,19 @@ class MemorySampler(threading.Thread):
         procs = process_tree(self.root_pid)
         pids = {p.pid for p in procs}
         self._pids |= pids
-        rss = 0
+        rss, largest = 0, 0
         for p in procs:
             try:
-                rss += p.memory_info().rss
+                r = p.memory_info().rss
             except psutil.Error:
-                pass
+                continue
+            rss += r
+            largest = max(largest, r)
         pk = self.peaks
         pk.samples += 1
         if procs:
             pk.tree_rss_peak_gb = max(pk.tree_rss_peak_gb or 0.0, rss / GIB)
+            pk.process_rss_peak_gb = max(pk.process_rss_peak_gb or 0.0, largest / GIB)
         if self._handles:
             import pynvml
 
@@ -170,7 +178,7 @@ class MemorySampler(threading.Thread):
             # device's used memory is the best outside view there is.
             pk.external_peak_gb = pk.process_peak_gb if pk.process_peak_gb is not None else pk.device_used_peak_gb
         else:
-            pk.external_peak_gb = pk.tree_rss_peak_gb
+            pk.external_peak_gb = pk.process_rss_peak_gb
         pk.pids_seen = tuple(sorted(self._pids))
         return pk
 

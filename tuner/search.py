@@ -38,7 +38,7 @@ from tuner import study as st
 from tuner.launch import launch_trial, train_command
 from tuner.memory import gpu_info, nvml_available, visible_gpus
 from tuner.progress import Display, trial_line
-from tuner.space import Candidate, Space, SpaceError, base_flat_config, load_space
+from tuner.space import Candidate, Space, base_flat_config, load_space
 
 __all__ = ["add_arguments", "run", "build_sampler"]
 
@@ -390,6 +390,7 @@ class Search:
             "memory": {"external_peak_gb": mem.external_peak_gb, "external_source": mem.external_source,
                        "device_used_peak_gb": mem.device_used_peak_gb,
                        "process_peak_gb": mem.process_peak_gb, "tree_rss_peak_gb": mem.tree_rss_peak_gb,
+                       "process_rss_peak_gb": mem.process_rss_peak_gb,
                        "allocated_peak_gb": summary.get("peak_memory_allocated_gb"),
                        "reserved_peak_gb": summary.get("peak_memory_reserved_gb"),
                        "rss_peak_gb": summary.get("peak_rss_gb"), "samples": mem.samples},

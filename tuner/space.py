@@ -50,7 +50,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import yaml
 
-from trainer.config import PPOConfig, config_from_dict, config_to_dict, flatten, unflatten
+from trainer.config import ConfigError, PPOConfig, config_from_dict, config_to_dict, flatten, unflatten
 
 __all__ = [
     "SpaceError",
@@ -76,14 +76,8 @@ _KNOB_SPEC_KEYS = {
 GRID_LIMIT = 1_000_000
 
 
-class SpaceError(ValueError):
-    """Bad search space. ``str()`` is one line naming the file and the key."""
-
-    def __init__(self, key: str, message: str, *, source: Optional[str] = None):
-        self.key = key
-        self.source = source
-        where = f"{source}: " if source else ""
-        super().__init__(f"{where}{key}: {message}")
+class SpaceError(ConfigError):
+    """Bad search space. ``str()`` is one line naming the file and the key (as ConfigError)."""
 
 
 def _config_keys() -> frozenset[str]:

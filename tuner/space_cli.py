@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tuner.space import GRID_LIMIT, SpaceError, base_flat_config, load_space, short_name
+from tuner.space import GRID_LIMIT, base_flat_config, load_space, short_name
 
 __all__ = ["add_arguments", "run", "check"]
 
