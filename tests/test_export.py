@@ -87,7 +87,7 @@ def test_device_memory_rules():
     h100 = {"kind": "cuda", "name": "H100", "memory_total_gb": 80.0}
     assert device_memory_gb({"device": h100, "memory_limit_gb": 40.0}) == (40.0, "memory cap 40 GB (--memory-limit-gb)")
     assert device_memory_gb({"device": h100, "memory_limit_gb": None})[0] == 80.0
-    # on CPU the cap is an RLIMIT_AS per rank, not comparable with RSS: the machine's RAM bounds the trial
+    # on CPU the cap is an RLIMIT_DATA per rank, not comparable with RSS: the machine's RAM bounds the trial
     gb, label = device_memory_gb({"device": {"kind": "cpu", "name": "Xeon", "memory_total_gb": 23.5},
                                   "memory_limit_gb": 0.45})
     assert gb == 23.5 and "rlimit" in label

@@ -99,11 +99,16 @@ def test_parquet_input_and_local_checkpoint(tmp_path):
 
 
 def test_memory_cap_gives_a_real_oom_and_no_process_survives(tmp_path):
-    proc, r = train(BASE, "--nproc", 2, "--steps", 2, "--memory-limit-gb", 0.1, result=tmp_path / "r.json")
+    # the same cap: the tiny model fits, a wider one runs out of memory for real during a step
+    proc, r = train(BASE, "--nproc", 2, "--steps", 1, "--memory-limit-gb", 0.15, result=tmp_path / "fits.json")
+    assert proc.returncode == 0 and r["status"] == "ok", proc.stderr[-2000:]
+    proc, r = train(BASE, "ppotune.tiny.hidden_size=512", "ppotune.tiny.intermediate_size=2048", "--nproc", 2, "--steps", 2,
+                    "--memory-limit-gb", 0.15, result=tmp_path / "oom.json")
     assert proc.returncode == 3, proc.stderr[-2000:]
     assert r["status"] == "oom"
     assert "can't allocate memory" in r["error"] or "out of memory" in r["error"].lower()
-    assert r["oom_rank"] in (0, 1) and r["oom_phase"]
+    assert r["oom_rank"] in (0, 1) and r["oom_phase"] in ("setup", "gen", "reward", "old_log_prob", "ref", "values", "adv",
+                                                          "update_critic", "update_actor")
     _no_process_mentions(str(tmp_path))
 
 

@@ -3,7 +3,7 @@ processes, --steps 2 --warmup 1). Nothing stands in for the trainer or for Optun
 
 One study is shared by many assertions (module fixture): the baseline, a real distributed
 hang (``ppotune.fault=hang``), a real OOM (``--memory-limit-gb 0.25``: a 1024-wide model
-cannot allocate its weights under that RLIMIT_AS cap, a 64-wide one runs), an inferred
+cannot allocate its weights under that RLIMIT_DATA cap, a 64-wide one runs), an inferred
 OOM that is never launched, a real crash (``ppotune.fault=crash``: rank 1 SIGKILLs
 itself), a duplicate proposal, a plain ok trial and a ``--confirm`` re-run. Trials are
 enqueued through Optuna's own API so the sequence is deterministic.

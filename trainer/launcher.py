@@ -11,6 +11,7 @@ import collections
 import ctypes
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -134,6 +135,8 @@ def run(args) -> int:
         return EXIT_USAGE
     config = config_to_dict(cfg)
     nproc = cfg.trainer.n_gpus_per_node
+    if result_path:
+        result_path.parent.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="ppotune_run_", dir=result_path.parent if result_path else None))
     cfg_file = workdir / "config.yaml"
     cfg_file.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -175,6 +178,7 @@ def run(args) -> int:
                           log_tail="\n".join(tail))
     if result_path:
         _write_json(result_path, result)
+    shutil.rmtree(workdir, ignore_errors=True)  # the result holds everything the rank files had
     s = result["summary"]
     if result["status"] == "ok":
         thr = s.get("throughput")

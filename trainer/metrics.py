@@ -11,7 +11,7 @@ import time
 
 import torch
 
-__all__ = ["PhaseMeter", "actor_mfu", "peak_flops", "summarize_steps", "rss_gb", "vm_size_bytes"]
+__all__ = ["PhaseMeter", "actor_mfu", "peak_flops", "summarize_steps", "rss_gb", "vm_data_bytes"]
 
 GB = 1024**3
 
@@ -55,8 +55,9 @@ def rss_gb() -> float | None:
     return None if v is None else v / GB
 
 
-def vm_size_bytes() -> int | None:
-    return _read_status("VmSize")
+def vm_data_bytes() -> int | None:
+    """Private writable memory of this process (what RLIMIT_DATA counts)."""
+    return _read_status("VmData")
 
 
 def _reset_rss_peak() -> None:

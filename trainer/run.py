@@ -53,22 +53,26 @@ def _write_json(path: Path, data: dict) -> None:
 
 
 def _apply_memory_limit(limit_gb: float | None, device, notes: list[str]) -> None:
-    """A real cap: on GPU the allocator's per-process fraction; on CPU RLIMIT_AS, ``limit_gb`` of
-    address space above what the process maps after importing torch (its VmSize now)."""
+    """A real cap: on GPU the allocator's per-process fraction; on CPU RLIMIT_DATA, ``limit_gb`` of
+    private writable memory above what the process holds after importing torch (its VmData now).
+
+    RLIMIT_DATA, not RLIMIT_AS: address-space reservations (malloc arenas, thread stacks) make an
+    AS cap fire at a different point on every run; a data cap fails where the memory is used.
+    """
     if limit_gb is None:
         return
     import torch
 
-    from .metrics import vm_size_bytes
+    from .metrics import vm_data_bytes
 
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, limit_gb * 1024**3 / total), device)
         return
-    base = vm_size_bytes() or 0
+    base = vm_data_bytes() or 0
     cap = int(base + limit_gb * 1024**3)
-    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
-    notes.append(f"ppotune.memory_limit_gb: CPU cap is RLIMIT_AS = {base / 1024**3:.2f} GiB mapped after import + {limit_gb} GiB")
+    resource.setrlimit(resource.RLIMIT_DATA, (cap, cap))
+    notes.append(f"ppotune.memory_limit_gb: CPU cap is RLIMIT_DATA = {base / 1024**3:.2f} GiB held after import + {limit_gb} GiB")
 
 
 def _environment(device, world: int) -> dict:

@@ -195,7 +195,7 @@ def load(
 def device_memory_gb(study_attrs: dict) -> tuple[Optional[float], str]:
     """The memory a config must fit: the cap the trials ran under, else the device's.
 
-    Returns (GB or None, a label saying which). On CPU a cap is an address-space rlimit
+    Returns (GB or None, a label saying which). On CPU a cap is a data-size rlimit
     per rank on top of what the process maps after import, which no RSS figure can be
     held against; there the machine's RAM is the bound (the trials that finished under
     the cap have fit it by construction).
