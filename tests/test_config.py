@@ -68,3 +68,15 @@ def test_malformed_yaml_names_the_file(tmp_path):
     bad.write_text("data: [unclosed\n")
     with pytest.raises(ConfigError, match="bad.yaml: config: malformed YAML"):
         load_config(bad)
+
+
+def test_check_command_validates_without_launching():
+    import subprocess
+    import sys
+
+    ok = subprocess.run([sys.executable, "-m", "tuner.cli", "check", BASE, "--nproc", "2"], capture_output=True, text=True)
+    assert ok.returncode == 0 and "mini-batch 4 sequences per GPU, 2 sequences per micro-batch" in ok.stdout
+    bad = subprocess.run([sys.executable, "-m", "tuner.cli", "check", BASE, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1
+    assert "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu: 3 does not divide" in bad.stderr

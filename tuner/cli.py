@@ -16,6 +16,7 @@ __all__ = ["main"]
 _COMMANDS = {
     "train": ("trainer.launcher", "run one PPO config with torchrun (a trial or a full training run)"),
     "search": ("tuner.search", "run an Optuna study of short, isolated PPO trials"),
+    "check": ("trainer.check", "validate a training config without launching anything (no GPU needed)"),
     "space": ("tuner.space_cli", "validate a search space YAML and print its size"),
     "report": ("tuner.report", "write the Pareto report (HTML, PNG, CSV, summary.md) of a study"),
     "export": ("tuner.export", "write the chosen config: best_config.yaml, verl overrides, why.md"),
