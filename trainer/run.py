@@ -54,7 +54,7 @@ def _write_json(path: Path, data: dict) -> None:
 
 def _apply_memory_limit(limit_gb: float | None, device, notes: list[str]) -> None:
     """A real cap: on GPU the allocator's per-process fraction; on CPU RLIMIT_DATA, ``limit_gb`` of
-    private writable memory above what the process holds after importing torch (its VmData now).
+    private writable memory above what the rank holds once torch and the process group are up.
 
     RLIMIT_DATA, not RLIMIT_AS: address-space reservations (malloc arenas, thread stacks) make an
     AS cap fire at a different point on every run; a data cap fails where the memory is used.
@@ -72,7 +72,7 @@ def _apply_memory_limit(limit_gb: float | None, device, notes: list[str]) -> Non
     base = vm_data_bytes() or 0
     cap = int(base + limit_gb * 1024**3)
     resource.setrlimit(resource.RLIMIT_DATA, (cap, cap))
-    notes.append(f"ppotune.memory_limit_gb: CPU cap is RLIMIT_DATA = {base / 1024**3:.2f} GiB held after import + {limit_gb} GiB")
+    notes.append(f"ppotune.memory_limit_gb: CPU cap is RLIMIT_DATA = {base / 1024**3:.2f} GiB held at start-up + {limit_gb} GiB")
 
 
 def _environment(device, world: int) -> dict:
@@ -143,9 +143,12 @@ def _train(cfg, rank: int, rank_file: Path, state: dict, _log) -> None:
     else:
         device = torch.device("cpu")
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))))
-    _apply_memory_limit(cfg.ppotune.memory_limit_gb, device, notes)
     dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=cfg.ppotune.dist_timeout_s),
                             **({"device_id": device} if use_cuda else {}))
+    # The cap counts from here: the runtime's own threads (intra-op pool, gloo) are up, so their
+    # stacks do not eat the budget differently on a machine with more cores.
+    torch.ones(1 << 16).sum()
+    _apply_memory_limit(cfg.ppotune.memory_limit_gb, device, notes)
     world = dist.get_world_size()
     if world != world_size(cfg):
         notes.append(f"trainer.n_gpus_per_node x nnodes = {world_size(cfg)} but torchrun started {world} ranks; using {world}")
