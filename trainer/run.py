@@ -97,6 +97,17 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     rank_file = Path(args.rank_dir) / f"rank{rank}.json"
     state = {"status": "error", "error": None, "phase": "setup", "steps": [], "notes": [], "environment": None}
+
+    def on_sigterm(signum, _frame):
+        # torchrun SIGTERMs the peers of a failed rank: say so, so the launcher can tell the rank
+        # that died first (no status file) from the ones that were stopped.
+        state["error"] = f"stopped by signal {signum} (torchrun ends the other ranks when one fails)"
+        try:
+            _write_json(rank_file, state)
+        finally:
+            os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     try:
         from .config import load_config
 
