@@ -569,8 +569,6 @@ def validate_config(cfg: PPOConfig, *, source: Optional[str] = None) -> None:
         strategy = get("critic.strategy") if key.startswith("critic") else a.strategy
         if flat[f"{key}.offload_policy"] and strategy != "fsdp2":
             fail(f"{key}.offload_policy", "offload_policy is an FSDP2 option; set the strategy to fsdp2")
-    if cfg.actor_rollout_ref.rollout.name == "hf":
-        pass  # vLLM-only knobs are recorded but have no effect; the run says so in its notes
     if cfg.data.train_files is not None:
         for f in cfg.data.train_files.split(","):
             if not Path(f).expanduser().is_file():

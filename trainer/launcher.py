@@ -8,7 +8,6 @@ whatever a rank's code was, so the files, not the exit code, say what happened.
 from __future__ import annotations
 
 import collections
-import ctypes
 import json
 import os
 import shutil
@@ -22,11 +21,11 @@ from pathlib import Path
 import yaml
 
 from .config import ConfigError, config_to_dict, load_config
+from .proc import EXIT_ERROR, EXIT_OK, EXIT_OOM, EXIT_USAGE, die_with_parent, write_json_atomic
 
 __all__ = ["add_arguments", "run", "build_result"]
 
 SCHEMA_VERSION = 1
-EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_OOM = 0, 1, 2, 3
 _TAIL_LINES = 60
 
 
@@ -51,13 +50,6 @@ def _overrides(args) -> list[str]:
              "ppotune.wandb": True if args.wandb else None}
     out += [f"{k}={json.dumps(v)}" for k, v in flags.items() if v is not None]
     return out
-
-
-def _write_json(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=str))
-    os.replace(tmp, path)
 
 
 def _error_result(message: str, *, config: dict | None = None, wall_s: float = 0.0, log_tail: str | None = None) -> dict:
@@ -110,14 +102,6 @@ def build_result(rank_files: dict[int, dict], *, config: dict, nproc: int, retur
     }
 
 
-def _die_with_parent() -> None:
-    # torchrun ends with us even if we are SIGKILLed (it then SIGTERMs its ranks).
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 def run(args) -> int:
     t0 = time.time()
     result_path = Path(args.result) if args.result else None
@@ -131,7 +115,7 @@ def run(args) -> int:
     except ConfigError as e:
         print(f"ppotune train: error: {e}", file=sys.stderr)
         if result_path:
-            _write_json(result_path, _error_result(f"config: {e}"))
+            write_json_atomic(result_path, _error_result(f"config: {e}"))
         return EXIT_USAGE
     config = config_to_dict(cfg)
     nproc = cfg.trainer.n_gpus_per_node
@@ -147,7 +131,8 @@ def run(args) -> int:
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.setdefault("TORCHELASTIC_ERROR_FILE", str(workdir / "torchelastic_error.json"))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True, bufsize=1,
-                            preexec_fn=_die_with_parent)
+                            # torchrun ends with us even if we are SIGKILLed (it then SIGTERMs its ranks)
+                            preexec_fn=lambda: die_with_parent(signal.SIGTERM))
     tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
 
     def forward(signum, _frame):
@@ -177,7 +162,7 @@ def run(args) -> int:
     result = build_result(rank_files, config=config, nproc=nproc, returncode=returncode, wall_s=time.time() - t0,
                           log_tail="\n".join(tail))
     if result_path:
-        _write_json(result_path, result)
+        write_json_atomic(result_path, result)
     shutil.rmtree(workdir, ignore_errors=True)  # the result holds everything the rank files had
     s = result["summary"]
     if result["status"] == "ok":

@@ -6,7 +6,6 @@ built from a config in code with a character-level tokenizer made on the spot.
 from __future__ import annotations
 
 import string
-from pathlib import Path
 
 import torch
 from transformers import (
@@ -129,7 +128,3 @@ def load_critic(path: str, tokenizer, *, tiny=None, max_positions: int = 512, se
 
 def num_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
-
-
-def is_local_checkpoint(path: str) -> bool:
-    return path != TINY and Path(path).expanduser().is_dir()

@@ -9,9 +9,7 @@ a collective, are then ended by torchrun, and the launcher reads the files.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import datetime
-import json
 import os
 import platform
 import resource
@@ -22,9 +20,10 @@ import time
 import traceback
 from pathlib import Path
 
+from .proc import EXIT_ERROR, EXIT_OOM, die_with_parent, write_json_atomic
+
 __all__ = ["main", "is_oom_error"]
 
-EXIT_OOM = 3
 _OOM_MARKERS = ("out of memory", "can't allocate memory", "cannot allocate memory", "std::bad_alloc")
 
 
@@ -35,21 +34,6 @@ def is_oom_error(exc: BaseException) -> bool:
     name = type(exc).__name__
     text = str(exc).lower()
     return name == "OutOfMemoryError" or any(m in text for m in _OOM_MARKERS)
-
-
-def _die_with_parent() -> None:
-    """If torchrun dies (even by SIGKILL), this rank gets SIGKILL: no orphan keeps a GPU."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=str))
-    os.replace(tmp, path)
 
 
 def _apply_memory_limit(limit_gb: float | None, device, notes: list[str]) -> None:
@@ -93,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("config")
     ap.add_argument("--rank-dir", required=True)
     args = ap.parse_args(argv)
-    _die_with_parent()
+    die_with_parent(signal.SIGKILL)  # torchrun died (even by SIGKILL): no orphan rank keeps a GPU
     rank = int(os.environ.get("RANK", "0"))
     rank_file = Path(args.rank_dir) / f"rank{rank}.json"
     state = {"status": "error", "error": None, "phase": "setup", "steps": [], "notes": [], "environment": None}
@@ -103,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         # that died first (no status file) from the ones that were stopped.
         state["error"] = f"stopped by signal {signum} (torchrun ends the other ranks when one fails)"
         try:
-            _write_json(rank_file, state)
+            write_json_atomic(rank_file, state)
         finally:
             os._exit(128 + signum)
 
@@ -112,9 +96,9 @@ def main(argv: list[str] | None = None) -> int:
         from .config import load_config
 
         cfg = load_config(args.config)
-        _train(cfg, rank, rank_file, state, lambda m: None)
+        _train(cfg, rank, rank_file, state)
         state["status"] = "ok"
-        _write_json(rank_file, state)
+        write_json_atomic(rank_file, state)
         return 0
     except BaseException as exc:  # noqa: BLE001 - every failure becomes data for the launcher
         oom = is_oom_error(exc)
@@ -122,22 +106,22 @@ def main(argv: list[str] | None = None) -> int:
         state["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"[:500]
         state["traceback"] = traceback.format_exc()[-4000:]
         try:
-            _write_json(rank_file, state)
+            write_json_atomic(rank_file, state)
         except OSError:
             pass
         print(f"[rank {rank}] {state['status']} in phase {state['phase']}: {state['error']}", file=sys.stderr, flush=True)
         # Peers may be blocked in a collective: leave now, torchrun ends them.
-        os._exit(EXIT_OOM if oom else 1)
+        os._exit(EXIT_OOM if oom else EXIT_ERROR)
 
 
-def _train(cfg, rank: int, rank_file: Path, state: dict, _log) -> None:
+def _train(cfg, rank: int, rank_file: Path, state: dict) -> None:
     import torch
     import torch.distributed as dist
 
     from .batching import rank_rows
     from .config import config_to_dict, world_size
     from .data import PromptDataset, PromptLoader, left_pad, load_rows
-    from .metrics import PhaseMeter, actor_mfu, peak_flops, summarize_steps
+    from .metrics import PHASES, PhaseMeter, actor_mfu, peak_flops, summarize_steps
     from .models import load_tokenizer
     from .step import ppo_step
     from .tracking import StepLogger
@@ -153,7 +137,6 @@ def _train(cfg, rank: int, rank_file: Path, state: dict, _log) -> None:
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))))
     dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=cfg.ppotune.dist_timeout_s),
                             **({"device_id": device} if use_cuda else {}))
     # The cap counts from here: the runtime's own threads (intra-op pool, gloo) are up, so their
@@ -191,29 +174,28 @@ def _train(cfg, rank: int, rank_file: Path, state: dict, _log) -> None:
         metrics = ppo_step(roles, prompt_ids.to(device), prompt_mask.to(device), truths, meter, device)
         step_s = time.perf_counter() - t0
         # memory: max over ranks of each phase's peak (one collective)
-        phases = ["gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor"]
-        mem = torch.tensor([meter.memory.get(p, 0.0) for p in phases] + [meter.allocated_peak, meter.reserved_peak, step_s],
+        mem = torch.tensor([meter.memory.get(p, 0.0) for p in PHASES] + [meter.allocated_peak, meter.reserved_peak, step_s],
                            dtype=torch.float64, device=device)
         dist.all_reduce(mem, op=dist.ReduceOp.MAX)
         mem = mem.tolist()
         step_s = mem[-1]  # the slowest rank sets the step time
         sum_sq = metrics.pop("_sum_seqlen_sq")
         row = {"step": step, "warmup": step <= warmup, "timing_s/step": step_s}
-        row.update({f"timing_s/{p}": meter.timing.get(p, 0.0) for p in phases})
+        row.update({f"timing_s/{p}": meter.timing.get(p, 0.0) for p in PHASES})
         row["perf/throughput"] = metrics["perf/total_num_tokens"] / (step_s * world)
         row["perf/mfu/actor"] = actor_mfu(total_tokens=metrics["perf/total_num_tokens"], sum_seqlen_sq=sum_sq, **shape_info,
                                           epochs=a.ppo_epochs, seconds=meter.timing.get("update_actor", 0.0), world_size=world, peak=peak)
-        row.update({f"memory/{p}_gb": v for p, v in zip(phases, mem)})
+        row.update({f"memory/{p}_gb": v for p, v in zip(PHASES, mem)})
         if use_cuda:
             row["perf/max_memory_allocated_gb"], row["perf/max_memory_reserved_gb"] = mem[-3], mem[-2]
             row["perf/peak_rss_gb"] = None
         else:
-            row["perf/peak_rss_gb"] = max(mem[: len(phases)])
+            row["perf/peak_rss_gb"] = max(mem[: len(PHASES)])
         row.update(metrics)
         state["steps"].append(row)
         state["summary"] = summarize_steps(state["steps"], device_type=device.type)
         if rank == 0:
-            _write_json(rank_file, state)
+            write_json_atomic(rank_file, state)
         logger.log(row)
 
     state["phase"] = "save"

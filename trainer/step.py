@@ -8,7 +8,7 @@ mini-batch.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -284,8 +284,6 @@ class Roles:
     kl_ctrl: object
     plans: Plans
     settings: StepSettings
-    actor_num_params: int = 0
-    flops_shape: dict = field(default_factory=dict)  # head_dim, num_heads, num_layers for MFU
 
 
 def ppo_step(roles: Roles, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, ground_truths: list[str],
@@ -327,17 +325,16 @@ def ppo_step(roles: Roles, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, 
 
     # step 6. KL-regularized rewards, GAE, advantages whitened over the global batch
     with meter.phase("adv"):
+        metrics["actor/kl_coef"] = roles.kl_ctrl.value  # the coefficient this step's rewards use
         if s.use_kl_in_reward:
             rewards, kl_mean = core.apply_kl_in_reward(scores, batch["old_log_probs"], batch["ref_log_probs"], response_mask,
                                                        kl_coef=roles.kl_ctrl.value, kl_penalty_type=s.kl_penalty)
             kl_sum = _all_reduce_sum(kl_mean.detach().to(torch.float64).reshape(1) * len(texts))
             current_kl = float(kl_sum.item()) / (len(texts) * (dist.get_world_size() if dist.is_initialized() else 1))
             metrics["actor/reward_kl_penalty"] = current_kl
-            metrics["actor/kl_coef"] = roles.kl_ctrl.value
             roles.kl_ctrl.update(current_kl, n_steps=s.train_batch_size)
         else:
             rewards = scores
-            metrics["actor/kl_coef"] = roles.kl_ctrl.value
         batch["token_level_rewards"] = rewards
         adv, returns = core.compute_gae_advantage_return(rewards, batch["values"], response_mask, gamma=s.gamma, lam=s.lam)
         moments = _all_reduce_sum(torch.stack(core.masked_moments(adv, response_mask)).to(torch.float64))

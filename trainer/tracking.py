@@ -5,25 +5,32 @@ an API key still records the run (``wandb sync`` uploads it later).
 """
 from __future__ import annotations
 
+import netrc
 import os
-from pathlib import Path
 
-__all__ = ["StepLogger", "wandb_mode"]
+__all__ = ["StepLogger", "wandb_mode", "has_credentials"]
 
 _CONSOLE_KEYS = ("timing_s/step", "perf/throughput", "reward/mean", "actor/pg_loss", "actor/kl_coef",
                  "critic/vf_loss", "actor/grad_norm", "perf/peak_rss_gb", "perf/max_memory_reserved_gb")
 
 
-def wandb_mode() -> str:
-    """'online' only when credentials exist (env key or a netrc entry for the wandb host)."""
-    if os.environ.get("WANDB_MODE"):  # an empty value counts as unset
-        return os.environ["WANDB_MODE"]
+def has_credentials() -> bool:
+    """An API key in the environment, or a ~/.netrc entry for the wandb host."""
     if os.environ.get("WANDB_API_KEY"):
-        return "online"
-    netrc = Path.home() / ".netrc"
-    if netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore"):
-        return "online"
-    return "offline"
+        return True
+    try:
+        auth = netrc.netrc(os.path.expanduser("~/.netrc"))
+    except (FileNotFoundError, netrc.NetrcParseError, OSError):
+        return False
+    host = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai").split("://")[-1].split("/")[0]
+    return auth.authenticators(host) is not None
+
+
+def wandb_mode() -> str:
+    """WANDB_MODE if set (an empty value counts as unset), else online only with credentials."""
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    return "online" if has_credentials() else "offline"
 
 
 class StepLogger:

@@ -16,7 +16,6 @@ tuner itself is stopping).
 """
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import signal
@@ -30,15 +29,13 @@ from typing import Optional, Sequence
 
 import psutil
 
+from trainer.proc import EXIT_OOM, PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, prctl
+from trainer.proc import EXIT_USAGE as EXIT_CONFIG_REFUSED
 from tuner.memory import MemoryPeaks, MemorySampler
 
 __all__ = ["TrialRun", "train_command", "launch_trial", "classify", "log_tail", "REPO_ROOT"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-_PR_SET_PDEATHSIG = 1
-_PR_SET_CHILD_SUBREAPER = 36
-EXIT_CONFIG_REFUSED = 2  # contract: `ppotune train` exit codes
-EXIT_OOM = 3
 
 
 @dataclass
@@ -261,22 +258,14 @@ def _tree(pid: int) -> list[psutil.Process]:
 
 
 # --------------------------------------------------------------------------- the reaper (child side)
-def _prctl(option: int, arg: int) -> bool:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(option, arg, 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
-
-
 def _reap_main(argv: list[str]) -> int:
     """``python -m tuner.launch --reap --ppid PID --grace S -- CMD...``"""
     sep = argv.index("--")
     opts, cmd = argv[:sep], argv[sep + 1:]
     ppid = int(opts[opts.index("--ppid") + 1]) if "--ppid" in opts else None
     grace = float(opts[opts.index("--grace") + 1]) if "--grace" in opts else 10.0
-    _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    prctl(PR_SET_CHILD_SUBREAPER, 1)
     if ppid is not None and os.getppid() != ppid:
         return 143  # the tuner died before we could watch it
     stop = threading.Event()

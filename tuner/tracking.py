@@ -6,23 +6,13 @@ uploads them later. wandb is imported only when ``--wandb`` is given.
 """
 from __future__ import annotations
 
-import netrc
 import os
 from pathlib import Path
 from typing import Optional
 
+from trainer.tracking import has_credentials
+
 __all__ = ["has_credentials", "TrialTracker"]
-
-
-def has_credentials() -> bool:
-    if os.environ.get("WANDB_API_KEY"):
-        return True
-    try:
-        auth = netrc.netrc(os.path.expanduser("~/.netrc"))
-    except (FileNotFoundError, netrc.NetrcParseError, OSError):
-        return False
-    host = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai").split("://")[-1].split("/")[0]
-    return auth.authenticators(host) is not None
 
 
 class TrialTracker:
