@@ -3,13 +3,13 @@
 1. Runs the FULL grid of a small space once with ``ppotune search --sampler grid`` (real
    trials: ``ppotune train`` on the tiny preset, 2 CPU processes, with a memory cap under
    which the wide model OOMs).
-2. Replays ``ppotune search``'s own loop (the same :class:`tuner.search.Search`: ask/tell,
+2. Replays ``ppotune search``'s own loop (the same :class:`tuner.loop.Search`: ask/tell,
    constraints, duplicates, inferred OOM, exploration) with TPE, NSGA-II and random search,
    a quarter of the grid's trials each, for several seeds. The baseline trial is left out
    of the replay so that every trial is the sampler's own choice (the baseline config is
    in the grid like any other). Trials are NOT
-   re-run: each launch is answered from a lookup table of the grid's real measurements
-   (status, throughput, memory, seconds). A config the grid run did not launch because it
+   re-run: each launch is answered by :class:`tuner.runners.ReplayRunner` (the public runner
+   seam) from the grid's real measurements (status, throughput, memory, seconds). A config the grid run did not launch because it
    was inferred OOM is answered as an OOM costing the seconds of the OOM it was inferred from.
 3. Prints, per sampler: best feasible throughput found / the grid's best, how often the
    grid's best was found, and the trial-seconds the search would have spent.
@@ -19,13 +19,13 @@
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import subprocess
 import sys
 import textwrap
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -33,9 +33,12 @@ sys.path.insert(0, str(REPO))
 import optuna  # noqa: E402
 
 from trainer.config import apply_overrides, config_from_dict, config_to_dict, flatten  # noqa: E402
-from tuner import study as st  # noqa: E402
-from tuner.search import Search, build_sampler  # noqa: E402
+from trainer.contracts import DIRECTIONS, Status, TrialRecord  # noqa: E402
+from tuner.decide import count_progress  # noqa: E402
+from tuner.loop import Search, SearchOptions, build_sampler  # noqa: E402
+from tuner.runners import ReplayRunner  # noqa: E402
 from tuner.space import base_flat_config, load_space  # noqa: E402
+from tuner.study import StudyLock  # noqa: E402
 
 SPACE = textwrap.dedent("""
     description: benchmark space - 2 x 3 x 2 x 2 = 24 configs; the 1024-wide model OOMs under the cap
@@ -59,54 +62,18 @@ def run_grid(out: Path, space_path: Path, n: int) -> None:
     subprocess.run(cmd, cwd=REPO, check=True)
 
 
-class ReplaySearch(Search):
-    """``ppotune search``'s loop with the launch answered from the grid's measurements."""
-
-    table: dict
-    spent_s: float = 0.0
-    launched: int = 0
-
-    def _launch(self, prep, slot, attrs):
-        status, values, seconds = self.table[self.space.identity(prep.cand.effective)]
-        self.spent_s += seconds
-        self.launched += 1
-        attrs.update(duration_s=seconds, throughput=values[0] if status == "ok" else None,
-                     peak_memory_gb=values[1] if status == "ok" else None, memory_source="replay")
-        return status, (values if status == "ok" else (0.0, self.penalty_gb))
-
-
-def lookup_table(grid_study: optuna.Study, space, flat) -> dict:
-    trials = {t.number: t for t in grid_study.get_trials()}
-    table = {}
-    for t in trials.values():
-        ua = t.user_attrs
-        status = ua.get("status")
-        if status in (None, "duplicate", "interrupted") or ua.get("overrides") is None:
-            continue
-        ident = space.identity({**flat, **ua["overrides"]})
-        if status == "inferred_oom":
-            src = trials[ua["inferred_from"]]
-            table[ident] = ("oom", (0.0, 0.0), float(src.user_attrs["duration_s"]))
-        else:
-            values = tuple(t.values) if t.values else (0.0, 0.0)
-            table[ident] = (status, values, float(ua.get("duration_s") or 0.0))
-    return table
-
-
-def replay(sampler: str, seed: int, budget: int, space, trial_base, flat, table) -> tuple[float, float, int]:
-    study = optuna.create_study(directions=st.DIRECTIONS, sampler=build_sampler(sampler, seed=seed, n_trials=budget))
-    args = SimpleNamespace(trials=budget, timeout=None, sampler=sampler, seed=seed, steps=STEPS, warmup=WARMUP,
-                           memory_limit_gb=CAP_GB, trial_timeout=300, kill_grace=10)
-    search = ReplaySearch(args=args, study=study, storage=study._storage, lock=st.StudyLock(None), space=space,
-                          trial_base=trial_base, trial_flat=flat, out_dir=Path("/nonexistent"),
-                          device={"kind": "cpu"}, penalty_gb=64.0)
-    search.table = table
-    import random
-
-    search._rng = random.Random(seed)
-    search.worker(0)
-    ok = [t.values[0] for t in study.get_trials() if t.user_attrs.get("status") == "ok"]
-    return (max(ok) if ok else 0.0), search.spent_s, search.launched
+def replay(sampler: str, seed: int, budget: int, space, trial_base, flat, grid: optuna.Study) -> tuple[float, float, int]:
+    """``ppotune search``'s own loop (tuner.loop.Search) with every launch answered by the replay runner."""
+    storage = optuna.storages.InMemoryStorage()
+    study = optuna.create_study(storage=storage, directions=list(DIRECTIONS),
+                                sampler=build_sampler(sampler, seed=seed, n_trials=budget))
+    runner = ReplayRunner.from_study(grid, space, flat, rng=random.Random(seed))
+    search = Search(options=SearchOptions(trials=budget, sampler=sampler, seed=seed), study=study, storage=storage,
+                    lock=StudyLock(None), space=space, trial_base=trial_base, trial_flat=flat, runner=runner,
+                    penalty_gb=64.0)
+    search.run()
+    ok = [t.values[0] for t in study.get_trials() if TrialRecord.from_user_attrs(t.user_attrs).status == Status.OK]
+    return (max(ok) if ok else 0.0), runner.spent_s, runner.launched
 
 
 def main() -> int:
@@ -130,20 +97,21 @@ def main() -> int:
     t0 = time.monotonic()
     done = 0
     if a.reuse and (out / "study.db").exists():
-        done = st.count_progress(optuna.load_study(study_name=STUDY, storage=storage).get_trials())
+        done = count_progress(optuna.load_study(study_name=STUDY, storage=storage).get_trials())
     if done < n_grid:
         run_grid(out, space_path, n_grid)
     grid_wall = time.monotonic() - t0
     grid = optuna.load_study(study_name=STUDY, storage=storage)
-    table = lookup_table(grid, space, flat)
+    table = ReplayRunner.from_study(grid, space, flat).table
     assert len(table) == n_grid, f"the grid run measured {len(table)} of {n_grid} configs"
-    ok = {k: v for k, v in table.items() if v[0] == "ok"}
-    best = max(v[1][0] for v in ok.values())
-    grid_s = sum(v[2] for v in table.values())
-    grid_launched_s = sum(float(t.user_attrs.get("duration_s") or 0) for t in grid.get_trials())
-    statuses = {}
-    for t in grid.get_trials():
-        statuses[t.user_attrs.get("status")] = statuses.get(t.user_attrs.get("status"), 0) + 1
+    ok = [r for rs in table.values() for r in rs if r.status == Status.OK]
+    best = max(r.throughput for r in ok)
+    grid_s = sum(rs[0].duration_s for rs in table.values())
+    recs = [TrialRecord.from_user_attrs(t.user_attrs) for t in grid.get_trials()]
+    grid_launched_s = sum(float(r.duration_s or 0) for r in recs)
+    statuses: dict = {}
+    for r in recs:
+        statuses[str(r.status)] = statuses.get(str(r.status), 0) + 1
     budget = max(1, round(n_grid / 4))
 
     print()
@@ -158,7 +126,7 @@ def main() -> int:
     for sampler in ("tpe", "nsga2", "random"):
         ratios, spent, hits, launched = [], [], 0, []
         for seed in range(a.seeds):
-            found, s, n = replay(sampler, seed, budget, space, trial_base, flat, table)
+            found, s, n = replay(sampler, seed, budget, space, trial_base, flat, grid)
             ratios.append(found / best)
             spent.append(s)
             launched.append(n)

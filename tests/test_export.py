@@ -82,7 +82,7 @@ def test_memory_cap_is_the_device(tmp_path, capsys):
 
 
 def test_device_memory_rules():
-    from tuner.studyio import device_memory_gb
+    from tuner.results.view import device_memory_gb
 
     h100 = {"kind": "cuda", "name": "H100", "memory_total_gb": 80.0}
     assert device_memory_gb({"device": h100, "memory_limit_gb": 40.0}) == (40.0, "memory cap 40 GB (--memory-limit-gb)")
@@ -133,7 +133,7 @@ def test_verl_overrides_are_hydra_and_verl_only(demo_out, tmp_path):
 def test_hydra_value_round_trips():
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from tuner.export import hydra_value
+    from tuner.results.export import hydra_value
 
     values = [True, False, None, 0, 7, -3, 0.5, 1e-05, 2.0, "fsdp2", "token-mean", "a b", "true", "it's",
               "/data/x.parquet", [1, 2], ["a", "b c"], "1", "null"]
@@ -143,7 +143,7 @@ def test_hydra_value_round_trips():
 
 
 def test_export_never_exports_ppotune_keys():
-    from tuner.export import verl_overrides
+    from tuner.results.export import verl_overrides
 
     lines = verl_overrides({"ppotune.tiny.hidden_size": 64, "critic.fsdp.param_offload": True,
                             "ppotune.device": "cpu"})
@@ -153,7 +153,7 @@ def test_export_never_exports_ppotune_keys():
 # --------------------------------------------------------------------------- verl
 def test_validate_verl_accepts_our_overrides(demo_out, tmp_path, capsys):
     pytest.importorskip("hydra")
-    from tuner.verl_validate import verl_root
+    from tuner.results.verl_validate import verl_root
 
     if verl_root() is None:
         pytest.skip("verl is not installed (pip install --no-deps verl==0.9.1)")
@@ -164,7 +164,7 @@ def test_validate_verl_accepts_our_overrides(demo_out, tmp_path, capsys):
 
 def test_validate_verl_rejects_bad_keys():
     pytest.importorskip("hydra")
-    from tuner.verl_validate import VerlOverrideError, validate_overrides, verl_root
+    from tuner.results.verl_validate import VerlOverrideError, validate_overrides, verl_root
 
     if verl_root() is None:
         pytest.skip("verl is not installed (pip install --no-deps verl==0.9.1)")
@@ -185,7 +185,7 @@ def test_validate_verl_rejects_bad_keys():
 
 def test_validate_verl_cli_names_the_key(tmp_path, capsys):
     """A study whose trial set a key verl lacks: export --validate-verl exits 2 naming it."""
-    from tuner.verl_validate import verl_root
+    from tuner.results.verl_validate import verl_root
 
     if verl_root() is None:
         pytest.skip("verl is not installed (pip install --no-deps verl==0.9.1)")
@@ -199,7 +199,7 @@ def test_validate_verl_cli_names_the_key(tmp_path, capsys):
 
 
 def test_validate_verl_without_verl(demo_out, tmp_path, capsys, monkeypatch):
-    import tuner.verl_validate as vv
+    import tuner.results.verl_validate as vv
 
     monkeypatch.setattr(vv, "verl_root", lambda: None)
     rc, _ = _export(demo_out, tmp_path, "--validate-verl")
@@ -231,8 +231,16 @@ def test_exported_config_trains(real_search, tmp_path):  # noqa: F811
 
 
 def test_report_and_export_never_import_torch():
-    code = ("import sys, tuner.report, tuner.export, tuner.studyio, tuner.verl_validate; "
+    code = ("import sys, tuner.results.report, tuner.results.export, tuner.results.verl_validate; "
             "from tuner.cli import build_parser; build_parser(); "
             "assert 'torch' not in sys.modules, 'torch imported'")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+def test_study_view_never_imports_matplotlib():
+    """`ppotune search` prints its summary from the view: no plotting library for that."""
+    code = ("import sys, tuner.results.view; "
+            "assert 'matplotlib' not in sys.modules and 'torch' not in sys.modules, 'heavy import'")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr

@@ -230,9 +230,9 @@ def test_report_pareto_and_memory_sources(demo_report):
 
 
 def test_trials_frame_matches_contract(demo_out):
-    from tuner import studyio
+    from tuner.results.view import load
 
-    view = studyio.load(out=demo_out)
+    view = load(out=demo_out)
     df = view.trials.set_index("number")
     assert list(df.index) == list(range(len(DEMO_TRIALS)))
     assert df.loc[1, "state"] == "COMPLETE" and not df.loc[1, "feasible"]
@@ -252,7 +252,7 @@ def test_report_is_read_only(tmp_path):
     os.chmod(db, 0o444)
     os.chmod(tmp_path, 0o555)  # no journal file can be created either
     try:
-        from tuner.report import write_report
+        from tuner.results.report import write_report
 
         page = write_report(f"sqlite:///{db}", None, tmp_path.parent / f"{tmp_path.name}_report")
         assert page.is_file()
@@ -279,7 +279,7 @@ def test_write_report_as_search_calls_it(tmp_path):
     """`ppotune search --report` calls write_report(storage url, study name, search out dir)."""
     from optuna.storages.journal import JournalFileBackend, JournalStorage
 
-    from tuner.report import write_report
+    from tuner.results.report import write_report
 
     log = tmp_path / "study.log"
     make_demo_study(JournalStorage(JournalFileBackend(str(log))))
@@ -329,9 +329,9 @@ def test_optuna_dashboard_reads_our_storage(demo_out):
     optuna_dashboard = pytest.importorskip("optuna_dashboard")
     import json
 
-    from tuner.studyio import open_storage, resolve_storage
+    from tuner.storage import open_storage, resolve_read_spec
 
-    app = optuna_dashboard.wsgi(open_storage(resolve_storage(out=demo_out)))
+    app = optuna_dashboard.wsgi(open_storage(resolve_read_spec(out=demo_out), read_only=True))
 
     def get(path: str):
         status = {}
@@ -379,9 +379,9 @@ def real_search(tmp_path_factory) -> Path:
 
 @pytest.mark.slow
 def test_report_on_real_search(real_search, tmp_path):
-    from tuner import studyio
+    from tuner.results.view import load
 
-    view = studyio.load(out=real_search)
+    view = load(out=real_search)
     statuses = {int(r["number"]): r["status"] for _, r in view.trials.iterrows()}
     assert len(statuses) >= 4
     r = subprocess.run([sys.executable, "-m", "tuner.cli", "report", "--out", str(real_search), "--to", str(tmp_path)],
@@ -407,10 +407,10 @@ except Exception:  # not there yet, or it cannot be imported here
 @pytest.mark.skipif(shared is None, reason="tests/test_tuner_search.py::shared is not available")
 def test_report_and_export_on_the_tuners_real_study(shared, tmp_path):  # noqa: F811
     """Every status of contracts.md §3 from REAL trials, read by report and export."""
-    from tuner import studyio
     from tuner.cli import main
+    from tuner.results.view import load
 
-    view = studyio.load(storage=shared.storage)
+    view = load(storage=shared.storage)
     statuses = {int(r["number"]): r["status"] for _, r in view.trials.iterrows()}
     assert {"ok", "oom", "inferred_oom", "hang", "crash", "duplicate"} <= set(statuses.values())
     assert main(["report", "--storage", shared.storage, "--to", str(tmp_path / "r")]) == 0

@@ -10,10 +10,12 @@ import pandas as pd
 import psutil
 import pytest
 
+from trainer import contracts
+
 ROOT = Path(__file__).resolve().parents[1]
 BASE = str(ROOT / "configs" / "tiny_cpu.yaml")
 SCHEMA = json.loads((ROOT / "trainer" / "result_schema.json").read_text())
-PHASES = ["gen", "reward", "old_log_prob", "ref", "values", "adv", "update_actor", "update_critic", "step"]
+PHASES = [*contracts.PHASES, contracts.STEP_TIMING_KEY]
 
 
 def train(*args, result: Path, timeout: int = 300, env: dict | None = None):

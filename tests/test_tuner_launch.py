@@ -54,11 +54,9 @@ def test_classify(rc, result, kw, expected):
         assert "\n" not in error
 
 
-def test_train_command_runs_without_console_script():
-    cmd = train_command("c.yaml", nproc=2, steps=2, warmup=1, result_path="r.json", memory_limit_gb=0.5)
-    assert cmd[:4] == [sys.executable, "-m", "tuner.cli", "train"]
-    assert cmd[cmd.index("--nproc") + 1] == "2" and cmd[cmd.index("--memory-limit-gb") + 1] == "0.5"
-    assert "--memory-limit-gb" not in train_command("c.yaml", nproc=1, steps=2, warmup=1, result_path="r.json")
+def test_train_command_carries_only_the_config_and_the_result():
+    cmd = train_command("c.yaml", result_path="r.json")
+    assert cmd == [sys.executable, "-m", "tuner.cli", "train", "c.yaml", "--result", "r.json"]
 
 
 # --------------------------------------------------------------------------- real processes

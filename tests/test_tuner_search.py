@@ -21,7 +21,8 @@ from optuna.trial import TrialState
 
 from conftest import TINY_BASE, processes_with, wait_until
 from trainer.config import load_config
-from tuner import study as st
+from trainer.contracts import CONSTRAINT_KEY, Status, parse_storage
+from tuner.decide import count_progress, counted
 
 pytestmark = pytest.mark.slow
 
@@ -98,14 +99,14 @@ def test_study_completes_with_baseline_first(shared):
     assert first.user_attrs["baseline"] is True and first.user_attrs["status"] == "ok"
     assert first.params == BASELINE and first.user_attrs["overrides"] == {}
     assert sum(1 for t in study.get_trials() if t.user_attrs.get("baseline")) == 1
-    assert st.count_progress(study.get_trials()) == 6
-    assert len([t for t in study.get_trials() if st.counted(t)]) >= 6
+    assert count_progress(study.get_trials()) == 6
+    assert len([t for t in study.get_trials() if counted(t)]) >= 6
 
 
 def test_every_trial_has_a_status_and_launched_ones_a_memory_source(shared):
     for t in shared.study.get_trials():
         assert t.state in (TrialState.COMPLETE, TrialState.FAIL), t
-        assert t.user_attrs["status"] in st.STATUSES
+        assert t.user_attrs["status"] in set(Status)
         if t.user_attrs["status"] in ("ok", "oom", "hang", "crash"):
             assert t.user_attrs["memory_source"] == "psutil"  # no NVML on this machine: the fallback
             mem = t.user_attrs["memory"]
@@ -119,7 +120,7 @@ def test_pareto_front_is_feasible_and_not_empty(shared):
     front = shared.study.best_trials
     assert front
     for t in front:
-        assert t.user_attrs["status"] == "ok" and t.constraints == {st.CONSTRAINT_KEY: -1.0}
+        assert t.user_attrs["status"] == "ok" and t.constraints == {CONSTRAINT_KEY: -1.0}
         assert t.values[0] == pytest.approx(t.user_attrs["throughput"])
         assert t.values[1] == pytest.approx(t.user_attrs["peak_memory_gb"])
         # the memory objective is the max of the outside and the inside view
@@ -131,7 +132,7 @@ def test_real_oom_is_infeasible_and_the_study_goes_on(shared):
     (oom,) = status_of(shared.study, "oom")
     assert oom.params == knobs(1024, 1)
     assert oom.state == TrialState.COMPLETE
-    assert oom.constraints == {st.CONSTRAINT_KEY: 1.0}
+    assert oom.constraints == {CONSTRAINT_KEY: 1.0}
     penalty = shared.study.user_attrs["penalty_memory_gb"]
     assert oom.values == [0.0, pytest.approx(penalty)]
     assert "out of memory" in oom.user_attrs["error"]
@@ -143,7 +144,7 @@ def test_dominating_config_is_inferred_oom_and_never_launched(shared):
     (inf,) = status_of(shared.study, "inferred_oom")
     assert inf.params == knobs(1024, 4)
     assert inf.user_attrs["inferred_from"] == oom.number
-    assert inf.state == TrialState.COMPLETE and inf.constraints == {st.CONSTRAINT_KEY: 1.0}
+    assert inf.state == TrialState.COMPLETE and inf.constraints == {CONSTRAINT_KEY: 1.0}
     assert inf.user_attrs["duration_s"] == 0
     assert inf.user_attrs["log_path"] is None and inf.user_attrs["config_path"] is None
     assert not (shared.out / "trials" / str(inf.number)).exists()  # no directory, no log, no process
@@ -153,7 +154,7 @@ def test_dominating_config_is_inferred_oom_and_never_launched(shared):
 def test_hang_is_killed_at_the_trial_timeout_with_nothing_left(shared, no_processes_left):
     (hang,) = status_of(shared.study, "hang")
     assert hang.params == knobs(64, 2, "hang")
-    assert hang.state == TrialState.COMPLETE and hang.constraints == {st.CONSTRAINT_KEY: 1.0}
+    assert hang.state == TrialState.COMPLETE and hang.constraints == {CONSTRAINT_KEY: 1.0}
     assert 20 <= hang.user_attrs["duration_s"] < 20 + 3 + 10
     assert "trial-timeout" in hang.user_attrs["error"] and hang.user_attrs["log_tail"]
     assert no_processes_left(str(shared.out / "trials" / str(hang.number)), timeout=5) == []
@@ -169,7 +170,7 @@ def test_crash_is_a_failure_with_reason_and_log(shared):
 def test_duplicate_proposal_is_recorded_not_run(shared):
     (dup,) = status_of(shared.study, "duplicate")
     assert dup.params == BASELINE and dup.user_attrs["duplicate_of"] == 0
-    assert dup.state == TrialState.FAIL and not st.counted(dup)
+    assert dup.state == TrialState.FAIL and not counted(dup)
     assert not (shared.out / "trials" / str(dup.number)).exists()
     # each measured config was measured once (the confirm run aside)
     measured = [tuple(sorted(t.params.items())) for t in shared.study.get_trials()
@@ -198,7 +199,9 @@ def test_trial_files_follow_the_contract(shared):
     assert cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu == ok.params[MICRO]
     assert cfg.trainer.n_gpus_per_node == 2 and cfg.trainer.total_training_steps == 2
     assert cfg.ppotune.memory_limit_gb == 0.25
-    assert "--nproc 2 --steps 2 --warmup 1" in (d / "train.log").read_text().splitlines()[0]
+    # the trial command carries only the (complete) config and the result path: parsed once
+    first = (d / "train.log").read_text().splitlines()[0]
+    assert first.endswith(f"train {d / 'config.yaml'} --result {d / 'result.json'}"), first
     for key in ("throughput", "throughput_cv", "step_s", "peak_memory_gb", "timing_s", "notes", "error",
                 "log_tail", "log_path", "result_path", "config_path", "duration_s", "overrides", "baseline"):
         assert key in ok.user_attrs, key
@@ -273,15 +276,15 @@ def test_sigint_then_sigkill_then_resume_loses_and_duplicates_nothing(tmp_path, 
     assert no_processes_left(str(out), timeout=10) == []
     study = load(storage)
     trials = study.get_trials()
-    assert st.count_progress(trials) == 2
+    assert count_progress(trials) == 2
     interrupted = [t.number for t in trials if t.user_attrs.get("status") == "interrupted"]
     assert interrupted == [0, retry.number]
     assert "died" in by_number(study)[retry.number].user_attrs["error"]
     baselines = [t for t in trials if t.user_attrs.get("baseline") and t.user_attrs.get("status") != "interrupted"]
     assert len(baselines) == 1 and baselines[0].user_attrs["status"] == "ok"
     assert baselines[0].user_attrs["retry_of"] == retry.number
-    counted = [t for t in trials if st.counted(t)]
-    assert len({tuple(sorted(t.params.items())) for t in counted}) == len(counted)
+    counted_trials = [t for t in trials if counted(t)]
+    assert len({tuple(sorted(t.params.items())) for t in counted_trials}) == len(counted_trials)
 
 
 # --------------------------------------------------------------------------- many workers
@@ -294,17 +297,17 @@ def test_two_tuners_on_one_storage_add_up(tmp_path, cli, kind, no_processes_left
     tuners = [cli.popen("search", *args) for _ in range(2)]
     outs = [p.communicate(timeout=900)[0] for p in tuners]
     assert [p.returncode for p in tuners] == [0, 0], outs
-    study = load(st.resolve_storage(storage, tmp_path).url if kind == "sqlite" else
+    study = load(parse_storage(storage).url if kind == "sqlite" else
                  optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(storage)))
     trials = study.get_trials()
-    counted = [t for t in trials if st.counted(t)]
-    assert len(counted) == 3
+    counted_trials = [t for t in trials if counted(t)]
+    assert len(counted_trials) == 3
     assert all(t.state.is_finished() for t in trials)
-    owners = {t.user_attrs["owner"]["pid"] for t in counted}
+    owners = {t.user_attrs["owner"]["pid"] for t in counted_trials}
     assert owners == {p.pid for p in tuners} or len(owners) == 2  # both processes ran trials
     assert sum(1 for t in trials if t.user_attrs.get("baseline")) == 1
-    assert len({tuple(sorted(t.params.items())) for t in counted}) == 3  # distinct configs
-    launched = [t for t in counted if t.user_attrs.get("status") != "inferred_oom"]
+    assert len({tuple(sorted(t.params.items())) for t in counted_trials}) == 3  # distinct configs
+    launched = [t for t in counted_trials if t.user_attrs.get("status") != "inferred_oom"]
     dirs = {Path(t.user_attrs["config_path"]).parent.name for t in launched}
     assert dirs == {str(t.number) for t in launched}
     assert no_processes_left(str(tmp_path / "out"), timeout=10) == []

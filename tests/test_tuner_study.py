@@ -12,14 +12,17 @@ import pytest
 from optuna.trial import TrialState
 
 from conftest import REPO
+from trainer.contracts import CONSTRAINT_KEY, STUDY_SCHEMA_VERSION, Status, StorageSpec, TrialRecord, parse_storage
 from tuner import study as st
+from tuner.decide import count_progress, counted
+from tuner.storage import trial_id
 
 STORAGE_KINDS = ["sqlite", "journal"]
 P = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"
 
 
-def spec_for(kind: str, tmp_path: Path) -> st.StorageSpec:
-    return st.resolve_storage(str(tmp_path / ("study.db" if kind == "sqlite" else "study.log")), tmp_path)
+def spec_for(kind: str, tmp_path: Path) -> StorageSpec:
+    return parse_storage(str(tmp_path / ("study.db" if kind == "sqlite" else "study.log")))
 
 
 def new_study(kind: str, tmp_path: Path, name: str = "s"):
@@ -28,7 +31,7 @@ def new_study(kind: str, tmp_path: Path, name: str = "s"):
 
     def setup(study):
         study.enqueue_trial({P: 2}, user_attrs={"baseline": True})
-        study.set_user_attr("ppotune_schema", st.SCHEMA)
+        study.set_user_attr(st.SCHEMA_ATTR, STUDY_SCHEMA_VERSION)
 
     study, storage, created = st.open_study(spec, name, lock, sampler=optuna.samplers.RandomSampler(seed=0), setup=setup)
     return study, storage, created
@@ -40,32 +43,6 @@ def dead_pid() -> int:
     return p.pid
 
 
-# --------------------------------------------------------------------------- storage URLs
-@pytest.mark.parametrize("arg,kind,url_start", [
-    (None, "sqlite", "sqlite:////"),
-    ("journal:study.log", "journal", "journal:/"),
-    ("x/study.log", "journal", "journal:/"),
-    ("x/study.journal", "journal", "journal:/"),
-    ("x/study.db", "sqlite", "sqlite:////"),
-    ("sqlite:///rel.db", "sqlite", "sqlite:////"),
-    ("postgresql://u:p@host/db", "rdb", "postgresql://"),
-])
-def test_resolve_storage(tmp_path, arg, kind, url_start):
-    spec = st.resolve_storage(arg, tmp_path)
-    assert spec.kind == kind and spec.url.startswith(url_start)
-    if kind == "rdb":
-        assert spec.lock_path is None and spec.path is None
-    else:
-        assert spec.path.is_absolute() and spec.lock_path.name.endswith(".ppotune-lock")
-    if arg is None:
-        assert spec.path == (tmp_path / "study.db").resolve()
-
-
-def test_resolve_storage_refuses_an_unknown_path(tmp_path):
-    with pytest.raises(ValueError, match="neither an Optuna URL"):
-        st.resolve_storage("study.txt", tmp_path)
-
-
 def test_default_study_name():
     assert st.default_study_name("configs/tiny_cpu.yaml", "search_spaces/default.yaml") == "tiny_cpu--default"
 
@@ -74,7 +51,7 @@ def test_default_study_name():
 @pytest.mark.parametrize("kind", STORAGE_KINDS)
 def test_open_study_sets_up_once(kind, tmp_path):
     study, _, created = new_study(kind, tmp_path)
-    assert created and study.user_attrs["ppotune_schema"] == st.SCHEMA
+    assert created and study.user_attrs[st.SCHEMA_ATTR] == STUDY_SCHEMA_VERSION
     again, _, created2 = new_study(kind, tmp_path)
     assert not created2
     waiting = again.get_trials(states=(TrialState.WAITING,))
@@ -104,23 +81,23 @@ def test_two_processes_creating_one_fresh_study_do_not_race(kind, tmp_path):
 @pytest.mark.parametrize("kind", STORAGE_KINDS)
 def test_finish_records_constraints_values_and_states(kind, tmp_path):
     study, _, _ = new_study(kind, tmp_path)
-    statuses = ["ok", "oom", "inferred_oom", "hang", "crash", "invalid", "duplicate"]
+    statuses = [s for s in Status if s != Status.INTERRUPTED]
     for i, status in enumerate(statuses):
         trial = study.ask()
         trial.suggest_categorical(P, [1, 2, 4])
-        values = (100.0 + i, 1.5) if status == "ok" else (0.0, 64.0) if status in st.COMPLETE_STATUSES else None
-        st.finish(study, trial, status, {"duration_s": 1.0}, values=values)
+        values = (100.0 + i, 1.5) if status == Status.OK else (0.0, 64.0) if status.complete else None
+        st.finish(study, trial, TrialRecord(status=status, duration_s=1.0), values=values)
     trials = {t.user_attrs["status"]: t for t in study.get_trials()}
-    assert trials["ok"].state == TrialState.COMPLETE and trials["ok"].constraints == {st.CONSTRAINT_KEY: -1.0}
+    assert trials["ok"].state == TrialState.COMPLETE and trials["ok"].constraints == {CONSTRAINT_KEY: -1.0}
     for s in ("oom", "inferred_oom", "hang"):
         assert trials[s].state == TrialState.COMPLETE
-        assert trials[s].constraints == {st.CONSTRAINT_KEY: 1.0}
+        assert trials[s].constraints == {CONSTRAINT_KEY: 1.0}
         assert trials[s].values == [0.0, 64.0]
     for s in ("crash", "invalid", "duplicate"):
         assert trials[s].state == TrialState.FAIL
     # the Pareto front holds only the feasible trial
     assert [t.user_attrs["status"] for t in study.best_trials] == ["ok"]
-    assert st.count_progress(study.get_trials()) == len(statuses) - 1  # the duplicate is not counted
+    assert count_progress(study.get_trials()) == len(statuses) - 1  # the duplicate is not counted
 
 
 def test_counted():
@@ -128,13 +105,13 @@ def test_counted():
         return optuna.trial.create_trial(state=state, values=[1.0, 1.0] if state == TrialState.COMPLETE else None,
                                          user_attrs=ua)
 
-    assert st.counted(ft(TrialState.COMPLETE, status="ok"))
-    assert st.counted(ft(TrialState.FAIL, status="crash"))
-    assert st.counted(ft(TrialState.RUNNING))
-    assert not st.counted(ft(TrialState.WAITING))
-    assert not st.counted(ft(TrialState.FAIL, status="interrupted"))
-    assert not st.counted(ft(TrialState.FAIL, status="duplicate", duplicate_of=0))
-    assert not st.counted(ft(TrialState.COMPLETE, status="ok", confirm_of=3))
+    assert counted(ft(TrialState.COMPLETE, status="ok"))
+    assert counted(ft(TrialState.FAIL, status="crash"))
+    assert counted(ft(TrialState.RUNNING))
+    assert not counted(ft(TrialState.WAITING))
+    assert not counted(ft(TrialState.FAIL, status="interrupted"))
+    assert not counted(ft(TrialState.FAIL, status="duplicate", duplicate_of=0))
+    assert not counted(ft(TrialState.COMPLETE, status="ok", confirm_of=3))
 
 
 # --------------------------------------------------------------------------- resume
@@ -193,7 +170,7 @@ def test_heartbeat_thread(kind, tmp_path):
     study, storage, _ = new_study(kind, tmp_path)
     t = study.ask()
     hb = st.Heartbeat(storage, interval_s=0.2)
-    hb.add(t._trial_id)
+    hb.add(trial_id(storage, study, t.number))
     hb.start()
     time.sleep(0.8)
     hb.stop()
@@ -219,10 +196,17 @@ def test_study_lock_excludes_other_processes(tmp_path):
     assert waited >= 0.5  # it blocked until we released
 
 
-def test_tuner_never_imports_torch():
-    code = ("import sys; import tuner.search, tuner.study, tuner.space, tuner.space_cli, tuner.launch, "
-            "tuner.memory, tuner.progress, tuner.tracking, tuner.cli; "
-            "from tuner.cli import build_parser; build_parser(only='search'); build_parser(only='space'); "
-            "assert 'torch' not in sys.modules, 'torch was imported'; print('clean')")
-    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0 and "clean" in r.stdout, r.stderr
+@pytest.mark.parametrize("kind", STORAGE_KINDS)
+def test_interrupt_keeps_what_was_measured_and_what_was_asked(kind, tmp_path):
+    study, storage, _ = new_study(kind, tmp_path)
+    t = study.ask()  # the enqueued baseline
+    t.suggest_categorical(P, [1, 2, 4])
+    t.set_user_attr("baseline", True)
+    frozen = study.get_trials()[t.number]
+    measured = TrialRecord(duration_s=3.5, log_path="x/train.log", engine="ppotune")  # baseline=False by default
+    assert st.interrupt(study, storage, frozen, "stopped", measured=measured)
+    after = TrialRecord.from_user_attrs(study.get_trials()[t.number].user_attrs)
+    assert after.status == Status.INTERRUPTED and after.error == "stopped"
+    assert after.duration_s == 3.5 and after.log_path == "x/train.log" and after.baseline is True
+    (retry,) = study.get_trials(states=(TrialState.WAITING,))
+    assert TrialRecord.from_user_attrs(retry.user_attrs).baseline is True

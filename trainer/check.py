@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 import sys
 
-from .config import ConfigError, load_config, resolved, world_size
+from .contracts import ExitCode
+from .config import ConfigError, effective_config, load_config, world_size
 
 __all__ = ["add_arguments", "run"]
 
@@ -26,9 +27,10 @@ def run(args) -> int:
         cfg = load_config(args.config, overrides)
     except ConfigError as e:
         print(f"ppotune check: error: {e}", file=sys.stderr)
-        return 2
-    eff = resolved(cfg)
-    a, n, ws = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout.n, world_size(cfg)
+        return ExitCode.USAGE
+    cfg = effective_config(cfg)
+    a, c, n, ws = cfg.actor_rollout_ref.actor, cfg.critic, cfg.actor_rollout_ref.rollout.n, world_size(cfg)
+    ref = cfg.actor_rollout_ref.ref
 
     def plan(dynamic: bool, micro, budget) -> str:
         return f"dynamic, <= {budget} tokens per micro-batch" if dynamic else f"{micro} sequences per micro-batch"
@@ -38,8 +40,8 @@ def run(args) -> int:
           f"{cfg.data.train_batch_size * n // ws} per GPU")
     print(f"  actor: {a.strategy}, mini-batch {a.ppo_mini_batch_size * n // ws} sequences per GPU, "
           f"{plan(a.use_dynamic_bsz, a.ppo_micro_batch_size_per_gpu, a.ppo_max_token_len_per_gpu)}")
-    print(f"  critic: {eff['critic.strategy']}, mini-batch {eff['critic.ppo_mini_batch_size'] * n // ws} sequences per GPU, "
-          f"{plan(eff['critic.use_dynamic_bsz'], cfg.critic.ppo_micro_batch_size_per_gpu, cfg.critic.ppo_max_token_len_per_gpu)}")
-    print(f"  ref log-probs: {plan(eff['actor_rollout_ref.ref.log_prob_use_dynamic_bsz'], cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu, eff['actor_rollout_ref.ref.log_prob_max_token_len_per_gpu'])}")
+    print(f"  critic: {c.strategy}, mini-batch {c.ppo_mini_batch_size * n // ws} sequences per GPU, "
+          f"{plan(c.use_dynamic_bsz, c.ppo_micro_batch_size_per_gpu, c.ppo_max_token_len_per_gpu)}")
+    print(f"  ref log-probs: {plan(ref.log_prob_use_dynamic_bsz, ref.log_prob_micro_batch_size_per_gpu, ref.log_prob_max_token_len_per_gpu)}")
     print(f"  model: {cfg.actor_rollout_ref.model.path}; data: {cfg.data.train_files or 'embedded synthetic task'}")
     return 0

@@ -14,7 +14,7 @@ import dataclasses
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import yaml
 
@@ -29,6 +29,11 @@ __all__ = [
     "flatten",
     "unflatten",
     "world_size",
+    "FOLLOWS",
+    "follow",
+    "resolve_follows",
+    "effective_config",
+    "validate_config",
 ]
 
 
@@ -441,36 +446,51 @@ _POSITIVE_INTS = [
 ]
 
 
-def resolved(cfg: PPOConfig) -> dict:
-    """The effective values of keys whose ``None`` default means "follow another key"."""
-    a = cfg.actor_rollout_ref.actor
-    c = cfg.critic
-    ref = cfg.actor_rollout_ref.ref
-    ro = cfg.actor_rollout_ref.rollout
-    pick = lambda v, d: d if v is None else v  # noqa: E731
-    critic_dyn = pick(c.use_dynamic_bsz, a.use_dynamic_bsz)
-    return {
-        "critic.strategy": pick(c.strategy, a.strategy),
-        "critic.ppo_mini_batch_size": pick(c.ppo_mini_batch_size, a.ppo_mini_batch_size),
-        "critic.use_dynamic_bsz": critic_dyn,
-        "critic.forward_micro_batch_size_per_gpu": pick(c.forward_micro_batch_size_per_gpu, c.ppo_micro_batch_size_per_gpu),
-        "critic.forward_max_token_len_per_gpu": pick(c.forward_max_token_len_per_gpu, c.ppo_max_token_len_per_gpu),
-        "critic.ppo_epochs": pick(c.ppo_epochs, a.ppo_epochs),
-        "critic.model.path": pick(c.model.path, cfg.actor_rollout_ref.model.path),
-        "actor_rollout_ref.actor.clip_ratio_low": pick(a.clip_ratio_low, a.clip_ratio),
-        "actor_rollout_ref.actor.clip_ratio_high": pick(a.clip_ratio_high, a.clip_ratio),
-        "actor_rollout_ref.ref.log_prob_use_dynamic_bsz": pick(ref.log_prob_use_dynamic_bsz, a.use_dynamic_bsz),
-        "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": pick(ref.log_prob_max_token_len_per_gpu, a.ppo_max_token_len_per_gpu),
-        "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz": pick(ro.log_prob_use_dynamic_bsz, a.use_dynamic_bsz),
-        "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": pick(ro.log_prob_max_token_len_per_gpu, a.ppo_max_token_len_per_gpu),
-    }
+#: Keys whose ``None`` default means "the value of another key" (verl's null defaults): key -> the key it follows.
+FOLLOWS: dict[str, str] = {
+    "critic.strategy": "actor_rollout_ref.actor.strategy",
+    "critic.ppo_mini_batch_size": "actor_rollout_ref.actor.ppo_mini_batch_size",
+    "critic.use_dynamic_bsz": "actor_rollout_ref.actor.use_dynamic_bsz",
+    "critic.forward_micro_batch_size_per_gpu": "critic.ppo_micro_batch_size_per_gpu",
+    "critic.forward_max_token_len_per_gpu": "critic.ppo_max_token_len_per_gpu",
+    "critic.ppo_epochs": "actor_rollout_ref.actor.ppo_epochs",
+    "critic.model.path": "actor_rollout_ref.model.path",
+    "actor_rollout_ref.actor.clip_ratio_low": "actor_rollout_ref.actor.clip_ratio",
+    "actor_rollout_ref.actor.clip_ratio_high": "actor_rollout_ref.actor.clip_ratio",
+    "actor_rollout_ref.ref.log_prob_use_dynamic_bsz": "actor_rollout_ref.actor.use_dynamic_bsz",
+    "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+    "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz": "actor_rollout_ref.actor.use_dynamic_bsz",
+    "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+}
+
+
+def follow(flat: Mapping[str, Any], key: str) -> Any:
+    """The effective value of ``key`` in a flat config: a null follow-key reads as the key it follows."""
+    value = flat[key]
+    while value is None and key in FOLLOWS:
+        key = FOLLOWS[key]
+        value = flat[key]
+    return value
+
+
+def resolve_follows(flat: Mapping[str, Any]) -> dict:
+    """A copy of a flat config with every null follow-key (:data:`FOLLOWS`) filled in."""
+    out = dict(flat)
+    for key in FOLLOWS:
+        out[key] = follow(flat, key)
+    return out
+
+
+def effective_config(cfg: PPOConfig) -> PPOConfig:
+    """The typed config a run actually uses: every null follow-key filled in (``cfg`` is unchanged)."""
+    return config_from_dict(unflatten(resolve_follows(flatten(config_to_dict(cfg)))), validate=False)
 
 
 def validate_config(cfg: PPOConfig, *, source: Optional[str] = None) -> None:
     """Refuse contradictions, naming the key. verl's own checks, plus ours."""
     flat = flatten(config_to_dict(cfg))
-    eff = resolved(cfg)
-    get = lambda k: eff[k] if k in eff else flat[k]  # noqa: E731
+    eff = resolve_follows(flat)
+    get = eff.__getitem__
 
     def fail(key: str, msg: str) -> None:
         raise ConfigError(key, msg, source=source)

@@ -21,11 +21,11 @@ from pathlib import Path
 import yaml
 
 from .config import ConfigError, config_to_dict, load_config
-from .proc import EXIT_ERROR, EXIT_OK, EXIT_OOM, EXIT_USAGE, die_with_parent, write_json_atomic
+from .contracts import RESULT_SCHEMA_VERSION, ExitCode
+from .proc import die_with_parent, write_json_atomic
 
 __all__ = ["add_arguments", "run", "build_result"]
 
-SCHEMA_VERSION = 1
 _TAIL_LINES = 60
 
 
@@ -53,7 +53,7 @@ def _overrides(args) -> list[str]:
 
 
 def _error_result(message: str, *, config: dict | None = None, wall_s: float = 0.0, log_tail: str | None = None) -> dict:
-    return {"schema_version": SCHEMA_VERSION, "status": "error", "error": message, "oom_rank": None, "oom_phase": None,
+    return {"schema_version": RESULT_SCHEMA_VERSION, "status": "error", "error": message, "oom_rank": None, "oom_phase": None,
             "config": config or {}, "steps": [], "summary": _empty_summary(), "environment": {"device": "cpu", "world_size": 0,
             "backend": "gloo"}, "notes": [], "log_tail": log_tail, "wall_s": wall_s}
 
@@ -87,7 +87,7 @@ def build_result(rank_files: dict[int, dict], *, config: dict, nproc: int, retur
     env = lead.get("environment") or next((f["environment"] for f in rank_files.values() if f.get("environment")), None)
     notes = list(dict.fromkeys(lead.get("notes") or next((f["notes"] for f in rank_files.values() if f.get("notes")), [])))
     return {
-        "schema_version": SCHEMA_VERSION,
+        "schema_version": RESULT_SCHEMA_VERSION,
         "status": status,
         "error": error,
         "oom_rank": ooms[0] if ooms else None,
@@ -116,7 +116,7 @@ def run(args) -> int:
         print(f"ppotune train: error: {e}", file=sys.stderr)
         if result_path:
             write_json_atomic(result_path, _error_result(f"config: {e}"))
-        return EXIT_USAGE
+        return ExitCode.USAGE
     config = config_to_dict(cfg)
     nproc = cfg.trainer.n_gpus_per_node
     if result_path:
@@ -171,6 +171,6 @@ def run(args) -> int:
               f"peak memory {s.get('peak_memory_gb'):.2f} GB ({s.get('memory_source')})" if thr is not None else "ppotune train: ok")
         for note in result["notes"]:
             print(f"note: {note}")
-        return EXIT_OK
+        return ExitCode.OK
     print(f"ppotune train: {result['status']}: {result['error']}", file=sys.stderr)
-    return EXIT_OOM if result["status"] == "oom" else EXIT_ERROR
+    return ExitCode.OOM if result["status"] == "oom" else ExitCode.ERROR

@@ -11,11 +11,9 @@ import time
 
 import torch
 
-__all__ = ["PHASES", "PhaseMeter", "actor_mfu", "peak_flops", "summarize_steps", "rss_gb", "vm_data_bytes"]
+__all__ = ["PhaseMeter", "actor_mfu", "peak_flops", "summarize_steps", "rss_gb", "vm_data_bytes"]
 
 GB = 1024**3
-# The PPO phases of a step, in the order they run (trainer/step.py).
-PHASES = ("gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor")
 
 # Dense bf16 peak FLOP/s per device (vendor sheets); None where unknown -> MFU is null.
 _PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12,

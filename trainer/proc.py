@@ -6,10 +6,7 @@ import json
 import os
 from pathlib import Path
 
-__all__ = ["EXIT_OK", "EXIT_ERROR", "EXIT_USAGE", "EXIT_OOM", "prctl", "die_with_parent", "write_json_atomic", "PR_SET_PDEATHSIG", "PR_SET_CHILD_SUBREAPER"]
-
-# `ppotune train` exit codes (docs/contracts.md section 1); a rank that ran out of memory exits EXIT_OOM too.
-EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_OOM = 0, 1, 2, 3
+__all__ = ["prctl", "die_with_parent", "write_json_atomic", "PR_SET_PDEATHSIG", "PR_SET_CHILD_SUBREAPER"]
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36

@@ -20,7 +20,8 @@ import time
 import traceback
 from pathlib import Path
 
-from .proc import EXIT_ERROR, EXIT_OOM, die_with_parent, write_json_atomic
+from .contracts import PHASES, ExitCode
+from .proc import die_with_parent, write_json_atomic
 
 __all__ = ["main", "is_oom_error"]
 
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from .config import load_config
 
-        cfg = load_config(args.config)
+        cfg = load_config(args.config, validate=False)  # `ppotune train` validated it and wrote this file
         _train(cfg, rank, rank_file, state)
         state["status"] = "ok"
         write_json_atomic(rank_file, state)
@@ -111,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             pass
         print(f"[rank {rank}] {state['status']} in phase {state['phase']}: {state['error']}", file=sys.stderr, flush=True)
         # Peers may be blocked in a collective: leave now, torchrun ends them.
-        os._exit(EXIT_OOM if oom else EXIT_ERROR)
+        os._exit(ExitCode.OOM if oom else ExitCode.ERROR)
 
 
 def _train(cfg, rank: int, rank_file: Path, state: dict) -> None:
@@ -121,7 +122,7 @@ def _train(cfg, rank: int, rank_file: Path, state: dict) -> None:
     from .batching import rank_rows
     from .config import config_to_dict, world_size
     from .data import PromptDataset, PromptLoader, left_pad, load_rows
-    from .metrics import PHASES, PhaseMeter, actor_mfu, peak_flops, summarize_steps
+    from .metrics import PhaseMeter, actor_mfu, peak_flops, summarize_steps
     from .models import load_tokenizer
     from .step import ppo_step
     from .tracking import StepLogger
@@ -211,12 +212,13 @@ def build_roles(cfg, tokenizer, device, world: int, notes: list[str]):
     import torch
 
     from . import core
-    from .config import resolved
+    from .config import effective_config
     from .models import load_actor, load_critic, num_params
     from .parallel import ShardKnobs, shard_model
     from .step import ActorLoss, MicroBatching, Plans, Roles, StepSettings, Trainee
 
-    eff = resolved(cfg)
+    cfg = effective_config(cfg)  # null follow-keys filled in: every value below is what the run uses
+    c, ref_cfg = cfg.critic, cfg.actor_rollout_ref.ref
     a, mdl, ro = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.rollout
     max_pos = cfg.data.max_prompt_length + cfg.data.max_response_length
     kw = dict(tiny=cfg.ppotune.tiny, max_positions=max_pos, seed=cfg.trainer.seed)
@@ -225,7 +227,7 @@ def build_roles(cfg, tokenizer, device, world: int, notes: list[str]):
     shape = actor_model.config
     head_dim = getattr(shape, "head_dim", None) or shape.hidden_size // shape.num_attention_heads
     ref_model = load_actor(mdl.path, tokenizer, **kw).requires_grad_(False)
-    critic_model = load_critic(eff["critic.model.path"], tokenizer, **kw)
+    critic_model = load_critic(c.model.path, tokenizer, **kw)
 
     def knobs(fc, strategy, gc):
         return ShardKnobs(strategy=strategy, param_offload=fc.param_offload, offload_policy=fc.offload_policy,
@@ -253,7 +255,7 @@ def build_roles(cfg, tokenizer, device, world: int, notes: list[str]):
                         name="actor_rollout_ref.actor.fsdp_config", notes=notes)
     ref = shard_model(ref_model, knobs(cfg.actor_rollout_ref.ref.fsdp_config, a.strategy, False), device=device,
                       name="actor_rollout_ref.ref.fsdp_config", notes=notes)
-    critic = shard_model(critic_model, knobs(cfg.critic.fsdp, eff["critic.strategy"], cfg.critic.model.enable_gradient_checkpointing),
+    critic = shard_model(critic_model, knobs(c.fsdp, c.strategy, c.model.enable_gradient_checkpointing),
                          device=device, name="critic.fsdp", notes=notes)
     actor_opt = torch.optim.AdamW(actor.module.parameters(), lr=a.optim.lr, betas=tuple(a.optim.betas),
                                   weight_decay=a.optim.weight_decay)
@@ -266,24 +268,23 @@ def build_roles(cfg, tokenizer, device, world: int, notes: list[str]):
                if kl.type == "adaptive" else core.FixedKLController(kl_coef=kl.kl_coef))
     plans = Plans(
         actor=MicroBatching(a.use_dynamic_bsz, a.ppo_micro_batch_size_per_gpu, a.ppo_max_token_len_per_gpu),
-        critic=MicroBatching(eff["critic.use_dynamic_bsz"], cfg.critic.ppo_micro_batch_size_per_gpu, cfg.critic.ppo_max_token_len_per_gpu),
-        critic_forward=MicroBatching(eff["critic.use_dynamic_bsz"], eff["critic.forward_micro_batch_size_per_gpu"],
-                                     eff["critic.forward_max_token_len_per_gpu"]),
-        ref=MicroBatching(eff["actor_rollout_ref.ref.log_prob_use_dynamic_bsz"], cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu,
-                          eff["actor_rollout_ref.ref.log_prob_max_token_len_per_gpu"]),
-        rollout_log_prob=MicroBatching(eff["actor_rollout_ref.rollout.log_prob_use_dynamic_bsz"], ro.log_prob_micro_batch_size_per_gpu,
-                                       eff["actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"]),
+        critic=MicroBatching(c.use_dynamic_bsz, c.ppo_micro_batch_size_per_gpu, c.ppo_max_token_len_per_gpu),
+        critic_forward=MicroBatching(c.use_dynamic_bsz, c.forward_micro_batch_size_per_gpu, c.forward_max_token_len_per_gpu),
+        ref=MicroBatching(ref_cfg.log_prob_use_dynamic_bsz, ref_cfg.log_prob_micro_batch_size_per_gpu,
+                          ref_cfg.log_prob_max_token_len_per_gpu),
+        rollout_log_prob=MicroBatching(ro.log_prob_use_dynamic_bsz, ro.log_prob_micro_batch_size_per_gpu,
+                                       ro.log_prob_max_token_len_per_gpu),
     )
     settings = StepSettings(
         temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k, do_sample=ro.do_sample,
         max_response_length=cfg.data.max_response_length,
         ppo_mini_batch_size_per_gpu=a.ppo_mini_batch_size * n // world,
-        critic_mini_batch_size_per_gpu=eff["critic.ppo_mini_batch_size"] * n // world,
-        ppo_epochs=a.ppo_epochs, critic_epochs=eff["critic.ppo_epochs"], gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam,
+        critic_mini_batch_size_per_gpu=c.ppo_mini_batch_size * n // world,
+        ppo_epochs=a.ppo_epochs, critic_epochs=c.ppo_epochs, gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam,
         use_kl_in_reward=cfg.algorithm.use_kl_in_reward, kl_penalty=cfg.algorithm.kl_penalty,
         cliprange_value=cfg.critic.cliprange_value, critic_grad_clip=cfg.critic.grad_clip,
-        actor_loss=ActorLoss(clip_ratio_low=eff["actor_rollout_ref.actor.clip_ratio_low"],
-                             clip_ratio_high=eff["actor_rollout_ref.actor.clip_ratio_high"], clip_ratio_c=a.clip_ratio_c,
+        actor_loss=ActorLoss(clip_ratio_low=a.clip_ratio_low,
+                             clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
                              entropy_coeff=a.entropy_coeff, use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef,
                              kl_loss_type=a.kl_loss_type, grad_clip=a.grad_clip),
         train_batch_size=cfg.data.train_batch_size, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id,

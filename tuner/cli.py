@@ -10,6 +10,8 @@ import argparse
 import importlib
 import sys
 
+from trainer.contracts import ExitCode
+
 __all__ = ["main"]
 
 # command -> (module, one-line help)
@@ -18,16 +20,15 @@ _COMMANDS = {
     "search": ("tuner.search", "run an Optuna study of short, isolated PPO trials"),
     "check": ("trainer.check", "validate a training config without launching anything (no GPU needed)"),
     "space": ("tuner.space_cli", "validate a search space YAML and print its size"),
-    "report": ("tuner.report", "write the Pareto report (HTML, PNG, CSV, summary.md) of a study"),
-    "export": ("tuner.export", "write the chosen config: best_config.yaml, verl overrides, why.md"),
+    "report": ("tuner.results.report", "write the Pareto report (HTML, PNG, CSV, summary.md) of a study"),
+    "export": ("tuner.results.export", "write the chosen config: best_config.yaml, verl overrides, why.md"),
 }
 
-EXIT_USAGE = 2
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, exit 2
-        self.exit(EXIT_USAGE, f"ppotune {self.prog.split()[-1]}: error: {message}\n")
+        self.exit(ExitCode.USAGE, f"ppotune {self.prog.split()[-1]}: error: {message}\n")
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     if command is None:
         if not argv or argv[0] in ("-h", "--help"):
             parser.print_help()
-            return 0 if argv else EXIT_USAGE
+            return ExitCode.OK if argv else ExitCode.USAGE
         parser.error(f"unknown command {argv[0]!r} (choose from {', '.join(_COMMANDS)})")
     args = parser.parse_args(argv)
     module = importlib.import_module(_COMMANDS[command][0])

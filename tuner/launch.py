@@ -29,8 +29,8 @@ from typing import Optional, Sequence
 
 import psutil
 
-from trainer.proc import EXIT_OOM, PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, prctl
-from trainer.proc import EXIT_USAGE as EXIT_CONFIG_REFUSED
+from trainer.contracts import ExitCode, Status
+from trainer.proc import PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, prctl
 from tuner.memory import MemoryPeaks, MemorySampler
 
 __all__ = ["TrialRun", "train_command", "launch_trial", "classify", "log_tail", "REPO_ROOT"]
@@ -40,7 +40,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 @dataclass
 class TrialRun:
-    status: str  # ok | oom | hang | crash | invalid | interrupted
+    status: Status  # OK | OOM | HANG | CRASH | INVALID | INTERRUPTED
     error: Optional[str]
     returncode: Optional[int]
     result: Optional[dict]
@@ -52,14 +52,10 @@ class TrialRun:
     leftover_pids: list = field(default_factory=list)  # processes still alive after cleanup (should be [])
 
 
-def train_command(config_path: str | Path, *, nproc: int, steps: int, warmup: int, result_path: str | Path,
-                  memory_limit_gb: Optional[float] = None, python: str = sys.executable) -> list[str]:
-    """``ppotune train`` through ``python -m tuner.cli`` (works without the console script)."""
-    cmd = [python, "-m", "tuner.cli", "train", str(config_path), "--nproc", str(nproc), "--steps", str(steps),
-           "--warmup", str(warmup), "--result", str(result_path)]
-    if memory_limit_gb is not None:
-        cmd += ["--memory-limit-gb", repr(float(memory_limit_gb))]
-    return cmd
+def train_command(config_path: str | Path, *, result_path: str | Path, python: str = sys.executable) -> list[str]:
+    """``ppotune train CONFIG --result FILE`` through ``python -m tuner.cli`` (works without the console
+    script). The config file is complete (world size, steps, warm-up, memory cap): no flag repeats it."""
+    return [python, "-m", "tuner.cli", "train", str(config_path), "--result", str(result_path)]
 
 
 def log_tail(path: str | Path, *, lines: int = 40, max_chars: int = 4000) -> Optional[str]:
@@ -77,7 +73,7 @@ def log_tail(path: str | Path, *, lines: int = 40, max_chars: int = 4000) -> Opt
 
 def classify(returncode: Optional[int], result: Optional[dict], *, timed_out: bool = False,
              interrupted: bool = False, timeout_s: Optional[float] = None,
-             stderr_hint: Optional[str] = None) -> tuple[str, Optional[str]]:
+             stderr_hint: Optional[str] = None) -> tuple[Status, Optional[str]]:
     """(status, one-line error) of a finished trial process.
 
     ``invalid``: the config was refused (exit code 2, or a result error starting with
@@ -85,37 +81,37 @@ def classify(returncode: Optional[int], result: Optional[dict], *, timed_out: bo
     file, or any other error; ``hang``: our timeout fired first.
     """
     if interrupted:
-        return "interrupted", "interrupted: the tuner was stopped while the trial ran"
+        return Status.INTERRUPTED, "interrupted: the tuner was stopped while the trial ran"
     if timed_out:
-        return "hang", f"no result after {timeout_s:.0f} s (--trial-timeout); trial process group killed" \
+        return Status.HANG, f"no result after {timeout_s:.0f} s (--trial-timeout); trial process group killed" \
             if timeout_s is not None else "trial timed out; process group killed"
     if result is not None:
         status, error = result.get("status"), result.get("error")
         if status == "ok":
             thr = (result.get("summary") or {}).get("throughput")
             if thr is None:
-                return "crash", "result status ok but no measured throughput (no step after warm-up?)"
-            return "ok", None
+                return Status.CRASH, "result status ok but no measured throughput (no step after warm-up?)"
+            return Status.OK, None
         if status == "oom":
-            return "oom", error or "out of memory"
+            return Status.OOM, error or "out of memory"
         if status == "error":
-            if (error or "").startswith("config:") or returncode == EXIT_CONFIG_REFUSED:
-                return "invalid", error
-            return "crash", error or f"exit code {returncode}"
-        return "crash", f"result file has unknown status {status!r}"
+            if (error or "").startswith("config:") or returncode == ExitCode.USAGE:
+                return Status.INVALID, error
+            return Status.CRASH, error or f"exit code {returncode}"
+        return Status.CRASH, f"result file has unknown status {status!r}"
     if returncode is None:
-        return "crash", "the trial process did not exit"
-    if returncode == EXIT_CONFIG_REFUSED:
-        return "invalid", stderr_hint or "config refused (exit code 2)"
+        return Status.CRASH, "the trial process did not exit"
+    if returncode == ExitCode.USAGE:
+        return Status.INVALID, stderr_hint or "config refused (exit code 2)"
     if returncode < 0:
         try:
             name = signal.Signals(-returncode).name
         except ValueError:
             name = str(-returncode)
-        return "crash", f"killed by {name} without a result file"
-    if returncode == EXIT_OOM:
-        return "oom", "exit code 3 (out of memory) without a result file"
-    return "crash", f"exited with code {returncode} without a result file"
+        return Status.CRASH, f"killed by {name} without a result file"
+    if returncode == ExitCode.OOM:
+        return Status.OOM, "exit code 3 (out of memory) without a result file"
+    return Status.CRASH, f"exited with code {returncode} without a result file"
 
 
 def _read_result(path: Path) -> tuple[Optional[dict], Optional[str]]:
@@ -220,9 +216,9 @@ def launch_trial(cmd: Sequence[str], *, trial_dir: str | Path, result_path: str 
     result, read_error = _read_result(result_path)
     status, error = classify(rc, result, timed_out=timed_out, interrupted=interrupted, timeout_s=timeout_s,
                              stderr_hint=_last_error_line(log_path))
-    if read_error and status == "crash" and result is None:
+    if read_error and status == Status.CRASH and result is None:
         error = read_error
-    tail = log_tail(log_path) if status not in ("ok",) else None
+    tail = log_tail(log_path) if status != Status.OK else None
     return TrialRun(status=status, error=error, returncode=rc, result=result, duration_s=duration,
                     log_path=str(log_path), result_path=str(result_path), log_tail=tail, memory=peaks,
                     leftover_pids=leftovers)

@@ -7,13 +7,13 @@ import threading
 import time
 from typing import Optional
 
-from tuner.space import short_name
+from trainer.contracts import short_knob
 
 __all__ = ["Display", "trial_line", "format_knobs"]
 
 
 def format_knobs(params: dict, *, limit: int = 6) -> str:
-    items = [f"{short_name(k)}={v}" for k, v in params.items()]
+    items = [f"{short_knob(k)}={v}" for k, v in params.items()]
     if len(items) > limit:
         items = items[:limit] + [f"(+{len(items) - limit} more)"]
     return " ".join(items)

@@ -45,12 +45,11 @@ import operator
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Callable, Iterator, Optional
 
 import yaml
 
-from trainer.config import ConfigError, PPOConfig, config_from_dict, config_to_dict, flatten, unflatten
+from trainer.config import ConfigError, PPOConfig, config_from_dict, config_to_dict, flatten, follow, unflatten
 
 __all__ = [
     "SpaceError",
@@ -59,7 +58,6 @@ __all__ = [
     "Candidate",
     "Space",
     "load_space",
-    "short_name",
 ]
 
 KNOB_TYPES = ("int", "pow2", "float", "categorical", "bool")
@@ -85,11 +83,6 @@ def _config_keys() -> frozenset[str]:
 
 
 CONFIG_KEYS = _config_keys()
-
-
-def short_name(key: str) -> str:
-    """``actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu`` -> ``actor.ppo_micro_batch_size_per_gpu``."""
-    return key[len("actor_rollout_ref."):] if key.startswith("actor_rollout_ref.") else key
 
 
 # --------------------------------------------------------------------------- expressions
@@ -331,31 +324,14 @@ def _truthy(value: Any, where: str) -> bool:
     raise ExprError(f"{where} must be true or false, got {value!r}")
 
 
-def _namespace(d: dict) -> SimpleNamespace:
-    return SimpleNamespace(**{k: _namespace(v) if isinstance(v, dict) else v for k, v in d.items()})
-
-
 class _Resolver:
     """Name lookup over a flat effective config; ``None`` "follow another key" defaults resolved."""
 
     def __init__(self, eff: dict):
         self.eff = eff
-        self._resolved: Optional[dict] = None
 
     def __call__(self, name: str) -> Any:
-        value = self.eff[name]
-        if value is None:
-            if self._resolved is None:
-                self._resolved = {}
-                try:
-                    from trainer.config import resolved  # not in __all__; optional
-                    # resolved() only reads attributes: a namespace tree is enough and ~100x
-                    # cheaper than building the typed config for every grid point.
-                    self._resolved = resolved(_namespace(unflatten(self.eff)))
-                except Exception:  # the trainer renamed it, or a value of the wrong type
-                    pass
-            value = self._resolved.get(name, value)
-        return value
+        return follow(self.eff, name)
 
 
 # --------------------------------------------------------------------------- the space

@@ -9,11 +9,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tuner.space import GRID_LIMIT, base_flat_config, load_space, short_name
+from trainer.contracts import ExitCode, short_knob
+from tuner.space import GRID_LIMIT, base_flat_config, load_space
 
 __all__ = ["add_arguments", "run", "check"]
 
-EXIT_BAD_SPACE = 2
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
         space, flat, report = check(args.file, args.base, args.nproc)
     except ValueError as e:  # SpaceError, trainer.config.ConfigError
         print(f"ppotune space check: {e}", file=sys.stderr)
-        return EXIT_BAD_SPACE
+        return ExitCode.USAGE
     size = report["size"]
     size_text = f">{GRID_LIMIT:,}" if size > GRID_LIMIT else f"{size:,}"
     print(f"{args.file}: OK" + (f" - {space.description}" if space.description else ""))
@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
         for c in space.constraints:
             print(f"  [{c.index}] {c.expr.text}")
     baseline = space.baseline_params(flat)
-    outside = [short_name(k.key) for k in space.knobs if k.key not in baseline and space.active(k, flat)]
+    outside = [short_knob(k.key) for k in space.knobs if k.key not in baseline and space.active(k, flat)]
     if outside:
         print(f"note: the base config's value is outside the space for {', '.join(outside)} "
               "(the baseline trial still runs the base config as written)")

@@ -1,15 +1,12 @@
-"""The Optuna side of a search: storage, study set-up, trial bookkeeping, resume.
+"""The Optuna side of a search: study set-up, ownership, heartbeat, resume, telling.
 
 Layout of a study in storage: docs/contracts.md section 3 (report, export and the notebook
-read it). What this module adds on top of Optuna:
+read it); the words (statuses, attributes, storage spellings) are :mod:`trainer.contracts`.
+What this module adds on top of Optuna:
 
-* **storage URLs**: any Optuna RDB URL; ``journal:PATH`` or a path ending ``.log`` /
-  ``.journal`` is a JournalStorage file; a bare ``.db`` path is SQLite.
 * **one creator**: the study is created, its user attrs set and the baseline enqueued
   under a file lock next to a file storage, so two ``ppotune search`` processes started
   together never race (SQLite's "table already exists").
-* **counting**: each process runs until the study holds ``--trials`` counted trials
-  (:func:`counted`); the count and ``ask()`` happen under the lock, so processes add up.
 * **ownership and resume**: a RUNNING trial records its owner (host, pid, process start
   time) and a heartbeat. A RUNNING trial whose owner is dead (same host) or whose heartbeat
   is stale (another host) is marked FAIL with status ``interrupted`` and its params are
@@ -24,7 +21,6 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -34,82 +30,26 @@ from optuna.exceptions import DuplicatedStudyError, UpdateFinishedTrialError
 from optuna.storages import BaseStorage
 from optuna.trial import FrozenTrial, TrialState
 
+from trainer.contracts import ASKED_FIELDS, CONSTRAINT_KEY, DIRECTIONS, MEASUREMENT_FIELDS, Status, StorageSpec, TrialRecord
+from tuner.storage import open_storage, trial_id
+
 __all__ = [
-    "SCHEMA",
-    "STATUSES",
-    "COMPLETE_STATUSES",
-    "FAIL_STATUSES",
-    "CONSTRAINT_KEY",
-    "StorageSpec",
-    "resolve_storage",
+    "SCHEMA_ATTR",
     "StudyLock",
     "open_study",
     "default_study_name",
-    "counted",
-    "count_progress",
     "owner_info",
     "is_stale",
     "sweep_stale",
     "interrupt",
+    "claim",
     "finish",
     "Heartbeat",
 ]
 
-SCHEMA = 1
-DIRECTIONS = ["maximize", "minimize"]  # throughput (tokens/s/GPU), peak memory (GB)
-STATUSES = ("ok", "oom", "inferred_oom", "hang", "crash", "invalid", "interrupted", "duplicate")
-COMPLETE_STATUSES = ("ok", "oom", "inferred_oom", "hang")  # COMPLETE; all but ok infeasible
-FAIL_STATUSES = ("crash", "invalid", "interrupted", "duplicate")
-CONSTRAINT_KEY = "infeasible"  # trial.constraints == {"infeasible": 1.0} (OOM/hang) or {-1.0} (ok)
+SCHEMA_ATTR = "ppotune_schema"  # study user attr set last by the creating process: "the study is set up"
 HEARTBEAT_S = 15.0
 STALE_AFTER_S = 120.0  # a RUNNING trial of another host with no heartbeat for this long is stale
-
-
-# --------------------------------------------------------------------------- storage
-@dataclass
-class StorageSpec:
-    url: str  # what the user sees / what report and export get
-    kind: str  # sqlite | rdb | journal
-    path: Optional[Path]  # the file, for file storages
-    lock_path: Optional[Path]  # where the cross-process lock lives (file storages only)
-
-
-def resolve_storage(storage: Optional[str], out_dir: Path) -> StorageSpec:
-    """``None`` -> ``sqlite:///<out>/study.db``; ``journal:PATH`` / ``*.log`` / ``*.journal`` ->
-    a journal file; ``*.db`` / ``*.sqlite`` path -> SQLite; anything else: an RDB URL."""
-    if storage is None:
-        path = (out_dir / "study.db").resolve()
-        return StorageSpec(f"sqlite:///{path}", "sqlite", path, path.with_name(path.name + ".ppotune-lock"))
-    if storage.startswith("journal:"):
-        path = Path(storage[len("journal:"):]).expanduser().resolve()
-        return StorageSpec(f"journal:{path}", "journal", path, path.with_name(path.name + ".ppotune-lock"))
-    if "://" not in storage:
-        path = Path(storage).expanduser().resolve()
-        if path.suffix in (".log", ".journal"):
-            return StorageSpec(f"journal:{path}", "journal", path, path.with_name(path.name + ".ppotune-lock"))
-        if path.suffix in (".db", ".sqlite", ".sqlite3"):
-            return StorageSpec(f"sqlite:///{path}", "sqlite", path, path.with_name(path.name + ".ppotune-lock"))
-        raise ValueError(f"--storage: {storage!r} is neither an Optuna URL nor a .db/.log/.journal path")
-    if storage.startswith("sqlite:///"):
-        raw = storage[len("sqlite:///"):]
-        if raw and raw != ":memory:":
-            path = Path(raw).expanduser().resolve()
-            return StorageSpec(f"sqlite:///{path}", "sqlite", path, path.with_name(path.name + ".ppotune-lock"))
-    return StorageSpec(storage, "rdb", None, None)
-
-
-def open_storage(spec: StorageSpec) -> BaseStorage:
-    if spec.path is not None:
-        spec.path.parent.mkdir(parents=True, exist_ok=True)
-    if spec.kind == "journal":
-        from optuna.storages.journal import JournalFileBackend
-
-        return optuna.storages.JournalStorage(JournalFileBackend(str(spec.path)))
-    kwargs: dict = {}
-    if spec.kind == "sqlite":
-        # several processes write one SQLite file: wait for the lock instead of failing at once
-        kwargs["engine_kwargs"] = {"connect_args": {"timeout": 60}}
-    return optuna.storages.get_storage(optuna.storages.RDBStorage(spec.url, **kwargs))
 
 
 class StudyLock:
@@ -147,40 +87,23 @@ def default_study_name(base_path: Optional[str], space_path: str) -> str:
 def open_study(spec: StorageSpec, name: str, lock: StudyLock, *, sampler: optuna.samplers.BaseSampler,
                setup: Any, wait_s: float = 60.0) -> tuple[optuna.Study, BaseStorage, bool]:
     """Create or load the study; the creating process (under the lock) runs ``setup(study)``,
-    which must set ``ppotune_schema`` last. Returns (study, storage, created)."""
+    which must set :data:`SCHEMA_ATTR` last. Returns (study, storage, created)."""
     with lock():
         storage = open_storage(spec)
         try:
-            study = optuna.create_study(storage=storage, study_name=name, directions=DIRECTIONS, sampler=sampler)
+            study = optuna.create_study(storage=storage, study_name=name, directions=list(DIRECTIONS), sampler=sampler)
             created = True
         except DuplicatedStudyError:
             study = optuna.load_study(storage=storage, study_name=name, sampler=sampler)
             created = False
-        if "ppotune_schema" not in study.user_attrs and (created or spec.lock_path is not None):
+        if SCHEMA_ATTR not in study.user_attrs and (created or spec.lock_path is not None):
             setup(study)
     deadline = time.monotonic() + wait_s
-    while "ppotune_schema" not in study.user_attrs:  # another process (no shared lock) sets it up
+    while SCHEMA_ATTR not in study.user_attrs:  # another process (no shared lock) sets it up
         if time.monotonic() > deadline:
             raise RuntimeError(f"study {name!r} exists but was never set up by the process that created it")
         time.sleep(0.5)
     return study, storage, created
-
-
-# --------------------------------------------------------------------------- counting
-def counted(t: FrozenTrial) -> bool:
-    """Does this trial count toward ``--trials``? Finished or running trials, except
-    interrupted ones (their retry counts), duplicates (a proposal of a config already in the
-    study: recorded, never run) and ``--confirm`` re-runs."""
-    if t.state not in (TrialState.COMPLETE, TrialState.FAIL, TrialState.RUNNING):
-        return False
-    ua = t.user_attrs
-    if ua.get("status") in ("interrupted", "duplicate") or ua.get("confirm_of") is not None:
-        return False
-    return True
-
-
-def count_progress(trials: list[FrozenTrial]) -> int:
-    return sum(1 for t in trials if counted(t))
 
 
 # --------------------------------------------------------------------------- ownership, resume
@@ -207,38 +130,41 @@ def is_stale(t: FrozenTrial, *, now: Optional[float] = None, stale_after_s: floa
     ``stale_after_s`` from another host (or from a trial with no owner record at all)."""
     if t.state != TrialState.RUNNING:
         return False
-    owner = t.user_attrs.get("owner")
+    rec = TrialRecord.from_user_attrs(t.user_attrs)
+    owner = rec.owner
     now = time.time() if now is None else now
     if isinstance(owner, dict) and owner.get("host") == _HOST:
         return not _pid_alive(int(owner.get("pid", -1)), owner.get("started"))
-    beat = t.user_attrs.get("heartbeat")
+    beat = rec.heartbeat
     if beat is None:
-        start = t.datetime_start.timestamp() if t.datetime_start else now
-        beat = start
+        beat = t.datetime_start.timestamp() if t.datetime_start else now
     return now - float(beat) > stale_after_s
 
 
-def _retry_attrs(t: FrozenTrial) -> dict:
-    ua = t.user_attrs
-    attrs = {"retry_of": t.number}
-    for k in ("baseline", "confirm_of"):
-        if k in ua:
-            attrs[k] = ua[k]
-    return attrs
-
-
 def interrupt(study: optuna.Study, storage: BaseStorage, t: FrozenTrial, reason: str, *,
-              extra_attrs: Optional[dict] = None) -> bool:
+              measured: Optional[TrialRecord] = None) -> bool:
     """Mark a RUNNING trial FAIL/interrupted and enqueue its params again. Only the process
-    whose FAIL transition wins enqueues, so concurrent sweepers never double it."""
-    attrs = {"status": "interrupted", "error": reason, **(extra_attrs or {})}
+    whose FAIL transition wins enqueues, so concurrent sweepers never double it.
+
+    ``measured``: what the trial recorded before it was stopped (kept on the failed trial)."""
+    rec = TrialRecord.from_user_attrs(t.user_attrs)
+    fields = {"status", "error"}
+    if measured is not None:
+        fields |= {f for f, v in measured.to_user_attrs().items()
+                   if f not in ASKED_FIELDS and v not in (None, {}, [])}
+        for f in fields - {"status", "error"}:
+            setattr(rec, f, getattr(measured, f))
+    rec.status, rec.error = Status.INTERRUPTED, reason
+    tid = trial_id(storage, study, t.number)
     try:
-        for k, v in attrs.items():
-            storage.set_trial_user_attr(t._trial_id, k, v)
-        storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+        for k, v in rec.to_user_attrs(only=fields).items():
+            storage.set_trial_user_attr(tid, k, v)
+        storage.set_trial_state_values(tid, TrialState.FAIL)
     except UpdateFinishedTrialError:
         return False
-    study.enqueue_trial(dict(t.params), user_attrs=_retry_attrs(t), skip_if_exists=False)
+    retry = TrialRecord(retry_of=t.number, baseline=rec.baseline, confirm_of=rec.confirm_of)
+    study.enqueue_trial(dict(t.params), user_attrs=retry.to_user_attrs(only={"retry_of", "baseline", "confirm_of"}),
+                        skip_if_exists=False)
     return True
 
 
@@ -248,7 +174,7 @@ def sweep_stale(study: optuna.Study, storage: BaseStorage, *, stale_after_s: flo
     now = time.time()
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         if is_stale(t, now=now, stale_after_s=stale_after_s):
-            owner = t.user_attrs.get("owner") or {}
+            owner = TrialRecord.from_user_attrs(t.user_attrs).owner or {}
             reason = (f"interrupted: its tuner (pid {owner.get('pid')} on {owner.get('host')}) died; "
                       "params enqueued again")
             if interrupt(study, storage, t, reason):
@@ -280,24 +206,37 @@ class Heartbeat(threading.Thread):
             with self._lock:
                 ids = list(self._ids)
             for tid in ids:
+                beat = TrialRecord(heartbeat=time.time()).to_user_attrs(only={"heartbeat"})
                 try:
-                    self.storage.set_trial_user_attr(tid, "heartbeat", time.time())
-                except Exception:  # finished meanwhile, or a transient storage error
+                    for k, v in beat.items():
+                        self.storage.set_trial_user_attr(tid, k, v)
+                except Exception:  # noqa: BLE001 - finished meanwhile, or a transient storage error
                     pass
 
     def stop(self) -> None:
         self._stop_event.set()
 
 
-# --------------------------------------------------------------------------- telling
-def finish(study: optuna.Study, trial: optuna.trial.Trial, status: str, attrs: dict, *,
-           values: Optional[tuple[float, float]] = None) -> FrozenTrial:
-    """Write the trial's user attrs and tell Optuna: COMPLETE (feasible only if ``ok``) or FAIL."""
-    assert status in STATUSES, status
-    for k, v in {**attrs, "status": status}.items():
+def claim(trial: optuna.trial.Trial) -> None:
+    """Record this process as the RUNNING trial's owner, with a first heartbeat."""
+    for k, v in TrialRecord(owner=owner_info(), heartbeat=time.time()).to_user_attrs(only={"owner", "heartbeat"}).items():
         trial.set_user_attr(k, v)
-    if status in COMPLETE_STATUSES:
+
+
+# --------------------------------------------------------------------------- telling
+def finish(study: optuna.Study, trial: optuna.trial.Trial, record: TrialRecord, *,
+           values: Optional[tuple[float, float]] = None) -> FrozenTrial:
+    """Write the trial's record and tell Optuna: COMPLETE (feasible only if ``ok``) or FAIL.
+
+    Only the record's measurement and outcome fields are written: the attrs set when the trial
+    was asked (owner, heartbeat, overrides, baseline) stay as they are."""
+    status = record.status
+    assert isinstance(status, Status), status
+    for k, v in record.to_user_attrs().items():
+        if k not in ASKED_FIELDS and (v is not None or k in MEASUREMENT_FIELDS):
+            trial.set_user_attr(k, v)
+    if status.complete:
         assert values is not None
-        trial.set_constraint(CONSTRAINT_KEY, -1.0 if status == "ok" else 1.0)
+        trial.set_constraint(CONSTRAINT_KEY, -1.0 if status.feasible else 1.0)
         return study.tell(trial, list(values))
     return study.tell(trial, state=TrialState.FAIL)

@@ -25,8 +25,9 @@ import pandas as pd
 import yaml
 
 from trainer.config import ConfigError, apply_overrides, config_from_dict, config_to_dict, flatten
-from tuner import studyio
-from tuner.studyio import StudyError, StudyView, missing
+from trainer.contracts import DEFAULT_HEADROOM, ExitCode, Status, StorageError
+from tuner.results.view import (StudyView, add_study_arguments, measured_feasible, missing, pareto_mask,
+                                view_from_args)
 
 __all__ = [
     "PICKS",
@@ -44,8 +45,6 @@ __all__ = [
 ]
 
 PICKS = ("max-throughput", "min-memory", "knee")
-DEFAULT_HEADROOM = 0.10
-EXIT_REFUSED = 2
 
 # Keys a trial sets to make it a short trial, not to tune it: production keeps the
 # user's values (the base config holds them).
@@ -60,7 +59,7 @@ RUN_KEYS = frozenset({
 })
 
 
-class NoFit(StudyError):
+class NoFit(StorageError):
     """No feasible trial satisfies the request (message is the one line the user sees)."""
 
 
@@ -100,7 +99,7 @@ def choose(view: StudyView, *, pick: str = "max-throughput", headroom: float = D
     warning = None
     if df.empty:
         raise NoFit(f"study {view.name!r} has no trials")
-    feasible = studyio.measured_feasible(df)
+    feasible = measured_feasible(df)
     if not feasible.any():
         counts = ", ".join(f"{n} {s}" for s, n in df["status"].value_counts().items())
         raise NoFit(f"no feasible trial in study {view.name!r} ({counts})")
@@ -117,7 +116,7 @@ def choose(view: StudyView, *, pick: str = "max-throughput", headroom: float = D
                 f"no feasible trial keeps {_pct(headroom)} of {device_gb:.1f} GB free "
                 f"(smallest peak: {smallest:.1f} GB)"
             )
-    front_mask = studyio.pareto_mask(df, among=under)
+    front_mask = pareto_mask(df, among=under)
     cand = df.loc[under, ["number", "throughput", "peak_memory_gb"]].copy()
     if pick == "max-throughput":
         cand = cand.sort_values(["throughput", "peak_memory_gb", "number"], ascending=[False, True, True])
@@ -146,10 +145,9 @@ def choose(view: StudyView, *, pick: str = "max-throughput", headroom: float = D
 # --------------------------------------------------------------------------- the config
 def chosen_overrides(view: StudyView, number: int) -> dict[str, Any]:
     """The dotted keys trial ``number`` set (knobs + derived), minus the trial-length keys."""
-    t = view.trial(number)
-    over = t.user_attrs.get("overrides")
+    over = view.record(number).overrides
     if not isinstance(over, dict):
-        over = dict(t.params)  # contracts.md §3 always records overrides; params are the knobs
+        over = dict(view.trial(number).params)  # contracts.md §3 always records overrides; params are the knobs
     return {k: v for k, v in over.items() if k not in RUN_KEYS}
 
 
@@ -157,12 +155,12 @@ def best_config(view: StudyView, number: int) -> dict:
     """The study's base config with trial ``number``'s overrides, validated; a full nested dict."""
     base = view.attrs.get("base_config")
     if not isinstance(base, dict):
-        raise StudyError(f"study {view.name!r} has no base_config user attribute (contracts.md §3)")
+        raise StorageError(f"study {view.name!r} has no base_config user attribute (contracts.md §3)")
     merged = apply_overrides(base, chosen_overrides(view, number))
     try:
         cfg = config_from_dict(merged, source="best_config.yaml")
     except ConfigError as e:
-        raise StudyError(f"the config of trial #{number} does not validate: {e}") from None
+        raise StorageError(f"the config of trial #{number} does not validate: {e}") from None
     return config_to_dict(cfg)
 
 
@@ -214,11 +212,11 @@ def nearest_oom(view: StudyView, number: int) -> Optional[tuple[int, list[tuple[
     df = view.trials
     chosen = view.trial(number).params
     best = None
-    for n in df.loc[df["status"].isin(["oom", "inferred_oom"]), "number"]:
+    for n in df.loc[df["status"].isin([Status.OOM, Status.INFERRED_OOM]), "number"]:
         other = view.trial(int(n)).params
         keys = sorted(set(chosen) | set(other))
         diff = [(k, chosen.get(k), other.get(k)) for k in keys if chosen.get(k) != other.get(k)]
-        score = (len(diff), 0 if df.loc[df["number"] == n, "status"].item() == "oom" else 1, int(n))
+        score = (len(diff), 0 if df.loc[df["number"] == n, "status"].item() == Status.OOM else 1, int(n))
         if best is None or score < best[0]:
             best = (score, int(n), diff)
     return None if best is None else (best[1], best[2])
@@ -241,7 +239,7 @@ def _why_md(view: StudyView, choice: Choice, overrides: dict, lines: list[str]) 
     r = _row(view, choice.chosen)
     base = df.loc[df["baseline"]]
     out = [f"# Why trial #{choice.chosen}", ""]
-    out.append(f"Study `{view.name}` ({len(df)} trials), storage `{view.storage}`.")
+    out.append(f"Study `{view.name}` ({len(df)} trials), storage `{view.storage.display}`.")
     if choice.limit_gb is not None:
         out.append(
             f"Pick **{choice.pick}** among feasible trials whose peak memory keeps {_pct(choice.headroom)} of the "
@@ -306,7 +304,7 @@ def _why_md(view: StudyView, choice: Choice, overrides: dict, lines: list[str]) 
     else:
         n, diff = near
         o = _row(view, n)
-        how = "ran out of memory" if o["status"] == "oom" else f"was inferred to run out of memory (from #{o['inferred_from']})"
+        how = "ran out of memory" if o["status"] == Status.OOM else f"was inferred to run out of memory (from #{o['inferred_from']})"
         out.append(f"The nearest out-of-memory config is trial #{n}, which {how}; it differs in {len(diff)} knob(s):")
         out += ["", "| knob | chosen | OOM trial |", "|---|---|---|"]
         out += [f"| `{k}` | `{a}` | `{b}` |" for k, a, b in diff]
@@ -373,14 +371,14 @@ def write_export(
     headroom: float = DEFAULT_HEADROOM,
     validate_verl: bool = False,
 ) -> ExportResult:
-    """Choose, validate, then write the four files. Raises :class:`NoFit`/:class:`StudyError`
+    """Choose, validate, then write the four files. Raises :class:`NoFit`/:class:`StorageError`
     (and verl_validate's errors with ``validate_verl``) before writing anything."""
     choice = choose(view, pick=pick, headroom=headroom)
     overrides = chosen_overrides(view, choice.chosen)
     config = best_config(view, choice.chosen)
     lines = verl_overrides(overrides)
     if validate_verl:
-        from tuner.verl_validate import validate_overrides
+        from tuner.results.verl_validate import validate_overrides
 
         validate_overrides(lines)
     out = Path(out_dir)
@@ -407,11 +405,11 @@ def write_export(
 
 # --------------------------------------------------------------------------- CLI
 def add_arguments(parser) -> None:
-    studyio.add_study_arguments(parser)
+    add_study_arguments(parser)
     parser.add_argument("--pick", choices=PICKS, default="max-throughput",
                         help="which Pareto config: the fastest, the smallest, or the knee (default: max-throughput)")
     parser.add_argument("--memory-headroom", type=float, default=DEFAULT_HEADROOM, metavar="F",
-                        help="keep this fraction of device memory free: peak <= (1-F) x device memory (default 0.10)")
+                        help=f"keep this fraction of device memory free: peak <= (1-F) x device memory (default {DEFAULT_HEADROOM:.2f})")
     parser.add_argument("--to", metavar="DIR", help="where to write (default: the --out dir, else the current dir)")
     parser.add_argument("--validate-verl", action="store_true",
                         help="compose verl's own ppo_trainer config with the overrides; fail on an unknown or mistyped key")
@@ -419,7 +417,7 @@ def add_arguments(parser) -> None:
 
 def _fail(message: str) -> int:
     print(f"ppotune export: {message}", file=sys.stderr)
-    return EXIT_REFUSED
+    return ExitCode.USAGE
 
 
 def run(args) -> int:
@@ -428,21 +426,21 @@ def run(args) -> int:
     if args.validate_verl:
         import importlib.util
 
-        from tuner.verl_validate import verl_root
+        from tuner.results.verl_validate import verl_root
 
         root = verl_root()
         if root is None or not (root / "trainer" / "config" / "ppo_trainer.yaml").is_file():
             return _fail("--validate-verl needs verl installed (pip install --no-deps verl==0.9.1 hydra-core)")
         if importlib.util.find_spec("hydra") is None:
             return _fail("--validate-verl needs hydra-core installed (pip install hydra-core)")
-    from tuner.verl_validate import VerlNotInstalled, VerlOverrideError
+    from tuner.results.verl_validate import VerlNotInstalled, VerlOverrideError
 
     try:
-        view = studyio.view_from_args(args)
+        view = view_from_args(args)
         to = args.to or args.out or "."
         result = write_export(view, to, pick=args.pick, headroom=args.memory_headroom,
                               validate_verl=args.validate_verl)
-    except (StudyError, VerlNotInstalled) as e:
+    except (StorageError, VerlNotInstalled) as e:
         return _fail(str(e))
     except VerlOverrideError as e:
         return _fail(f"verl rejects an override: {e}")
@@ -455,4 +453,4 @@ def run(args) -> int:
         print(f"verl accepts the {len(result.overrides)} overrides")
     for f in result.files.values():
         print(f"  {f}")
-    return 0
+    return ExitCode.OK

@@ -1,0 +1,318 @@
+"""The words the trainer and the tuner share, defined once.
+
+Pure Python (no torch, no optuna): ``ppotune train``'s ranks, its launcher, the tuner, the
+report, export and the notebook all import these names, so a phase, a status, an exit code,
+a trial attribute or a storage spelling means the same thing everywhere. The trainer never
+imports the tuner; the tuner never imports torch; both import this module.
+
+What lives here:
+
+* :data:`PHASES` -- the timed phases of one PPO step, in the order the step runs them;
+* :class:`ExitCode` -- ``ppotune train`` / ``ppotune search`` exit codes;
+* :class:`Status` -- a trial's status, with the Optuna state it maps to and whether it counts;
+* :class:`TrialRecord` -- a trial's user attributes as one typed record (to/from ``user_attrs``);
+* :class:`StorageSpec` / :func:`parse_storage` -- the one grammar for ``--storage`` / ``--out``;
+* a few shared constants (objective directions, the constraint key, the default headroom).
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Mapping, Optional
+
+__all__ = [
+    "PHASES",
+    "STEP_TIMING_KEY",
+    "RESULT_SCHEMA_VERSION",
+    "STUDY_SCHEMA_VERSION",
+    "DIRECTIONS",
+    "CONSTRAINT_KEY",
+    "DEFAULT_HEADROOM",
+    "ExitCode",
+    "Status",
+    "TrialRecord",
+    "MEASUREMENT_FIELDS",
+    "ASKED_FIELDS",
+    "StorageSpec",
+    "StorageError",
+    "parse_storage",
+    "storage_in_out_dir",
+    "mask_url",
+    "short_knob",
+]
+
+#: The timed phases of one PPO step, in the order ``trainer.step`` runs them (verl's timing names).
+PHASES: tuple[str, ...] = ("gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor")
+#: ``timing_s`` also holds the whole step under this key.
+STEP_TIMING_KEY = "step"
+
+#: ``trainer/result_schema.json`` ``schema_version``.
+RESULT_SCHEMA_VERSION = 1
+#: study user attr ``ppotune_schema``: the layout of docs/contracts.md section 3.
+STUDY_SCHEMA_VERSION = 1
+
+#: The study's objectives: throughput (tokens/s/GPU) up, peak memory (GB per GPU) down.
+DIRECTIONS = ("maximize", "minimize")
+#: ``trial.constraints == {CONSTRAINT_KEY: 1.0}`` for an infeasible trial, ``-1.0`` for a feasible one.
+CONSTRAINT_KEY = "infeasible"
+#: The share of the device memory a recommended config keeps free (report and export).
+DEFAULT_HEADROOM = 0.10
+
+
+class ExitCode(enum.IntEnum):
+    """Exit codes of ``ppotune`` commands (a rank that ran out of memory exits ``OOM`` too)."""
+
+    OK = 0
+    ERROR = 1  # any other failure
+    USAGE = 2  # bad usage or config: one line naming the file and the key
+    OOM = 3  # out of memory
+    INTERRUPTED = 130  # stopped by Ctrl-C (128 + SIGINT)
+
+
+class Status(str, enum.Enum):
+    """A trial's status (trial user attr ``status``); see README "Trial statuses".
+
+    A ``str`` subclass: ``Status.OK == "ok"`` and it serialises as ``"ok"``.
+    """
+
+    OK = "ok"  # measured
+    OOM = "oom"  # a rank ran out of memory
+    INFERRED_OOM = "inferred_oom"  # at least as memory-hungry as a known OOM: never launched
+    HANG = "hang"  # no result before the trial timeout; the process group was killed
+    CRASH = "crash"  # a signal, an exit without a result, an error not due to the config
+    INVALID = "invalid"  # refused before launch (space constraint, config validation) or exit 2
+    INTERRUPTED = "interrupted"  # the tuner stopped or died while it ran: enqueued again
+    DUPLICATE = "duplicate"  # the sampler proposed a config already in the study: not run
+
+    def __str__(self) -> str:  # "ok", not "Status.OK", in f-strings on every Python version
+        return self.value
+
+    @property
+    def complete(self) -> bool:
+        """Told to Optuna as COMPLETE (TPE learns from it); the others are FAIL."""
+        return self in _COMPLETE
+
+    @property
+    def feasible(self) -> bool:
+        """COMPLETE with ``CONSTRAINT_KEY`` <= 0: only a measured trial."""
+        return self is Status.OK
+
+    @property
+    def counted(self) -> bool:
+        """Counts toward ``--trials`` (an interrupted trial's retry counts instead; a duplicate was never run)."""
+        return self not in (Status.INTERRUPTED, Status.DUPLICATE)
+
+    @property
+    def measured(self) -> bool:
+        """Really ran, and was measured up to its end or its failure."""
+        return self in (Status.OK, Status.OOM, Status.HANG)
+
+    @property
+    def launched(self) -> bool:
+        """A process was started for it (its seconds are real)."""
+        return self in (Status.OK, Status.OOM, Status.HANG, Status.CRASH, Status.INTERRUPTED)
+
+    @classmethod
+    def parse(cls, value: Any) -> Optional["Status"]:
+        """``"ok"`` -> ``Status.OK``; ``None`` or an unknown spelling (a newer writer) -> ``None``."""
+        try:
+            return cls(value)
+        except ValueError:
+            return None
+
+
+_COMPLETE = frozenset({Status.OK, Status.OOM, Status.INFERRED_OOM, Status.HANG})
+
+
+# --------------------------------------------------------------------------- trial attributes
+@dataclass
+class TrialRecord:
+    """A trial's user attributes (docs/contracts.md section 3), typed, in one place.
+
+    The tuner writes it with :meth:`to_user_attrs`; the report, export, the notebook and the
+    tuner's own bookkeeping read it with :meth:`from_user_attrs`. Unknown attributes (a newer
+    writer) are ignored; missing ones take the defaults below.
+    """
+
+    status: Optional[Status] = None
+    baseline: bool = False  # the base config's own trial, run first
+    overrides: Optional[dict] = None  # every dotted key the trial set (knobs + derived keys)
+    throughput: Optional[float] = None  # tokens/s/GPU, median over the measured steps
+    throughput_cv: Optional[float] = None
+    step_s: Optional[float] = None
+    peak_memory_gb: Optional[float] = None  # the memory objective (external sampler vs in-process, the larger)
+    memory_source: Optional[str] = None  # nvml | psutil (the tuner's external sampler)
+    memory: dict = field(default_factory=dict)  # peaks by source (external_peak_gb, allocated_peak_gb, ...)
+    timing_s: dict = field(default_factory=dict)  # phase -> median seconds
+    notes: list = field(default_factory=list)
+    error: Optional[str] = None
+    log_tail: Optional[str] = None
+    log_path: Optional[str] = None
+    result_path: Optional[str] = None
+    config_path: Optional[str] = None
+    duration_s: Optional[float] = None  # wall seconds the trial cost (0 when not launched)
+    returncode: Optional[int] = None
+    oom_phase: Optional[str] = None
+    gpus: Optional[list] = None  # the CUDA slice of a --parallel trial
+    engine: Optional[str] = None  # what measured it: "ppotune" (a real trial) or "replay"
+    inferred_from: Optional[int] = None  # inferred_oom: the OOM trial it follows from
+    duplicate_of: Optional[int] = None  # duplicate: the trial that holds the measurement
+    confirm_of: Optional[int] = None  # a --confirm re-run of this trial
+    retry_of: Optional[int] = None  # re-enqueued after this interrupted trial
+    owner: Optional[dict] = None  # {host, pid, started} of the tuner running it
+    heartbeat: Optional[float] = None  # epoch seconds, refreshed while RUNNING
+
+    @classmethod
+    def from_user_attrs(cls, attrs: Mapping[str, Any]) -> "TrialRecord":
+        kwargs = {k: attrs[k] for k in _FIELD_NAMES if k in attrs and attrs[k] is not None}
+        if "status" in kwargs:
+            kwargs["status"] = Status.parse(kwargs["status"])
+        return cls(**kwargs)
+
+    def to_user_attrs(self, *, only: Optional[set] = None) -> dict[str, Any]:
+        """The attributes to store (``only``: just these fields); statuses as plain strings."""
+        out = {}
+        for f in dataclasses.fields(self):
+            if only is not None and f.name not in only:
+                continue
+            v = getattr(self, f.name)
+            out[f.name] = v.value if isinstance(v, Status) else v
+        return out
+
+    @property
+    def counted(self) -> bool:
+        """Counts toward ``--trials`` (also while RUNNING: no status yet). ``--confirm`` re-runs never do."""
+        return (self.status is None or self.status.counted) and self.confirm_of is None
+
+
+_FIELD_NAMES = tuple(f.name for f in dataclasses.fields(TrialRecord))
+#: The fields set when a trial is asked or enqueued, never by its outcome.
+ASKED_FIELDS = ("baseline", "overrides", "owner", "heartbeat", "retry_of", "confirm_of")
+#: The fields every finished trial stores, ``None`` where a trial has no such figure (the others only when set).
+MEASUREMENT_FIELDS = ("status", "throughput", "throughput_cv", "step_s", "peak_memory_gb", "memory_source", "memory",
+                      "timing_s", "notes", "error", "log_tail", "log_path", "result_path", "config_path", "duration_s")
+
+
+# --------------------------------------------------------------------------- storage grammar
+class StorageError(ValueError):
+    """A storage spelling that cannot be used (one line, for the user)."""
+
+
+StorageKind = Literal["sqlite", "journal", "rdb", "grpc"]
+_SQLITE_SUFFIXES = (".db", ".sqlite", ".sqlite3")
+_JOURNAL_SUFFIXES = (".log", ".journal")
+#: the files ``ppotune search --out DIR`` may leave, in the order a reader looks for them
+OUT_DIR_FILES = ("study.db", "study.log")
+
+
+@dataclass(frozen=True)
+class StorageSpec:
+    """Where a study lives. ``url`` is canonical: ``sqlite:////abs/path``, ``journal:/abs/path``,
+    ``grpc://host:port`` or the RDB URL as given."""
+
+    kind: StorageKind
+    url: str
+    path: Optional[Path] = None  # the file, for sqlite and journal
+
+    @property
+    def lock_path(self) -> Optional[Path]:
+        """Where tuners on one host serialise study creation and ``ask()`` (file storages only)."""
+        return None if self.path is None else self.path.with_name(self.path.name + ".ppotune-lock")
+
+    @property
+    def display(self) -> str:
+        """The URL with any password masked: what every log line, report and note shows."""
+        return mask_url(self.url)
+
+    def __str__(self) -> str:
+        return self.display
+
+    def __repr__(self) -> str:  # never the password, even in a traceback or a dataclass repr
+        return f"StorageSpec(kind={self.kind!r}, url={self.display!r}, path={self.path!r})"
+
+
+def _file_spec(kind: StorageKind, path: Path) -> StorageSpec:
+    path = path.expanduser().resolve()
+    return StorageSpec(kind, f"sqlite:///{path}" if kind == "sqlite" else f"journal:{path}", path)
+
+
+def parse_storage(text: Optional[str], *, default_dir: Optional[Path] = None) -> StorageSpec:
+    """The one ``--storage`` grammar (search, report, export, notebook, dashboard).
+
+    ========================================  ===============================================
+    spelling                                  meaning
+    ========================================  ===============================================
+    (none)                                    ``sqlite:///<default_dir>/study.db`` (search's ``--out``)
+    ``sqlite:///rel/x.db``, ``sqlite:////abs``  SQLite; a relative path is relative to the current
+                                              directory (as SQLAlchemy reads it), made absolute here
+    ``sqlite:///:memory:``                    in-memory SQLite (one process only)
+    ``journal:PATH``, ``journal:///abs``      a JournalStorage file
+    ``file:///abs/x.log``, ``file:rel.log``   a JournalStorage file (the journal's own backend is a file)
+    ``PATH.db|.sqlite|.sqlite3``              SQLite file
+    ``PATH.log|.journal``                     JournalStorage file
+    an existing directory                     a search output dir: its ``study.db``, else ``study.log``
+    ``grpc://host:port``                      Optuna's gRPC storage proxy (``ppotune storage-proxy``)
+    ``postgresql://…``, ``mysql://…``, …      an Optuna RDB URL, passed through
+    any other path (no known suffix)          refused: name the kind (``journal:PATH`` / ``sqlite:///PATH``)
+    ========================================  ===============================================
+    """
+    if text is None or text == "":
+        if default_dir is None:
+            raise StorageError("no storage given: pass --storage URL or --out DIR")
+        return _file_spec("sqlite", Path(default_dir) / "study.db")
+    if text.startswith("journal:") or text.startswith("file:"):
+        raw = text.split(":", 1)[1]
+        if raw.startswith("//"):  # journal:///abs or file:///abs -> /abs
+            raw = raw[2:]
+        if not raw:
+            raise StorageError(f"--storage {text!r}: no file after the scheme")
+        return _file_spec("journal", Path(raw))
+    if text.startswith("sqlite:///"):
+        raw = text[len("sqlite:///"):]
+        if not raw or raw.startswith(":memory:") or "?" in raw:
+            return StorageSpec("sqlite", text, None)  # in-memory, or URI options the user owns
+        return _file_spec("sqlite", Path(raw))
+    if text.startswith("grpc://"):
+        host, _, port = text[len("grpc://"):].rstrip("/").rpartition(":")
+        if not host or not port.isdigit():
+            raise StorageError(f"--storage {text!r}: expected grpc://HOST:PORT")
+        return StorageSpec("grpc", f"grpc://{host}:{int(port)}", None)
+    if "://" in text:
+        return StorageSpec("rdb", text, None)
+    path = Path(text).expanduser()
+    if path.suffix in _SQLITE_SUFFIXES:
+        return _file_spec("sqlite", path)
+    if path.suffix in _JOURNAL_SUFFIXES:
+        return _file_spec("journal", path)
+    if path.is_dir():
+        return storage_in_out_dir(path)
+    raise StorageError(f"--storage {text!r}: not an Optuna URL, a .db/.sqlite/.log/.journal file or a search "
+                       "output directory (spell it journal:PATH or sqlite:///PATH)")
+
+
+def storage_in_out_dir(out_dir: Path) -> StorageSpec:
+    """The study a ``ppotune search --out DIR`` left: ``DIR/study.db``, else ``DIR/study.log``."""
+    out_dir = Path(out_dir)
+    if not out_dir.is_dir():
+        raise StorageError(f"{out_dir}: no such search output directory")
+    for name in OUT_DIR_FILES:
+        if (out_dir / name).is_file():
+            return _file_spec("sqlite" if name.endswith(".db") else "journal", out_dir / name)
+    raise StorageError(f"{out_dir}: neither {' nor '.join(OUT_DIR_FILES)} found")
+
+
+_PASSWORD = re.compile(r"^([A-Za-z][\w+.-]*://[^:/@]*):([^@]*)@")
+
+
+def mask_url(url: str) -> str:
+    """``postgresql://me:secret@host/db`` -> ``postgresql://me:***@host/db``."""
+    return _PASSWORD.sub(r"\1:***@", url)
+
+
+# --------------------------------------------------------------------------- names
+def short_knob(key: str) -> str:
+    """``actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu`` -> ``actor.ppo_micro_batch_size_per_gpu``."""
+    return key[len("actor_rollout_ref."):] if key.startswith("actor_rollout_ref.") else key

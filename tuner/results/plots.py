@@ -1,0 +1,247 @@
+"""The report's figures: Pareto front, importances, step time by phase.
+
+Each function returns a matplotlib :class:`~matplotlib.figure.Figure`; :func:`figure_png`
+turns one into PNG bytes. Figure objects, not pyplot: no global backend or figure registry
+(Agg renders the PNGs; a notebook keeps its own backend).
+"""
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Optional
+
+import pandas as pd
+from matplotlib.figure import Figure
+
+from trainer.contracts import DEFAULT_HEADROOM, PHASES, Status, short_knob
+from tuner.results.analysis import Importances
+from tuner.results.view import TIME_PREFIX, StudyView, measured_feasible, value_or_zero
+
+__all__ = ["STATUS_STYLE", "plot_pareto", "plot_importances", "plot_phases", "figure_png"]
+
+#: status -> (label, colour, marker), in display order; "running" is a trial with no status yet
+STATUS_STYLE = {
+    Status.OK: ("ok", "#1f77b4", "o"),
+    Status.OOM: ("OOM", "#d62728", "X"),
+    Status.INFERRED_OOM: ("inferred OOM (not run)", "#ff9896", "x"),
+    Status.HANG: ("hang (timed out)", "#ff7f0e", "v"),
+    Status.CRASH: ("crash", "#7f7f7f", "s"),
+    Status.INVALID: ("invalid config", "#bcbd22", "D"),
+    Status.DUPLICATE: ("duplicate (not run)", "#c7c7c7", "o"),  # the tuner's dedupe: same config as an earlier trial
+    Status.INTERRUPTED: ("interrupted (re-queued)", "#9467bd", "o"),  # the tuner stopped or died mid-trial
+    "running": ("running", "#17becf", "o"),
+}
+#: the statuses on the strip under the Pareto plot: no throughput, maybe a memory peak
+STRIP_ROWS = (Status.OOM, Status.INFERRED_OOM, Status.HANG, Status.CRASH, Status.INVALID)
+
+
+def _memory_x(r: pd.Series) -> tuple[Optional[float], bool]:
+    """Where a trial sits on the memory axis: (GB, penalized?). Measured beats penalized."""
+    for col in ("peak_memory_gb", "mem.external_peak_gb", "mem.device_used_peak_gb", "mem.reserved_peak_gb", "mem.rss_peak_gb"):
+        v = r.get(col)
+        if v is not None and not pd.isna(v) and r["status"] != Status.INFERRED_OOM:
+            return float(v), False
+    v = r.get("value_memory")
+    if v is not None and not pd.isna(v):
+        return float(v), True
+    return None, False
+
+
+def plot_pareto(view: StudyView, *, headroom: float = DEFAULT_HEADROOM, chosen: Optional[int] = None) -> Figure:
+    """Throughput vs peak memory. Returns a matplotlib Figure (the caller saves or shows it)."""
+    df = view.trials
+    dev, dev_label = view.device_memory
+    dev_label = dev_label.split(" (")[0]  # the caveat is in the page text
+    fig = Figure(figsize=(10, 7.2))
+    ax, strip = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [4, 1.5], "hspace": 0.16})
+    ok = df.loc[measured_feasible(df)] if not df.empty else df
+    xs = list(ok["peak_memory_gb"]) if len(ok) else []
+    strip_pts = []  # (row, x, penalized, number)
+    unplaced: dict[str, list[int]] = {}
+    for _, r in (df.loc[df["status"].isin(STRIP_ROWS)] if not df.empty else df).iterrows():
+        x, pen = _memory_x(r)
+        if x is None:
+            unplaced.setdefault(r["status"], []).append(int(r["number"]))
+        else:
+            strip_pts.append((r["status"], x, pen, int(r["number"])))
+    measured_x = xs + [x for _, x, pen, _ in strip_pts if not pen]
+    lo, hi = (min(measured_x), max(measured_x)) if measured_x else (0.0, dev or 1.0)
+    # Show the device line when the trials come near it; otherwise zoom on the trials
+    # and say where the line is, or every point collapses against the y axis.
+    show_device = bool(dev) and hi >= 0.5 * (1 - headroom) * dev
+    if show_device or not measured_x:
+        xmin, xmax = 0.0, max(hi, dev or 0.0, 1e-3) * 1.08
+    else:
+        pad = max(hi - lo, 0.05 * hi, 1e-3)
+        xmin, xmax = max(0.0, lo - pad), hi + pad
+
+    # feasible trials, front, baseline, pick
+    if len(ok):
+        front = ok.loc[ok["pareto"]].sort_values("peak_memory_gb")
+        rest = ok.loc[~ok["pareto"]]
+        ax.scatter(rest["peak_memory_gb"], rest["throughput"], s=36, c="#9ecae1", edgecolors="#3182bd",
+                   linewidths=0.6, label="ok (dominated)", zorder=3)
+        ax.step(front["peak_memory_gb"], front["throughput"], where="post", color="#08519c", lw=1.4, zorder=2)
+        ax.scatter(front["peak_memory_gb"], front["throughput"], s=64, c="#08519c", edgecolors="white",
+                   linewidths=0.8, label="Pareto front", zorder=4)
+        base = ok.loc[ok["baseline"]]
+        if len(base):
+            ax.scatter(base["peak_memory_gb"], base["throughput"], s=260, marker="*", facecolors="none",
+                       edgecolors="black", linewidths=1.2, label="baseline (base config)", zorder=5)
+        if chosen is not None and (ok["number"] == chosen).any():
+            c = ok.loc[ok["number"] == chosen].iloc[0]
+            ax.scatter([c["peak_memory_gb"]], [c["throughput"]], s=240, facecolors="none", edgecolors="#2ca02c",
+                       linewidths=2.2, label=f"export pick #{chosen}", zorder=6)
+        label_all = len(ok) <= 60
+        dups: dict[int, list[int]] = {}
+        for _, r in df.loc[df["duplicate_of"].notna()].iterrows():
+            dups.setdefault(int(r["duplicate_of"]), []).append(int(r["number"]))
+        for _, r in ok.iterrows():
+            if label_all or r["pareto"] or r["baseline"]:
+                k = len(dups.get(int(r["number"]), []))
+                same = f" (+{k} re-sampled)" if k else ""
+                ax.annotate(f"#{int(r['number'])}{same}", (r["peak_memory_gb"], r["throughput"]), xytext=(4, 4),
+                            textcoords="offset points", fontsize=7, color="#333333")
+        ax.set_ylim(0, ok["throughput"].max() * 1.15)
+    else:
+        ax.text(0.5, 0.5, "no feasible trial yet", transform=ax.transAxes, ha="center", va="center", color="#888888")
+        ax.set_ylim(0, 1)
+    ax.set_ylabel("throughput (tokens/s/GPU)")
+    ax.set_title(f"study {view.name}: throughput vs peak memory ({len(df)} trials)", fontsize=11)
+    ax.grid(True, alpha=0.3)
+
+    # the device line and the headroom line, on both panels
+    for a in (ax, strip):
+        if show_device:
+            a.axvline(dev, color="#d62728", lw=1.6)
+            a.axvline((1 - headroom) * dev, color="#d62728", lw=1.0, ls="--")
+            a.axvspan((1 - headroom) * dev, xmax, color="#d62728", alpha=0.06)
+    if dev and not show_device:
+        ax.text(0.99, 0.02, f"off scale \u2192 {dev_label}; keep {headroom:.0%} free: {(1 - headroom) * dev:.1f} GB",
+                transform=ax.transAxes, ha="right", va="bottom", fontsize=8, color="#d62728")
+    if show_device:
+        top = ax.get_ylim()[1]
+        ax.text(dev, top * 0.98, f"{dev_label} ", color="#d62728", fontsize=8, ha="right", va="top", rotation=90)
+        ax.text((1 - headroom) * dev, top * 0.98, f"keep {headroom:.0%} free: {(1 - headroom) * dev:.1f} GB ",
+                color="#d62728", fontsize=8, ha="right", va="top", rotation=90)
+
+    # the strip: failed trials have no real throughput (Optuna holds a penalized 0)
+    rows = [s for s in STRIP_ROWS if any(p[0] == s for p in strip_pts) or s in unplaced] or list(STRIP_ROWS[:2])
+    ypos = {s: i for i, s in enumerate(reversed(rows))}
+    for status in rows:
+        label, color, marker = STATUS_STYLE[status]
+        pts = [p for p in strip_pts if p[0] == status]
+        real = [p for p in pts if not p[2]]
+        pen = [p for p in pts if p[2]]
+        if real:
+            strip.scatter([min(p[1], xmax * 0.995) for p in real], [ypos[status]] * len(real), marker=marker, s=55,
+                          c=color, label=f"{label}: measured peak", zorder=3)
+        if pen:
+            strip.scatter([min(p[1], xmax * 0.995) for p in pen], [ypos[status]] * len(pen), marker=marker, s=55,
+                          **({"c": color} if marker in ("x", "+") else {"facecolors": "none", "edgecolors": color}),
+                          alpha=0.6, label=f"{label}: penalized value", zorder=3)
+        pinned: dict[float, list[int]] = {}  # penalties far off the scale: pinned to the edge, named once
+        for _, x, penalized, n in pts:
+            if x > xmax * 0.995:
+                pinned.setdefault(round(x, 1), []).append(n)
+            else:
+                strip.annotate(f"#{n}", (x, ypos[status]), xytext=(0, 6), textcoords="offset points",
+                               fontsize=7, ha="center", color=color)
+        for x, ns in pinned.items():
+            names = ", ".join(f"#{n}" for n in ns[:10]) + (" ..." if len(ns) > 10 else "")
+            strip.annotate(f"{names} at {x:g} GB \u2192", (xmax * 0.995, ypos[status]), xytext=(-8, 0),
+                           textcoords="offset points", fontsize=7, ha="right", va="center", color=color)
+        if status in unplaced:
+            names = ", ".join(f"#{n}" for n in unplaced[status][:12]) + (" ..." if len(unplaced[status]) > 12 else "")
+            strip.text(xmin + (xmax - xmin) * 0.01, ypos[status], f"no measurement: {names}", fontsize=7,
+                       va="center", ha="left", color=color)
+    if not strip_pts and not unplaced:
+        strip.text(0.5, 0.5, "no failed or skipped trial", transform=strip.transAxes, ha="center", va="center",
+                   fontsize=9, color="#888888")
+    strip.set_yticks(list(ypos.values()))
+    strip.set_yticklabels([STATUS_STYLE[s][0] for s in ypos], fontsize=8)
+    strip.set_ylim(-0.7, len(rows) - 0.3)
+    strip.set_xlim(xmin, xmax)
+    strip.set_xlabel("peak memory per GPU (GB)  —  external sampler and in-process peak, whichever is larger")
+    strip.grid(True, axis="x", alpha=0.3)
+    strip.set_title("no throughput (failed or skipped): placed at measured peak, else at the penalized value",
+                    fontsize=8, loc="left", color="#555555")
+    handles, labels = ax.get_legend_handles_labels()
+    h2, l2 = strip.get_legend_handles_labels()
+    fig.legend(handles + h2, labels + l2, fontsize=7, loc="upper left", bbox_to_anchor=(0.905, 0.88), framealpha=0.9)
+    return fig
+
+
+def plot_importances(imp: Importances) -> Figure:
+    knobs = sorted(set(imp.throughput) | set(imp.memory), key=lambda k: -(imp.throughput.get(k, 0) + imp.memory.get(k, 0)))
+    fig = Figure(figsize=(10, max(2.4, 0.42 * len(knobs) + 1.2)))
+    axes = fig.subplots(1, 2, sharey=True)
+    for a, (title, vals, color) in zip(axes, (("throughput", imp.throughput, "#1f77b4"),
+                                              ("peak memory", imp.memory, "#d62728"))):
+        a.set_title(f"importance for {title}", fontsize=10)
+        if not knobs:
+            a.text(0.5, 0.5, imp.message, ha="center", va="center", wrap=True, fontsize=9, color="#666666",
+                   transform=a.transAxes)
+            a.set_xticks([])
+            a.set_yticks([])
+            continue
+        ys = range(len(knobs))
+        a.barh(list(ys), [vals.get(k, 0.0) for k in knobs], color=color)
+        a.set_yticks(list(ys))
+        a.set_yticklabels([short_knob(k) for k in knobs], fontsize=8)
+        a.set_xlim(0, 1)
+        a.grid(True, axis="x", alpha=0.3)
+    if knobs:
+        axes[0].invert_yaxis()  # most important on top (the y axis is shared: invert once)
+    fig.suptitle(imp.message, fontsize=8, color="#555555")
+    fig.tight_layout()
+    return fig
+
+
+_PHASE_COLORS = ["#1f77b4", "#aec7e8", "#ff7f0e", "#ffbb78", "#2ca02c", "#98df8a", "#d62728", "#ff9896", "#c7c7c7"]
+
+
+def plot_phases(view: StudyView, numbers: list[int]) -> Figure:
+    """Median step time split by phase, one bar per trial."""
+    df = view.trials.set_index("number")
+    numbers = [n for n in numbers if n in df.index]
+    fig = Figure(figsize=(10, max(2.2, 0.45 * len(numbers) + 1.3)))
+    ax = fig.subplots()
+    if not numbers:
+        ax.text(0.5, 0.5, "no measured trial", ha="center", va="center", transform=ax.transAxes)
+        return fig
+    left = [0.0] * len(numbers)
+    for phase, color in zip(list(PHASES) + ["other"], _PHASE_COLORS):
+        vals = []
+        for i, n in enumerate(numbers):
+            r = df.loc[n]
+            if phase == "other":
+                known = sum(value_or_zero(r.get(f"{TIME_PREFIX}{p}")) for p in PHASES)
+                v = max(value_or_zero(r["step_s"]) - known, 0.0)
+            else:
+                v = value_or_zero(r.get(f"{TIME_PREFIX}{phase}"))
+            vals.append(v)
+        if any(v > 1e-3 for v in vals):
+            ax.barh(range(len(numbers)), vals, left=left, color=color, label=phase, height=0.6)
+            left = [a + b for a, b in zip(left, vals)]
+    ax.set_yticks(range(len(numbers)))
+    ax.set_yticklabels([f"#{n}" + (" baseline" if df.loc[n, "baseline"] else "") for n in numbers], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("median seconds per PPO step")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    ax.grid(True, axis="x", alpha=0.3)
+    ax.set_title("step time by phase (Pareto configs and baseline)", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def figure_png(fig: Figure, path: Optional[Path] = None, dpi: int = 110) -> bytes:
+    """A figure as PNG bytes (also written to ``path`` if given)."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight")
+    data = buf.getvalue()
+    if path is not None:
+        path.write_bytes(data)
+    return data
+

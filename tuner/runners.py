@@ -1,0 +1,173 @@
+"""Trial runners: the seam between the search (what to try) and a trial engine (how it is measured).
+
+A runner takes a :class:`TrialRequest` (the validated config of one trial) and returns a
+:class:`TrialOutcome` (a status and the measurements, as a :class:`TrialRecord`). It never
+raises for what the trial does: OOM, hang, crash and invalid are statuses.
+
+* :class:`SubprocessRunner` -- the default: ``ppotune train CONFIG --result FILE`` in its own
+  process group under the reaper, with a hard timeout and the NVML/psutil sampler
+  (:mod:`tuner.launch`). Another trial engine (e.g. verl's own entry point) is another class
+  with the same ``run``.
+* :class:`ReplayRunner` -- answers from a recorded study (its real measurements, looked up by
+  config identity; one of a config's repeats at random): benchmarks and tests replay the
+  search loop over a recorded grid without launching anything.
+"""
+from __future__ import annotations
+
+import random
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Protocol
+
+import optuna
+import yaml
+
+from trainer.contracts import Status, TrialRecord
+from tuner.decide import effective_of
+from tuner.launch import launch_trial, train_command
+from tuner.memory import visible_gpus
+from tuner.space import Space
+
+__all__ = ["TrialRequest", "TrialOutcome", "TrialRunner", "SubprocessRunner", "ReplayRunner"]
+
+
+@dataclass(frozen=True)
+class TrialRequest:
+    """One trial to measure."""
+
+    number: int
+    config: dict  # the complete nested config (validated), exactly what the trial runs
+    identity: tuple  # the config's identity in its space (see Space.identity)
+    trial_dir: Path  # where the trial's files go
+    slot: int = 0  # which of the --parallel slots runs it (its GPU slice)
+
+
+@dataclass
+class TrialOutcome:
+    """What a runner measured. ``record`` holds the measurement fields of the trial's user attrs."""
+
+    status: Status  # OK | OOM | HANG | CRASH | INVALID | INTERRUPTED
+    record: TrialRecord = field(default_factory=TrialRecord)
+
+
+class TrialRunner(Protocol):
+    """Runs one trial; the search calls it from ``--parallel`` worker threads."""
+
+    name: str  # recorded as the trial's ``engine``: what measured it
+
+    def run(self, request: TrialRequest, stop: threading.Event) -> TrialOutcome: ...
+
+
+# --------------------------------------------------------------------------- the real thing
+@dataclass
+class SubprocessRunner:
+    """``ppotune train`` in its own process group (tuner.launch): the trial engine ``ppotune``."""
+
+    device_kind: str  # cpu | cuda
+    nproc: int
+    timeout_s: Optional[float] = 600.0
+    grace_s: float = 10.0
+    name: str = "ppotune"
+
+    def run(self, request: TrialRequest, stop: threading.Event) -> TrialOutcome:
+        d = request.trial_dir
+        d.mkdir(parents=True, exist_ok=True)
+        config_path, result_path = d / "config.yaml", d / "result.json"
+        config_path.write_text(yaml.safe_dump(request.config, sort_keys=False))
+        gpus = self._gpu_slice(request.slot)
+        run = launch_trial(train_command(config_path, result_path=result_path), trial_dir=d, result_path=result_path,
+                           timeout_s=self.timeout_s, grace_s=self.grace_s,
+                           extra_env={"CUDA_VISIBLE_DEVICES": ",".join(gpus)} if gpus is not None else None,
+                           stop_event=stop, gpus=gpus, use_nvml=self.device_kind == "cuda")
+        res = run.result or {}
+        summary = res.get("summary") or {}
+        mem = run.memory
+        inner_peak = summary.get("peak_memory_gb")
+        peaks = [p for p in (mem.external_peak_gb, inner_peak) if p is not None]
+        notes = list(res.get("notes") or [])
+        if run.leftover_pids:
+            notes.append(f"processes still alive after cleanup: {run.leftover_pids}")
+        record = TrialRecord(
+            throughput=summary.get("throughput"), throughput_cv=summary.get("throughput_cv"),
+            step_s=summary.get("step_s"), peak_memory_gb=max(peaks) if peaks else None,
+            memory_source=mem.external_source,
+            memory={"external_peak_gb": mem.external_peak_gb, "external_source": mem.external_source,
+                    "device_used_peak_gb": mem.device_used_peak_gb,
+                    "process_peak_gb": mem.process_peak_gb, "tree_rss_peak_gb": mem.tree_rss_peak_gb,
+                    "process_rss_peak_gb": mem.process_rss_peak_gb,
+                    "allocated_peak_gb": summary.get("peak_memory_allocated_gb"),
+                    "reserved_peak_gb": summary.get("peak_memory_reserved_gb"),
+                    "rss_peak_gb": summary.get("peak_rss_gb"), "samples": mem.samples},
+            timing_s=summary.get("timing_s") or {}, notes=notes, error=run.error, log_tail=run.log_tail,
+            log_path=run.log_path, result_path=run.result_path, config_path=str(config_path),
+            duration_s=run.duration_s, returncode=run.returncode, oom_phase=res.get("oom_phase"), gpus=gpus,
+            engine=self.name)
+        return TrialOutcome(Status(run.status), record)
+
+    def _gpu_slice(self, slot: int) -> Optional[list[str]]:
+        if self.device_kind != "cuda":
+            return None
+        return visible_gpus()[slot * self.nproc:(slot + 1) * self.nproc]
+
+
+# --------------------------------------------------------------------------- replay
+@dataclass(frozen=True)
+class Recorded:
+    """One recorded measurement of a config."""
+
+    status: Status
+    throughput: Optional[float]
+    peak_memory_gb: Optional[float]
+    duration_s: float
+    number: int  # the recorded trial
+
+
+@dataclass
+class ReplayRunner:
+    """Answers each request from recorded measurements of the same config (no process started).
+
+    ``table``: config identity -> its recorded measurements; a config measured several times
+    is answered with one of them at random (so replay keeps the run-to-run noise). A config
+    the recording inferred as OOM is answered as an OOM costing the seconds of the OOM it was
+    inferred from. Requests for configs the recording lacks are answered ``crash``.
+    """
+
+    table: dict[tuple, list[Recorded]]
+    rng: random.Random = field(default_factory=random.Random)
+    name: str = "replay"
+    spent_s: float = 0.0  # trial-seconds the answered trials cost when they were recorded
+    launched: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @classmethod
+    def from_study(cls, study: optuna.Study, space: Space, trial_flat: dict, *,
+                   rng: Optional[random.Random] = None) -> "ReplayRunner":
+        trials = {t.number: t for t in study.get_trials(deepcopy=False)}
+        table: dict[tuple, list[Recorded]] = {}
+        for t in trials.values():
+            rec = TrialRecord.from_user_attrs(t.user_attrs)
+            eff = effective_of(t, trial_flat)
+            if rec.status is None or not rec.status.counted or eff is None:
+                continue
+            if rec.status == Status.INFERRED_OOM:
+                src = TrialRecord.from_user_attrs(trials[rec.inferred_from].user_attrs)
+                entry = Recorded(Status.OOM, None, None, float(src.duration_s or 0.0), t.number)
+            else:
+                entry = Recorded(rec.status, rec.throughput, rec.peak_memory_gb, float(rec.duration_s or 0.0), t.number)
+            table.setdefault(space.identity(eff), []).append(entry)
+        return cls(table=table, rng=rng or random.Random(0))
+
+    def run(self, request: TrialRequest, stop: threading.Event) -> TrialOutcome:
+        with self._lock:
+            choices = self.table.get(request.identity)
+            if not choices:
+                return TrialOutcome(Status.CRASH, TrialRecord(error="replay: this config was never recorded",
+                                                              duration_s=0.0, engine=self.name))
+            got = self.rng.choice(choices)
+            self.spent_s += got.duration_s
+            self.launched += 1
+        return TrialOutcome(got.status, TrialRecord(
+            throughput=got.throughput, peak_memory_gb=got.peak_memory_gb, duration_s=got.duration_s,
+            memory_source="replay", engine=self.name,
+            notes=[f"replayed from recorded trial {got.number} (not re-run)"]))
