@@ -1,20 +1,20 @@
-"""Shared fixtures. Keep small: helpers used by several test files only."""
+"""Shared fixtures (plain helpers are in support.py). Keep small: only what several test files use."""
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import psutil
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+for p in (str(REPO), str(TESTS)):  # the packages under test, and tests/support.py for every test directory
+    if p not in sys.path:
+        sys.path.insert(0, p)
 
-TINY_BASE = REPO / "configs" / "tiny_cpu.yaml"
+from support import TINY_BASE, processes_with, wait_until  # noqa: E402
 
 
 def _env() -> dict:
@@ -47,29 +47,6 @@ def cli():
     return run
 
 
-def processes_with(marker: str) -> list[psutil.Process]:
-    """Live processes (not zombies, not this one) whose command line mentions ``marker``."""
-    out = []
-    for p in psutil.process_iter(["cmdline", "status"]):
-        try:
-            if p.pid == os.getpid() or p.info["status"] == psutil.STATUS_ZOMBIE:
-                continue
-            if marker in " ".join(p.info["cmdline"] or []):
-                out.append(p)
-        except psutil.Error:
-            pass
-    return out
-
-
-def wait_until(pred, timeout: float, interval: float = 0.25) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(interval)
-    return bool(pred())
-
-
 @pytest.fixture(scope="session")
 def no_processes_left():
     """``no_processes_left(marker, timeout)`` -> [] once every process mentioning marker is gone."""
@@ -79,3 +56,14 @@ def no_processes_left():
         return [(p.pid, " ".join(p.cmdline())[:200]) for p in processes_with(marker)]
 
     return check
+
+
+@pytest.fixture(scope="session")
+def real_search(tmp_path_factory, cli) -> Path:
+    """A real 4-trial search on CPU with the shipped tiny space (--report): one per session, read by
+    the report, export and notebook tests."""
+    out = tmp_path_factory.mktemp("real_search")
+    r = cli("search", "configs/tiny_cpu.yaml", "--space", "search_spaces/tiny_cpu.yaml", "--trials", 4, "--nproc", 2,
+            "--steps", 2, "--warmup", 1, "--out", out, "--report", timeout=1800)
+    assert r.returncode == 0, f"search failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    return out

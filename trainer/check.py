@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 import sys
 
-from .contracts import ExitCode
 from .config import ConfigError, effective_config, load_config, world_size
+from .contracts import ExitCode
 
 __all__ = ["add_arguments", "run"]
 

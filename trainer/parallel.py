@@ -70,10 +70,11 @@ def shard_model(model: nn.Module, knobs: ShardKnobs, *, device: torch.device, na
 
 
 def _shard_fsdp1(model, blocks, knobs: ShardKnobs, *, device, offload: bool) -> Sharded:
+    import functools
+
     from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy
-    import functools
 
     if knobs.wrap_min_num_params > 0:
         policy = functools.partial(size_based_auto_wrap_policy, min_num_params=knobs.wrap_min_num_params)

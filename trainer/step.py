@@ -15,7 +15,14 @@ import torch
 import torch.distributed as dist
 
 from . import core
-from .batching import fixed_micro_batches, min_num_micro_batches, pack, response_positions, token_budget_micro_batches, unpack_response
+from .batching import (
+    fixed_micro_batches,
+    min_num_micro_batches,
+    pack,
+    response_positions,
+    token_budget_micro_batches,
+    unpack_response,
+)
 from .data import score_response
 from .metrics import PhaseMeter
 from .parallel import Sharded, activation_offload_context, clip_grad_norm, offload_optimizer_state

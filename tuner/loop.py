@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Optional, Protocol
 
 import optuna
-from optuna.trial import FrozenTrial, TrialState
+from optuna.trial import TrialState
 
 from trainer.contracts import Status, TrialRecord
 from tuner import decide

@@ -30,7 +30,15 @@ from optuna.exceptions import DuplicatedStudyError, UpdateFinishedTrialError
 from optuna.storages import BaseStorage
 from optuna.trial import FrozenTrial, TrialState
 
-from trainer.contracts import ASKED_FIELDS, CONSTRAINT_KEY, DIRECTIONS, MEASUREMENT_FIELDS, Status, StorageSpec, TrialRecord
+from trainer.contracts import (
+    ASKED_FIELDS,
+    CONSTRAINT_KEY,
+    DIRECTIONS,
+    MEASUREMENT_FIELDS,
+    Status,
+    StorageSpec,
+    TrialRecord,
+)
 from tuner.storage import open_storage, trial_id
 
 __all__ = [

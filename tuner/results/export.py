@@ -26,8 +26,7 @@ import yaml
 
 from trainer.config import ConfigError, apply_overrides, config_from_dict, config_to_dict, flatten
 from trainer.contracts import DEFAULT_HEADROOM, ExitCode, Status, StorageError
-from tuner.results.view import (StudyView, add_study_arguments, measured_feasible, missing, pareto_mask,
-                                view_from_args)
+from tuner.results.view import StudyView, add_study_arguments, measured_feasible, missing, pareto_mask, view_from_args
 
 __all__ = [
     "PICKS",

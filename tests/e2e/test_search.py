@@ -19,10 +19,12 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from conftest import TINY_BASE, processes_with, wait_until
+from support import TINY_BASE, check_report_dir, processes_with, wait_until
 from trainer.config import load_config
 from trainer.contracts import CONSTRAINT_KEY, Status, parse_storage
+from tuner.cli import main
 from tuner.decide import count_progress, counted
+from tuner.results.view import load as load_view
 
 pytestmark = pytest.mark.slow
 
@@ -321,3 +323,18 @@ def test_bad_space_exits_2_before_any_trial(tmp_path, cli):
     (line,) = r.stderr.strip().splitlines()
     assert str(space) in line and "actor_rollout_ref.actor.no_such_knob" in line
     assert not (tmp_path / "out" / "trials").exists()
+
+
+# --------------------------------------------------------------------------- the study, read by report and export
+def test_report_and_export_on_the_real_fault_study(shared, tmp_path):
+    """Every status of contracts.md §3 from REAL trials, read by report and export."""
+    view = load_view(storage=shared.storage)
+    statuses = {int(r["number"]): r["status"] for _, r in view.trials.iterrows()}
+    assert {"ok", "oom", "inferred_oom", "hang", "crash", "duplicate"} <= set(statuses.values())
+    assert main(["report", "--storage", shared.storage, "--to", str(tmp_path / "r")]) == 0
+    check_report_dir(tmp_path / "r", len(statuses), statuses)
+    text = (tmp_path / "r" / "report.html").read_text()
+    assert "confirms #" in text and "same config as #" in text
+    assert main(["export", "--storage", shared.storage, "--to", str(tmp_path / "e")]) == 0
+    why = (tmp_path / "e" / "why.md").read_text()
+    assert "nearest out-of-memory config is trial #" in why

@@ -10,9 +10,10 @@ import pandas as pd
 import psutil
 import pytest
 
+from support import REPO
 from trainer import contracts
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO
 BASE = str(ROOT / "configs" / "tiny_cpu.yaml")
 SCHEMA = json.loads((ROOT / "trainer" / "result_schema.json").read_text())
 PHASES = [*contracts.PHASES, contracts.STEP_TIMING_KEY]
@@ -38,6 +39,7 @@ def _no_process_mentions(token: str) -> None:
     assert not left, f"processes left behind: {left}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
 def test_three_steps_on_two_processes(tmp_path, strategy):
     proc, r = train(BASE, f"actor_rollout_ref.actor.strategy={strategy}", "--nproc", 2, "--steps", 3, "--warmup", 1,
@@ -60,6 +62,7 @@ def test_three_steps_on_two_processes(tmp_path, strategy):
     assert not any("vLLM-only" in n for n in r["notes"])  # unset vLLM knobs are not noise
 
 
+@pytest.mark.slow
 def test_knobs_without_effect_on_cpu_are_reported(tmp_path):
     proc, r = train(BASE, "actor_rollout_ref.actor.fsdp_config.param_offload=true",
                     "actor_rollout_ref.actor.fsdp_config.forward_prefetch=true",
@@ -86,6 +89,7 @@ def test_knobs_without_effect_on_cpu_are_reported(tmp_path):
     assert actor.config.num_hidden_layers == 2 and critic.config.num_labels == 1 and tok.decode(tok("12+3=")["input_ids"]) == "12+3="
 
 
+@pytest.mark.slow
 def test_parquet_input_and_local_checkpoint(tmp_path):
     rows = [{"data_source": "gsm8k", "prompt": [{"role": "user", "content": f"What is {i} + {i}?"}], "ability": "math",
              "reward_model": {"style": "rule", "ground_truth": f"#### {2 * i}"}, "extra_info": {"index": i}} for i in range(40)]
@@ -100,6 +104,7 @@ def test_parquet_input_and_local_checkpoint(tmp_path):
     assert r["status"] == "ok" and r["config"]["data"]["train_files"] == str(path)
 
 
+@pytest.mark.slow
 def test_memory_cap_gives_a_real_oom_and_no_process_survives(tmp_path):
     # the same cap: the tiny model fits, a wider one runs out of memory for real during a step
     proc, r = train(BASE, "--nproc", 2, "--steps", 1, "--memory-limit-gb", 0.15, result=tmp_path / "fits.json")
@@ -114,6 +119,7 @@ def test_memory_cap_gives_a_real_oom_and_no_process_survives(tmp_path):
     _no_process_mentions(str(tmp_path))
 
 
+@pytest.mark.slow
 def test_one_rank_crashing_ends_the_run(tmp_path):
     proc, r = train(BASE, "ppotune.fault=crash", "--nproc", 2, "--steps", 2, result=tmp_path / "r.json", timeout=120)
     assert proc.returncode == 1
@@ -142,6 +148,7 @@ def test_missing_config_file_exits_2(tmp_path):
     assert proc.returncode == 2 and "nope.yaml: config: file not found" in proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
 def test_bf16_mixed_precision(tmp_path, strategy):
     proc, r = train(BASE, f"actor_rollout_ref.actor.strategy={strategy}", "actor_rollout_ref.actor.fsdp_config.dtype=bfloat16",

@@ -5,7 +5,7 @@ import subprocess
 import sys
 import textwrap
 
-from conftest import REPO
+from support import REPO
 
 
 def _run(code: str, home, extra_env=None) -> subprocess.CompletedProcess:

@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from conftest import REPO, processes_with, wait_until
+from support import REPO, processes_with, wait_until
 from tuner.launch import classify, launch_trial, train_command
 from tuner.memory import MemorySampler, nvml_available
 

@@ -5,15 +5,15 @@ Run on a GPU machine with:  python -m pytest tests/test_gpu.py -v -s
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from test_invariance import TOL, VARIANTS_2, max_rel_diff, run_variants
+from invariance import TOL, VARIANTS_2, max_rel_diff, run_variants
+from support import REPO
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
-ROOT = Path(__file__).resolve().parents[1]
+pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+ROOT = REPO
 BASE = str(ROOT / "configs" / "tiny_cpu.yaml")
 # Qwen2.5-0.5B's shape (hidden 896, 24 layers, 14 heads, 2 KV heads), built from config.
 HALF_B = ["ppotune.tiny.hidden_size=896", "ppotune.tiny.num_hidden_layers=24", "ppotune.tiny.num_attention_heads=14",

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from test_report import ROOT, make_demo_study, real_search  # noqa: F401  (real_search: fixture)
+from support import REPO as ROOT
+from support import make_demo_study
 from trainer.config import flatten, load_config
 from tuner.cli import main
 
@@ -214,7 +215,7 @@ def _has_train() -> bool:
 
 
 @pytest.mark.slow
-def test_exported_config_trains(real_search, tmp_path):  # noqa: F811
+def test_exported_config_trains(real_search, tmp_path):
     if not _has_train():
         pytest.skip("`ppotune train` is not available yet")
     to = tmp_path / "exp"

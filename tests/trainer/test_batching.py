@@ -4,8 +4,14 @@ import random
 import pytest
 import torch
 
-from trainer.batching import (fixed_micro_batches, min_num_micro_batches, pack, rank_rows, response_positions,
-                              token_budget_micro_batches)
+from trainer.batching import (
+    fixed_micro_batches,
+    min_num_micro_batches,
+    pack,
+    rank_rows,
+    response_positions,
+    token_budget_micro_batches,
+)
 
 
 def test_fixed():

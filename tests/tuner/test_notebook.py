@@ -1,13 +1,11 @@
 """notebooks/pareto_report.ipynb executes top to bottom (nbclient) on a study, so it never rots."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from test_report import DEMO_TRIALS, make_demo_study, real_search  # noqa: F401  (real_search: fixture)
+from support import DEMO_TRIALS, REPO, make_demo_study
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO
 NOTEBOOK = ROOT / "notebooks" / "pareto_report.ipynb"
 
 
@@ -59,6 +57,6 @@ def test_notebook_on_a_journal_study_by_name(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_notebook_on_real_search(real_search, monkeypatch):  # noqa: F811
+def test_notebook_on_real_search(real_search, monkeypatch):
     nb = _execute(monkeypatch, str(real_search))
     assert "trials |" in _outputs(nb)

@@ -11,7 +11,7 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from conftest import REPO
+from support import REPO
 from trainer.contracts import CONSTRAINT_KEY, STUDY_SCHEMA_VERSION, Status, StorageSpec, TrialRecord, parse_storage
 from tuner import study as st
 from tuner.decide import count_progress, counted
@@ -63,10 +63,18 @@ def test_open_study_sets_up_once(kind, tmp_path):
 def test_two_processes_creating_one_fresh_study_do_not_race(kind, tmp_path):
     code = textwrap.dedent(f"""
         import sys, time
-        sys.path.insert(0, {str(REPO)!r}); sys.path.insert(0, {str(REPO / 'tests')!r})
-        from pathlib import Path
-        import test_tuner_study as t
-        t.new_study({kind!r}, Path({str(tmp_path)!r}))
+        sys.path.insert(0, {str(REPO)!r})
+        import optuna
+        from tuner import study as st
+        from trainer.contracts import STUDY_SCHEMA_VERSION, parse_storage
+        spec = parse_storage({str(tmp_path / ("study.db" if kind == "sqlite" else "study.log"))!r})
+
+        def setup(study):
+            study.enqueue_trial({{{P!r}: 2}}, user_attrs={{"baseline": True}})
+            study.set_user_attr(st.SCHEMA_ATTR, STUDY_SCHEMA_VERSION)
+
+        st.open_study(spec, "s", st.StudyLock(spec.lock_path), sampler=optuna.samplers.RandomSampler(seed=0),
+                      setup=setup)
         print("ok")
     """)
     procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -8,10 +8,16 @@ from pathlib import Path
 import optuna
 import pytest
 
-from tuner.space import Expr, SpaceError, base_flat_config, load_space, space_from_dict
-from tuner.space import ExprError  # noqa: F401  (part of the module's error surface)
+from support import REPO  # noqa: E402
+from tuner.space import (
+    Expr,
+    ExprError,  # noqa: F401  (part of the module's error surface)
+    SpaceError,
+    base_flat_config,
+    load_space,
+    space_from_dict,
+)
 
-REPO = Path(__file__).resolve().parent.parent
 SHIPPED = sorted((REPO / "search_spaces").glob("*.yaml"))
 
 MICRO = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"

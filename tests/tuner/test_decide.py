@@ -8,7 +8,7 @@ import optuna
 import pytest
 from optuna.trial import TrialState, create_trial
 
-from conftest import TINY_BASE
+from support import TINY_BASE
 from trainer.config import apply_overrides, config_from_dict, config_to_dict, flatten
 from trainer.contracts import DIRECTIONS, Status, TrialRecord
 from tuner import decide
