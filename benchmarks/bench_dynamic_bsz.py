@@ -7,6 +7,7 @@ measured steps of each run, then the median over runs) and the ratio (b)/(a).
 
     python benchmarks/bench_dynamic_bsz.py [--runs 3] [--steps 4] [--nproc 2]
 """
+
 import argparse
 import json
 import statistics
@@ -17,33 +18,67 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # Longer responses and a heavier prompt tail than the demo, so padding is a real share of the work.
-COMMON = ["data.max_prompt_length=96", "data.max_response_length=64", "data.train_batch_size=32",
-          "actor_rollout_ref.actor.ppo_mini_batch_size=16", "ppotune.synthetic.length_alpha=0.8",
-          "ppotune.synthetic.max_terms=24", "ppotune.tiny.hidden_size=128", "ppotune.tiny.intermediate_size=512"]
+COMMON = [
+    "data.max_prompt_length=96",
+    "data.max_response_length=64",
+    "data.train_batch_size=32",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+    "ppotune.synthetic.length_alpha=0.8",
+    "ppotune.synthetic.max_terms=24",
+    "ppotune.tiny.hidden_size=128",
+    "ppotune.tiny.intermediate_size=512",
+]
 CONFIGS = {
     "(a) fixed micro-batch 2, padded": [
-        "actor_rollout_ref.actor.use_dynamic_bsz=false", "actor_rollout_ref.model.use_remove_padding=false",
-        "critic.model.use_remove_padding=false", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
-        "critic.ppo_micro_batch_size_per_gpu=2", "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2"],
+        "actor_rollout_ref.actor.use_dynamic_bsz=false",
+        "actor_rollout_ref.model.use_remove_padding=false",
+        "critic.model.use_remove_padding=false",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        "critic.ppo_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
+    ],
     "(b) dynamic bsz 640 tokens, remove padding": [
-        "actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.model.use_remove_padding=true",
-        "critic.model.use_remove_padding=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=640",
-        "critic.ppo_max_token_len_per_gpu=640"],
+        "actor_rollout_ref.actor.use_dynamic_bsz=true",
+        "actor_rollout_ref.model.use_remove_padding=true",
+        "critic.model.use_remove_padding=true",
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=640",
+        "critic.ppo_max_token_len_per_gpu=640",
+    ],
 }
 
 
 def run_once(overrides: list[str], steps: int, nproc: int) -> float:
     with tempfile.TemporaryDirectory() as d:
         result = Path(d) / "r.json"
-        subprocess.run([sys.executable, "-m", "tuner.cli", "train", str(ROOT / "configs" / "tiny_cpu.yaml"), *COMMON, *overrides,
-                        "--nproc", str(nproc), "--steps", str(steps), "--warmup", "1", "--result", str(result)],
-                       cwd=ROOT, check=True, capture_output=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "tuner.cli",
+                "train",
+                str(ROOT / "configs" / "tiny_cpu.yaml"),
+                *COMMON,
+                *overrides,
+                "--nproc",
+                str(nproc),
+                "--steps",
+                str(steps),
+                "--warmup",
+                "1",
+                "--result",
+                str(result),
+            ],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+        )
         r = json.loads(result.read_text())
         # the update phases are what the knobs change; generation is identical in both
         s = r["summary"]
-        return s["throughput"], s["timing_s"]["update_actor"] + s["timing_s"]["update_critic"] + s["timing_s"]["old_log_prob"] \
-            + s["timing_s"]["ref"] + s["timing_s"]["values"]
+        return s["throughput"], s["timing_s"]["update_actor"] + s["timing_s"]["update_critic"] + s["timing_s"][
+            "old_log_prob"
+        ] + s["timing_s"]["ref"] + s["timing_s"]["values"]
 
 
 def main() -> None:

@@ -9,13 +9,15 @@
    of the replay so that every trial is the sampler's own choice (the baseline config is
    in the grid like any other). Trials are NOT
    re-run: each launch is answered by :class:`tuner.runners.ReplayRunner` (the public runner
-   seam) from the grid's real measurements (status, throughput, memory, seconds). A config the grid run did not launch because it
-   was inferred OOM is answered as an OOM costing the seconds of the OOM it was inferred from.
+   seam) from the grid's real measurements (status, throughput, memory, seconds). A config
+   the grid run did not launch because it was inferred OOM is answered as an OOM costing
+   the seconds of the OOM it was inferred from.
 3. Prints, per sampler: best feasible throughput found / the grid's best, how often the
    grid's best was found, and the trial-seconds the search would have spent.
 
     python benchmarks/bench_search.py [--out bench_out] [--seeds 10] [--reuse]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,23 +56,59 @@ STUDY = "bench-grid"
 
 
 def run_grid(out: Path, space_path: Path, n: int) -> None:
-    cmd = [sys.executable, "-m", "tuner.cli", "search", str(BASE), "--space", str(space_path), "--sampler", "grid",
-           "--trials", str(n), "--steps", str(STEPS), "--warmup", str(WARMUP), "--nproc", str(NPROC),
-           "--memory-limit-gb", str(CAP_GB), "--out", str(out), "--study", STUDY, "--seed", "0",
-           "--trial-timeout", "300"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tuner.cli",
+        "search",
+        str(BASE),
+        "--space",
+        str(space_path),
+        "--sampler",
+        "grid",
+        "--trials",
+        str(n),
+        "--steps",
+        str(STEPS),
+        "--warmup",
+        str(WARMUP),
+        "--nproc",
+        str(NPROC),
+        "--memory-limit-gb",
+        str(CAP_GB),
+        "--out",
+        str(out),
+        "--study",
+        STUDY,
+        "--seed",
+        "0",
+        "--trial-timeout",
+        "300",
+    ]
     print("$", " ".join(cmd), flush=True)
     subprocess.run(cmd, cwd=REPO, check=True)
 
 
-def replay(sampler: str, seed: int, budget: int, space, trial_base, flat, grid: optuna.Study) -> tuple[float, float, int]:
+def replay(
+    sampler: str, seed: int, budget: int, space, trial_base, flat, grid: optuna.Study
+) -> tuple[float, float, int]:
     """``ppotune search``'s own loop (tuner.loop.Search) with every launch answered by the replay runner."""
     storage = optuna.storages.InMemoryStorage()
-    study = optuna.create_study(storage=storage, directions=list(DIRECTIONS),
-                                sampler=build_sampler(sampler, seed=seed, n_trials=budget))
+    study = optuna.create_study(
+        storage=storage, directions=list(DIRECTIONS), sampler=build_sampler(sampler, seed=seed, n_trials=budget)
+    )
     runner = ReplayRunner.from_study(grid, space, flat, rng=random.Random(seed))
-    search = Search(options=SearchOptions(trials=budget, sampler=sampler, seed=seed), study=study, storage=storage,
-                    lock=StudyLock(None), space=space, trial_base=trial_base, trial_flat=flat, runner=runner,
-                    penalty_gb=64.0)
+    search = Search(
+        options=SearchOptions(trials=budget, sampler=sampler, seed=seed),
+        study=study,
+        storage=storage,
+        lock=StudyLock(None),
+        space=space,
+        trial_base=trial_base,
+        trial_flat=flat,
+        runner=runner,
+        penalty_gb=64.0,
+    )
     search.run()
     ok = [t.values[0] for t in study.get_trials() if TrialRecord.from_user_attrs(t.user_attrs).status == Status.OK]
     return (max(ok) if ok else 0.0), runner.spent_s, runner.launched
@@ -88,8 +126,18 @@ def main() -> int:
     space_path.write_text(SPACE)
     space = load_space(space_path)
     base_nested, _ = base_flat_config(BASE, nproc=NPROC)
-    trial_base = config_to_dict(config_from_dict(apply_overrides(base_nested, {
-        "trainer.total_training_steps": STEPS, "ppotune.warmup_steps": WARMUP, "ppotune.memory_limit_gb": CAP_GB})))
+    trial_base = config_to_dict(
+        config_from_dict(
+            apply_overrides(
+                base_nested,
+                {
+                    "trainer.total_training_steps": STEPS,
+                    "ppotune.warmup_steps": WARMUP,
+                    "ppotune.memory_limit_gb": CAP_GB,
+                },
+            )
+        )
+    )
     flat = flatten(trial_base)
     n_grid = space.size(flat)
     storage = f"sqlite:///{out / 'study.db'}"
@@ -115,14 +163,22 @@ def main() -> int:
     budget = max(1, round(n_grid / 4))
 
     print()
-    print(f"grid: {n_grid} configs (tiny preset, {NPROC} CPU procs, {STEPS} steps incl. {WARMUP} warm-up, "
-          f"memory cap {CAP_GB} GiB): {len(ok)} feasible; trials by status {dict(sorted(statuses.items()))}")
-    print(f"grid: best feasible throughput {best:.1f} tokens/s/GPU; trial-seconds spent {grid_launched_s:.0f} s "
-          f"(inferred OOMs cost 0; launching every config would cost {grid_s:.0f} s); wall {grid_wall:.0f} s")
-    print(f"samplers: budget {budget} trials (a quarter of the grid, every one the sampler's choice), "
-          f"seeds 0..{a.seeds - 1}; values looked up from the grid's REAL measurements (no trial re-run)")
-    print(f"{'sampler':8} {'found/best mean':>15} {'min':>6} {'max':>6} {'hit best':>9} {'trial-s mean':>13} "
-          f"{'launched':>9}")
+    print(
+        f"grid: {n_grid} configs (tiny preset, {NPROC} CPU procs, {STEPS} steps incl. {WARMUP} warm-up, "
+        f"memory cap {CAP_GB} GiB): {len(ok)} feasible; trials by status {dict(sorted(statuses.items()))}"
+    )
+    print(
+        f"grid: best feasible throughput {best:.1f} tokens/s/GPU; trial-seconds spent {grid_launched_s:.0f} s "
+        f"(inferred OOMs cost 0; launching every config would cost {grid_s:.0f} s); wall {grid_wall:.0f} s"
+    )
+    print(
+        f"samplers: budget {budget} trials (a quarter of the grid, every one the sampler's choice), "
+        f"seeds 0..{a.seeds - 1}; values looked up from the grid's REAL measurements (no trial re-run)"
+    )
+    print(
+        f"{'sampler':8} {'found/best mean':>15} {'min':>6} {'max':>6} {'hit best':>9} {'trial-s mean':>13} "
+        f"{'launched':>9}"
+    )
     for sampler in ("tpe", "nsga2", "random"):
         ratios, spent, hits, launched = [], [], 0, []
         for seed in range(a.seeds):
@@ -131,8 +187,10 @@ def main() -> int:
             spent.append(s)
             launched.append(n)
             hits += found >= best
-        print(f"{sampler:8} {statistics.mean(ratios):15.3f} {min(ratios):6.3f} {max(ratios):6.3f} "
-              f"{hits:>4}/{a.seeds:<4} {statistics.mean(spent):13.0f} {statistics.mean(launched):9.1f}")
+        print(
+            f"{sampler:8} {statistics.mean(ratios):15.3f} {min(ratios):6.3f} {max(ratios):6.3f} "
+            f"{hits:>4}/{a.seeds:<4} {statistics.mean(spent):13.0f} {statistics.mean(launched):9.1f}"
+        )
     return 0
 
 

@@ -1,4 +1,5 @@
 """Shared fixtures (plain helpers are in support.py). Keep small: only what several test files use."""
+
 from __future__ import annotations
 
 import os
@@ -38,12 +39,25 @@ def cli():
     """Run ``python -m tuner.cli ARGS`` in the repo (no console script needed)."""
 
     def run(*args: str, timeout: float = 600, **kw) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "tuner.cli", *map(str, args)], cwd=REPO, env=_env(),
-                              capture_output=True, text=True, timeout=timeout, **kw)
+        return subprocess.run(
+            [sys.executable, "-m", "tuner.cli", *map(str, args)],
+            cwd=REPO,
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            **kw,
+        )
 
     run.popen = lambda *args, **kw: subprocess.Popen(  # type: ignore[attr-defined]
-        [sys.executable, "-m", "tuner.cli", *map(str, args)], cwd=REPO, env=_env(),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+        [sys.executable, "-m", "tuner.cli", *map(str, args)],
+        cwd=REPO,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        **kw,
+    )
     return run
 
 
@@ -63,7 +77,23 @@ def real_search(tmp_path_factory, cli) -> Path:
     """A real 4-trial search on CPU with the shipped tiny space (--report): one per session, read by
     the report, export and notebook tests."""
     out = tmp_path_factory.mktemp("real_search")
-    r = cli("search", "configs/tiny_cpu.yaml", "--space", "search_spaces/tiny_cpu.yaml", "--trials", 4, "--nproc", 2,
-            "--steps", 2, "--warmup", 1, "--out", out, "--report", timeout=1800)
+    r = cli(
+        "search",
+        "configs/tiny_cpu.yaml",
+        "--space",
+        "search_spaces/tiny_cpu.yaml",
+        "--trials",
+        4,
+        "--nproc",
+        2,
+        "--steps",
+        2,
+        "--warmup",
+        1,
+        "--out",
+        out,
+        "--report",
+        timeout=1800,
+    )
     assert r.returncode == 0, f"search failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     return out

@@ -2,6 +2,7 @@
 
 Importable as ``support`` from every test directory (tests/conftest.py puts tests/ on sys.path).
 """
+
 from __future__ import annotations
 
 import base64
@@ -60,18 +61,43 @@ _K = list(KNOBS)
 # (status, knob values in KNOBS order, throughput, peak GB, duration s, extra user attrs)
 DEMO_TRIALS = [
     ("ok", (2, "fsdp", False, False, 4, 2), 1500.0, 52.0, 48.0, {"baseline": True}),
-    ("oom", (4, "fsdp2", False, False, 8, 4), None, 80.6, 41.0, {"error": "CUDA out of memory. Tried to allocate 2.00 GiB"}),
+    (
+        "oom",
+        (4, "fsdp2", False, False, 8, 4),
+        None,
+        80.6,
+        41.0,
+        {"error": "CUDA out of memory. Tried to allocate 2.00 GiB"},
+    ),
     ("inferred_oom", (4, "fsdp", False, False, 8, 4), None, None, 0.0, {"inferred_from": 1}),
     ("ok", (4, "fsdp2", False, True, 4, 2), 2100.0, 61.0, 52.0, {}),
     ("ok", (4, "fsdp2", False, True, 8, 4), 2400.0, 74.5, 55.0, {}),
     ("ok", (1, "fsdp", False, True, 2, 1), 900.0, 31.0, 61.0, {}),
-    ("ok", (1, "fsdp", True, True, 2, 1), 905.0, 31.2, 63.0,
-     {"notes": ["critic.fsdp.param_offload: no effect on CPU"]}),
+    (
+        "ok",
+        (1, "fsdp", True, True, 2, 1),
+        905.0,
+        31.2,
+        63.0,
+        {"notes": ["critic.fsdp.param_offload: no effect on CPU"]},
+    ),
     ("hang", (2, "fsdp", False, False, 4, 4), None, 55.0, 600.0, {"error": "timeout after 600 s", "log_tail": "..."}),
-    ("crash", (2, "fsdp2", False, True, 4, 2), None, None, 12.0,
-     {"error": "rank 1 exited with signal 9", "log_tail": "torch.distributed.elastic...SIGKILL"}),
-    ("invalid", (2, "fsdp2", True, False, 2, 1), None, None, 3.0,
-     {"error": "config: actor_rollout_ref.actor.fsdp_config.offload_policy: offload_policy is an FSDP2 option"}),
+    (
+        "crash",
+        (2, "fsdp2", False, True, 4, 2),
+        None,
+        None,
+        12.0,
+        {"error": "rank 1 exited with signal 9", "log_tail": "torch.distributed.elastic...SIGKILL"},
+    ),
+    (
+        "invalid",
+        (2, "fsdp2", True, False, 2, 1),
+        None,
+        None,
+        3.0,
+        {"error": "config: actor_rollout_ref.actor.fsdp_config.offload_policy: offload_policy is an FSDP2 option"},
+    ),
     ("ok", (2, "fsdp2", False, True, 8, 2), 1900.0, 47.0, 50.0, {}),
     ("ok", (4, "fsdp2", False, True, 8, 2), 2150.0, 63.0, 53.0, {}),
     # the tuner's dedupe: TPE re-sampled #10's config; recorded as FAIL, not re-run (not in contracts.md §3 yet)
@@ -89,8 +115,9 @@ def _overrides(params: dict) -> dict:
     return over
 
 
-def make_demo_study(storage, study_name: str = "demo", *, device_gb=DEVICE_GB, memory_limit_gb=None,
-                    extra_overrides=None):
+def make_demo_study(
+    storage, study_name: str = "demo", *, device_gb=DEVICE_GB, memory_limit_gb=None, extra_overrides=None
+):
     """A finished-but-one study of 13 trials, written the way the tuner writes (contracts.md §3)."""
     base = config_to_dict(load_config(TINY_BASE))
     study = optuna.create_study(storage=storage, study_name=study_name, directions=["maximize", "minimize"])
@@ -131,9 +158,15 @@ def make_demo_study(storage, study_name: str = "demo", *, device_gb=DEVICE_GB, m
                 "reserved_peak_gb": None if peak is None else round(peak * 0.9, 2),
                 "rss_peak_gb": 3.1 if peak is not None else None,
             },
-            "timing_s": {} if not thr else {
-                "gen": 0.45 * 768 / thr, "ref": 0.08 * 768 / thr, "old_log_prob": 0.08 * 768 / thr,
-                "values": 0.07 * 768 / thr, "adv": 0.01 * 768 / thr, "update_actor": 0.19 * 768 / thr,
+            "timing_s": {}
+            if not thr
+            else {
+                "gen": 0.45 * 768 / thr,
+                "ref": 0.08 * 768 / thr,
+                "old_log_prob": 0.08 * 768 / thr,
+                "values": 0.07 * 768 / thr,
+                "adv": 0.01 * 768 / thr,
+                "update_actor": 0.19 * 768 / thr,
                 "update_critic": 0.12 * 768 / thr,
             },
             "notes": [],

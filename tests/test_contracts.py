@@ -1,4 +1,5 @@
 """The shared vocabulary (trainer/contracts.py): storage grammar, statuses, the trial record."""
+
 from __future__ import annotations
 
 import json
@@ -27,28 +28,31 @@ def _abs(p: str) -> str:
     return str(Path(p).resolve())
 
 
-@pytest.mark.parametrize("text,kind,url", [
-    # no --storage: search's default under --out
-    (None, "sqlite", "sqlite:///{cwd}/out/study.db"),
-    # explicit SQLite; a relative path is relative to the current directory (as SQLAlchemy reads it)
-    ("sqlite:///rel.db", "sqlite", "sqlite:///{cwd}/rel.db"),
-    ("sqlite:////abs/x.db", "sqlite", "sqlite:////abs/x.db"),
-    ("sqlite:///:memory:", "sqlite", "sqlite:///:memory:"),
-    ("x/study.db", "sqlite", "sqlite:///{cwd}/x/study.db"),
-    ("x/study.sqlite3", "sqlite", "sqlite:///{cwd}/x/study.sqlite3"),
-    # journal files: the journal: prefix, file:// URLs and the .log/.journal suffixes
-    ("journal:study.log", "journal", "journal:{cwd}/study.log"),
-    ("journal:///abs/j.log", "journal", "journal:/abs/j.log"),
-    ("journal:noext", "journal", "journal:{cwd}/noext"),
-    ("file:///abs/x.log", "journal", "journal:/abs/x.log"),
-    ("file:rel.log", "journal", "journal:{cwd}/rel.log"),
-    ("x/study.log", "journal", "journal:{cwd}/x/study.log"),
-    ("x/study.journal", "journal", "journal:{cwd}/x/study.journal"),
-    # servers
-    ("postgresql://u:p@host:5432/db", "rdb", "postgresql://u:p@host:5432/db"),
-    ("mysql+pymysql://u@host/db", "rdb", "mysql+pymysql://u@host/db"),
-    ("grpc://head-node:13000", "grpc", "grpc://head-node:13000"),
-])
+@pytest.mark.parametrize(
+    "text,kind,url",
+    [
+        # no --storage: search's default under --out
+        (None, "sqlite", "sqlite:///{cwd}/out/study.db"),
+        # explicit SQLite; a relative path is relative to the current directory (as SQLAlchemy reads it)
+        ("sqlite:///rel.db", "sqlite", "sqlite:///{cwd}/rel.db"),
+        ("sqlite:////abs/x.db", "sqlite", "sqlite:////abs/x.db"),
+        ("sqlite:///:memory:", "sqlite", "sqlite:///:memory:"),
+        ("x/study.db", "sqlite", "sqlite:///{cwd}/x/study.db"),
+        ("x/study.sqlite3", "sqlite", "sqlite:///{cwd}/x/study.sqlite3"),
+        # journal files: the journal: prefix, file:// URLs and the .log/.journal suffixes
+        ("journal:study.log", "journal", "journal:{cwd}/study.log"),
+        ("journal:///abs/j.log", "journal", "journal:/abs/j.log"),
+        ("journal:noext", "journal", "journal:{cwd}/noext"),
+        ("file:///abs/x.log", "journal", "journal:/abs/x.log"),
+        ("file:rel.log", "journal", "journal:{cwd}/rel.log"),
+        ("x/study.log", "journal", "journal:{cwd}/x/study.log"),
+        ("x/study.journal", "journal", "journal:{cwd}/x/study.journal"),
+        # servers
+        ("postgresql://u:p@host:5432/db", "rdb", "postgresql://u:p@host:5432/db"),
+        ("mysql+pymysql://u@host/db", "rdb", "mysql+pymysql://u@host/db"),
+        ("grpc://head-node:13000", "grpc", "grpc://head-node:13000"),
+    ],
+)
 def test_parse_storage_table(tmp_path, monkeypatch, text, kind, url):
     monkeypatch.chdir(tmp_path)
     spec = parse_storage(text, default_dir=Path("out"))
@@ -61,12 +65,15 @@ def test_parse_storage_table(tmp_path, monkeypatch, text, kind, url):
         assert spec.lock_path is None
 
 
-@pytest.mark.parametrize("text,match", [
-    ("study.txt", "not an Optuna URL"),  # a suffix-less or unknown-suffix path is refused, not guessed
-    ("noext", "spell it journal:PATH or sqlite:///PATH"),
-    ("journal:", "no file after the scheme"),
-    ("grpc://host", "grpc://HOST:PORT"),
-])
+@pytest.mark.parametrize(
+    "text,match",
+    [
+        ("study.txt", "not an Optuna URL"),  # a suffix-less or unknown-suffix path is refused, not guessed
+        ("noext", "spell it journal:PATH or sqlite:///PATH"),
+        ("journal:", "no file after the scheme"),
+        ("grpc://host", "grpc://HOST:PORT"),
+    ],
+)
 def test_parse_storage_refuses(tmp_path, monkeypatch, text, match):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(StorageError, match=match):
@@ -137,8 +144,15 @@ def test_phases_are_the_order_the_step_runs():
 
 # --------------------------------------------------------------------------- the trial record
 def test_trial_record_round_trip_and_forward_compatibility():
-    rec = TrialRecord(status=Status.OOM, throughput=None, peak_memory_gb=3.5, notes=["x"], inferred_from=None,
-                      confirm_of=4, timing_s={"gen": 1.0})
+    rec = TrialRecord(
+        status=Status.OOM,
+        throughput=None,
+        peak_memory_gb=3.5,
+        notes=["x"],
+        inferred_from=None,
+        confirm_of=4,
+        timing_s={"gen": 1.0},
+    )
     attrs = rec.to_user_attrs()
     assert attrs["status"] == "oom" and type(attrs["status"]) is str
     json.dumps(attrs)  # storable as Optuna user attrs
@@ -148,13 +162,16 @@ def test_trial_record_round_trip_and_forward_compatibility():
     assert set(MEASUREMENT_FIELDS) <= set(attrs)
 
 
-@pytest.mark.parametrize("attrs,counted", [
-    ({}, True),  # RUNNING: no status yet
-    ({"status": "ok"}, True),
-    ({"status": "crash"}, True),
-    ({"status": "interrupted"}, False),
-    ({"status": "duplicate", "duplicate_of": 1}, False),
-    ({"status": "ok", "confirm_of": 2}, False),
-])
+@pytest.mark.parametrize(
+    "attrs,counted",
+    [
+        ({}, True),  # RUNNING: no status yet
+        ({"status": "ok"}, True),
+        ({"status": "crash"}, True),
+        ({"status": "interrupted"}, False),
+        ({"status": "duplicate", "duplicate_of": 1}, False),
+        ({"status": "ok", "confirm_of": 2}, False),
+    ],
+)
 def test_trial_record_counted(attrs, counted):
     assert TrialRecord.from_user_attrs(attrs).counted is counted

@@ -1,4 +1,5 @@
 """The layout's rules: which side may import what, and one definition per word."""
+
 from __future__ import annotations
 
 import ast
@@ -34,14 +35,19 @@ def test_tuner_source_never_imports_torch(path):
 
 
 def test_tuner_never_imports_torch_at_run_time():
-    modules = sorted(".".join(p.relative_to(REPO).with_suffix("").parts) for p in REPO.glob("tuner/**/*.py")
-                     if p.name != "__init__.py")
-    code = ("import sys, importlib\n"
-            f"for m in {modules!r}: importlib.import_module(m)\n"
-            "from tuner.cli import build_parser\n"
-            "for c in ('search', 'space', 'report', 'export', 'train', 'check'): build_parser(only=c)\n"
-            "import trainer.contracts, trainer.config, trainer.check, trainer.launcher\n"
-            "assert 'torch' not in sys.modules, 'torch was imported'\nprint('clean')")
+    modules = sorted(
+        ".".join(p.relative_to(REPO).with_suffix("").parts)
+        for p in REPO.glob("tuner/**/*.py")
+        if p.name != "__init__.py"
+    )
+    code = (
+        "import sys, importlib\n"
+        f"for m in {modules!r}: importlib.import_module(m)\n"
+        "from tuner.cli import build_parser\n"
+        "for c in ('search', 'space', 'report', 'export', 'train', 'check'): build_parser(only=c)\n"
+        "import trainer.contracts, trainer.config, trainer.check, trainer.launcher\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\nprint('clean')"
+    )
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=180)
     assert r.returncode == 0 and "clean" in r.stdout, r.stderr
 
@@ -67,8 +73,11 @@ ONE_DEFINITION = {
 
 @pytest.mark.parametrize("pattern", list(ONE_DEFINITION))
 def test_one_definition_per_word(pattern):
-    where = [str(p.relative_to(REPO)) for p in SOURCES
-             if any(re.search(pattern, line) for line in p.read_text().splitlines())]
+    where = [
+        str(p.relative_to(REPO))
+        for p in SOURCES
+        if any(re.search(pattern, line) for line in p.read_text().splitlines())
+    ]
     expected = ONE_DEFINITION[pattern]
     assert where == ([expected] if expected else []), where
 
@@ -88,6 +97,8 @@ def test_status_strings_are_not_spelled_in_the_tuner():
     bad = []
     for p in REPO.glob("tuner/**/*.py"):
         for i, line in enumerate(p.read_text().splitlines(), 1):
-            if re.search(r"""user_attrs(\.get\(|\[)["'](status|confirm_of|duplicate_of|inferred_from|baseline)""", line):
+            if re.search(
+                r"""user_attrs(\.get\(|\[)["'](status|confirm_of|duplicate_of|inferred_from|baseline)""", line
+            ):
                 bad.append(f"{p.relative_to(REPO)}:{i}: {line.strip()}")
     assert bad == []

@@ -4,13 +4,21 @@ Pure functions over lengths and index lists (no torch.distributed): the caller a
 number of micro-batches across ranks (all-reduce MAX) and passes it back in, because every
 FSDP rank must run the same number of forward/backward passes.
 """
+
 from __future__ import annotations
 
 import math
 
 import torch
 
-__all__ = ["rank_rows", "fixed_micro_batches", "min_num_micro_batches", "token_budget_micro_batches", "pack", "unpack_response"]
+__all__ = [
+    "rank_rows",
+    "fixed_micro_batches",
+    "min_num_micro_batches",
+    "token_budget_micro_batches",
+    "pack",
+    "unpack_response",
+]
 
 
 def fixed_micro_batches(n: int, micro_batch_size: int) -> list[list[int]]:
@@ -56,7 +64,9 @@ def min_num_micro_batches(lengths: list[int], max_tokens: int) -> int:
     return k
 
 
-def token_budget_micro_batches(lengths: list[int], max_tokens: int, num_micro_batches: int | None = None) -> list[list[int]]:
+def token_budget_micro_batches(
+    lengths: list[int], max_tokens: int, num_micro_batches: int | None = None
+) -> list[list[int]]:
     """Partition indices into balanced micro-batches of at most ``max_tokens`` tokens each.
 
     ``num_micro_batches`` (>= this rank's minimum) forces the count agreed across ranks; some
@@ -75,7 +85,7 @@ def token_budget_micro_batches(lengths: list[int], max_tokens: int, num_micro_ba
             bins.sort(key=lambda b: -sum(lengths[i] for i in b))
             big = bins[0]
             if len(big) > 1:
-                bins = bins[1:] + [big[: len(big) // 2], big[len(big) // 2:]]
+                bins = bins[1:] + [big[: len(big) // 2], big[len(big) // 2 :]]
             else:
                 bins.append([])
     bins = [sorted(b) for b in bins]
@@ -103,9 +113,11 @@ def response_positions(attention_mask: torch.Tensor, response_mask: torch.Tensor
     The token at padded column P+j is predicted by the logits one position earlier.
     """
     valid = attention_mask.bool()
-    packed_index = torch.cumsum(valid.reshape(-1).long(), 0).reshape(valid.shape) - 1  # (B, L) packed position of each valid token
+    packed_index = (
+        torch.cumsum(valid.reshape(-1).long(), 0).reshape(valid.shape) - 1
+    )  # (B, L) packed position of each valid token
     resp = response_mask.bool()
-    predictor = packed_index[:, prompt_width - 1: prompt_width - 1 + resp.shape[1]]
+    predictor = packed_index[:, prompt_width - 1 : prompt_width - 1 + resp.shape[1]]
     return predictor[resp], resp
 
 

@@ -2,6 +2,7 @@
 
 Prints the derived per-GPU sizes a user usually works out by hand, or the one-line error.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,12 +37,22 @@ def run(args) -> int:
         return f"dynamic, <= {budget} tokens per micro-batch" if dynamic else f"{micro} sequences per micro-batch"
 
     print(f"ppotune check: ok: {args.config}")
-    print(f"  world size {ws}; sequences per step {cfg.data.train_batch_size * n} ({cfg.data.train_batch_size} prompts x n={n}), "
-          f"{cfg.data.train_batch_size * n // ws} per GPU")
-    print(f"  actor: {a.strategy}, mini-batch {a.ppo_mini_batch_size * n // ws} sequences per GPU, "
-          f"{plan(a.use_dynamic_bsz, a.ppo_micro_batch_size_per_gpu, a.ppo_max_token_len_per_gpu)}")
-    print(f"  critic: {c.strategy}, mini-batch {c.ppo_mini_batch_size * n // ws} sequences per GPU, "
-          f"{plan(c.use_dynamic_bsz, c.ppo_micro_batch_size_per_gpu, c.ppo_max_token_len_per_gpu)}")
-    print(f"  ref log-probs: {plan(ref.log_prob_use_dynamic_bsz, ref.log_prob_micro_batch_size_per_gpu, ref.log_prob_max_token_len_per_gpu)}")
+    print(
+        f"  world size {ws}; sequences per step {cfg.data.train_batch_size * n} "
+        f"({cfg.data.train_batch_size} prompts x n={n}), "
+        f"{cfg.data.train_batch_size * n // ws} per GPU"
+    )
+    print(
+        f"  actor: {a.strategy}, mini-batch {a.ppo_mini_batch_size * n // ws} sequences per GPU, "
+        f"{plan(a.use_dynamic_bsz, a.ppo_micro_batch_size_per_gpu, a.ppo_max_token_len_per_gpu)}"
+    )
+    print(
+        f"  critic: {c.strategy}, mini-batch {c.ppo_mini_batch_size * n // ws} sequences per GPU, "
+        f"{plan(c.use_dynamic_bsz, c.ppo_micro_batch_size_per_gpu, c.ppo_max_token_len_per_gpu)}"
+    )
+    ref_plan = plan(
+        ref.log_prob_use_dynamic_bsz, ref.log_prob_micro_batch_size_per_gpu, ref.log_prob_max_token_len_per_gpu
+    )
+    print(f"  ref log-probs: {ref_plan}")
     print(f"  model: {cfg.actor_rollout_ref.model.path}; data: {cfg.data.train_files or 'embedded synthetic task'}")
     return 0

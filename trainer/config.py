@@ -8,6 +8,7 @@ A config is built from defaults <- YAML file <- dotted ``key=value`` overrides, 
 checked: unknown keys, wrong types and contradictions raise :class:`ConfigError`
 naming the key.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -315,7 +316,9 @@ def _coerce(key: str, value: Any, tp: Any, source: Optional[str]) -> Any:
 
 def _build(cls: type, data: Any, prefix: str, source: Optional[str]) -> Any:
     if not isinstance(data, dict):
-        raise ConfigError(prefix.rstrip(".") or "<root>", f"expected a mapping, got {type(data).__name__}", source=source)
+        raise ConfigError(
+            prefix.rstrip(".") or "<root>", f"expected a mapping, got {type(data).__name__}", source=source
+        )
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     for k in data:
@@ -501,11 +504,13 @@ def validate_config(cfg: PPOConfig, *, source: Optional[str] = None) -> None:
     for key in _POSITIVE_INTS:
         if flat[key] <= 0:
             fail(key, f"must be > 0, got {flat[key]}")
-    for key in ("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
-                "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
-                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
-                "critic.ppo_micro_batch_size_per_gpu",
-                "critic.forward_micro_batch_size_per_gpu"):
+    for key in (
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+        "critic.ppo_micro_batch_size_per_gpu",
+        "critic.forward_micro_batch_size_per_gpu",
+    ):
         if flat[key] is not None and flat[key] <= 0:
             fail(key, f"must be > 0, got {flat[key]}")
 
@@ -513,7 +518,10 @@ def validate_config(cfg: PPOConfig, *, source: Optional[str] = None) -> None:
     n = cfg.actor_rollout_ref.rollout.n
     total_len = cfg.data.max_prompt_length + cfg.data.max_response_length
     if cfg.data.train_batch_size * n % ws:
-        fail("data.train_batch_size", f"train_batch_size x rollout.n = {cfg.data.train_batch_size * n} is not divisible by the world size {ws}")
+        fail(
+            "data.train_batch_size",
+            f"train_batch_size x rollout.n = {cfg.data.train_batch_size * n} is not divisible by the world size {ws}",
+        )
 
     def check_ppo(prefix: str, mini: int, micro: Optional[int], dyn: bool, budget_key: str) -> None:
         mini_key = f"{prefix}.ppo_mini_batch_size"
@@ -532,14 +540,28 @@ def validate_config(cfg: PPOConfig, *, source: Optional[str] = None) -> None:
             if micro is None:
                 fail(micro_key, "must be set when use_dynamic_bsz is false")
             if mini_per_gpu % micro:
-                fail(micro_key, f"{micro} does not divide the per-GPU mini-batch ppo_mini_batch_size x rollout.n / world_size = {mini_per_gpu}")
+                fail(
+                    micro_key,
+                    f"{micro} does not divide the per-GPU mini-batch "
+                    f"ppo_mini_batch_size x rollout.n / world_size = {mini_per_gpu}",
+                )
 
     a = cfg.actor_rollout_ref.actor
-    check_ppo("actor_rollout_ref.actor", a.ppo_mini_batch_size, a.ppo_micro_batch_size_per_gpu, a.use_dynamic_bsz,
-              "actor_rollout_ref.actor.ppo_max_token_len_per_gpu")
+    check_ppo(
+        "actor_rollout_ref.actor",
+        a.ppo_mini_batch_size,
+        a.ppo_micro_batch_size_per_gpu,
+        a.use_dynamic_bsz,
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+    )
     c = cfg.critic
-    check_ppo("critic", get("critic.ppo_mini_batch_size"), c.ppo_micro_batch_size_per_gpu, get("critic.use_dynamic_bsz"),
-              "critic.ppo_max_token_len_per_gpu")
+    check_ppo(
+        "critic",
+        get("critic.ppo_mini_batch_size"),
+        c.ppo_micro_batch_size_per_gpu,
+        get("critic.use_dynamic_bsz"),
+        "critic.ppo_max_token_len_per_gpu",
+    )
 
     for prefix in ("actor_rollout_ref.ref", "actor_rollout_ref.rollout"):
         if get(f"{prefix}.log_prob_use_dynamic_bsz"):
@@ -550,7 +572,11 @@ def validate_config(cfg: PPOConfig, *, source: Optional[str] = None) -> None:
             fail(f"{prefix}.log_prob_micro_batch_size_per_gpu", "must be set when log_prob_use_dynamic_bsz is false")
     if get("critic.use_dynamic_bsz"):
         if get("critic.forward_max_token_len_per_gpu") < total_len:
-            fail("critic.forward_max_token_len_per_gpu", f"{get('critic.forward_max_token_len_per_gpu')} is below max_prompt_length + max_response_length = {total_len}")
+            fail(
+                "critic.forward_max_token_len_per_gpu",
+                f"{get('critic.forward_max_token_len_per_gpu')} is below "
+                f"max_prompt_length + max_response_length = {total_len}",
+            )
     elif get("critic.forward_micro_batch_size_per_gpu") is None:
         fail("critic.forward_micro_batch_size_per_gpu", "must be set when use_dynamic_bsz is false")
 
@@ -572,7 +598,10 @@ def validate_config(cfg: PPOConfig, *, source: Optional[str] = None) -> None:
     if cfg.algorithm.kl_ctrl.type == "adaptive" and cfg.algorithm.kl_ctrl.horizon <= 0:
         fail("algorithm.kl_ctrl.horizon", "must be > 0 for the adaptive controller")
     if cfg.ppotune.warmup_steps < 0 or cfg.ppotune.warmup_steps >= cfg.trainer.total_training_steps:
-        fail("ppotune.warmup_steps", f"must be in [0, total_training_steps={cfg.trainer.total_training_steps}), got {cfg.ppotune.warmup_steps}")
+        fail(
+            "ppotune.warmup_steps",
+            f"must be in [0, total_training_steps={cfg.trainer.total_training_steps}), got {cfg.ppotune.warmup_steps}",
+        )
     if cfg.ppotune.memory_limit_gb is not None and cfg.ppotune.memory_limit_gb <= 0:
         fail("ppotune.memory_limit_gb", "must be > 0")
     t = cfg.ppotune.tiny

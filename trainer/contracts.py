@@ -14,6 +14,7 @@ What lives here:
 * :class:`StorageSpec` / :func:`parse_storage` -- the one grammar for ``--storage`` / ``--out``;
 * a few shared constants (objective directions, the constraint key, the default headroom).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -192,8 +193,23 @@ _FIELD_NAMES = tuple(f.name for f in dataclasses.fields(TrialRecord))
 #: The fields set when a trial is asked or enqueued, never by its outcome.
 ASKED_FIELDS = ("baseline", "overrides", "owner", "heartbeat", "retry_of", "confirm_of")
 #: The fields every finished trial stores, ``None`` where a trial has no such figure (the others only when set).
-MEASUREMENT_FIELDS = ("status", "throughput", "throughput_cv", "step_s", "peak_memory_gb", "memory_source", "memory",
-                      "timing_s", "notes", "error", "log_tail", "log_path", "result_path", "config_path", "duration_s")
+MEASUREMENT_FIELDS = (
+    "status",
+    "throughput",
+    "throughput_cv",
+    "step_s",
+    "peak_memory_gb",
+    "memory_source",
+    "memory",
+    "timing_s",
+    "notes",
+    "error",
+    "log_tail",
+    "log_path",
+    "result_path",
+    "config_path",
+    "duration_s",
+)
 
 
 # --------------------------------------------------------------------------- storage grammar
@@ -271,12 +287,12 @@ def parse_storage(text: Optional[str], *, default_dir: Optional[Path] = None) ->
             raise StorageError(f"--storage {text!r}: no file after the scheme")
         return _file_spec("journal", Path(raw))
     if text.startswith("sqlite:///"):
-        raw = text[len("sqlite:///"):]
+        raw = text[len("sqlite:///") :]
         if not raw or raw.startswith(":memory:") or "?" in raw:
             return StorageSpec("sqlite", text, None)  # in-memory, or URI options the user owns
         return _file_spec("sqlite", Path(raw))
     if text.startswith("grpc://"):
-        host, _, port = text[len("grpc://"):].rstrip("/").rpartition(":")
+        host, _, port = text[len("grpc://") :].rstrip("/").rpartition(":")
         if not host or not port.isdigit():
             raise StorageError(f"--storage {text!r}: expected grpc://HOST:PORT")
         return StorageSpec("grpc", f"grpc://{host}:{int(port)}", None)
@@ -289,8 +305,10 @@ def parse_storage(text: Optional[str], *, default_dir: Optional[Path] = None) ->
         return _file_spec("journal", path)
     if path.is_dir():
         return storage_in_out_dir(path)
-    raise StorageError(f"--storage {text!r}: not an Optuna URL, a .db/.sqlite/.log/.journal file or a search "
-                       "output directory (spell it journal:PATH or sqlite:///PATH)")
+    raise StorageError(
+        f"--storage {text!r}: not an Optuna URL, a .db/.sqlite/.log/.journal file or a search "
+        "output directory (spell it journal:PATH or sqlite:///PATH)"
+    )
 
 
 def storage_in_out_dir(out_dir: Path) -> StorageSpec:
@@ -315,4 +333,4 @@ def mask_url(url: str) -> str:
 # --------------------------------------------------------------------------- names
 def short_knob(key: str) -> str:
     """``actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu`` -> ``actor.ppo_micro_batch_size_per_gpu``."""
-    return key[len("actor_rollout_ref."):] if key.startswith("actor_rollout_ref.") else key
+    return key[len("actor_rollout_ref.") :] if key.startswith("actor_rollout_ref.") else key

@@ -3,6 +3,7 @@
 Both sources produce rows in verl's format (``prompt`` = chat messages,
 ``reward_model.ground_truth``), so one path tokenizes them.
 """
+
 from __future__ import annotations
 
 import random
@@ -14,8 +15,9 @@ import torch
 __all__ = ["PromptDataset", "synthetic_rows", "read_parquet_rows", "load_rows", "score_response", "PromptLoader"]
 
 
-def synthetic_rows(*, num_prompts: int, min_terms: int, max_terms: int, length_alpha: float, seed: int,
-                   max_chars: int = 10**9) -> list[dict]:
+def synthetic_rows(
+    *, num_prompts: int, min_terms: int, max_terms: int, length_alpha: float, seed: int, max_chars: int = 10**9
+) -> list[dict]:
     """Sums of 1-3 digit numbers; the number of terms is Pareto-distributed (heavy tail of long prompts),
     so sequence lengths are skewed and dynamic batching has something to gain."""
     rng = random.Random(seed)
@@ -28,13 +30,15 @@ def synthetic_rows(*, num_prompts: int, min_terms: int, max_terms: int, length_a
         while len(question) > max_chars and len(terms) > 1:  # fit data.max_prompt_length
             terms.pop()
             question = "+".join(map(str, terms)) + "="
-        rows.append({
-            "data_source": "ppotune/synthetic_add",
-            "prompt": [{"role": "user", "content": question}],
-            "ability": "math",
-            "reward_model": {"style": "rule", "ground_truth": str(sum(terms))},
-            "extra_info": {"index": i},
-        })
+        rows.append(
+            {
+                "data_source": "ppotune/synthetic_add",
+                "prompt": [{"role": "user", "content": question}],
+                "ability": "math",
+                "reward_model": {"style": "rule", "ground_truth": str(sum(terms))},
+                "extra_info": {"index": i},
+            }
+        )
     return rows
 
 
@@ -47,7 +51,9 @@ def read_parquet_rows(paths: str, prompt_key: str = "prompt") -> list[dict]:
         df = pd.read_parquet(path)
         for col in (prompt_key, "reward_model"):
             if col not in df.columns:
-                raise ValueError(f"{path}: data.train_files: missing column {col!r} (verl format needs prompt and reward_model)")
+                raise ValueError(
+                    f"{path}: data.train_files: missing column {col!r} (verl format needs prompt and reward_model)"
+                )
         for rec in df.to_dict("records"):
             messages = [dict(m) for m in rec[prompt_key]]
             rows.append({**rec, "prompt": messages, "reward_model": dict(rec["reward_model"])})
@@ -64,9 +70,14 @@ def load_rows(data_cfg, synthetic_cfg) -> list[dict]:
     if data_cfg.train_files:
         return read_parquet_rows(data_cfg.train_files, data_cfg.prompt_key)
     s = synthetic_cfg
-    return synthetic_rows(num_prompts=s.num_prompts, min_terms=s.min_terms, max_terms=s.max_terms,
-                          length_alpha=s.length_alpha, seed=s.seed,
-                          max_chars=max(4, data_cfg.max_prompt_length - _TEMPLATE_OVERHEAD))
+    return synthetic_rows(
+        num_prompts=s.num_prompts,
+        min_terms=s.min_terms,
+        max_terms=s.max_terms,
+        length_alpha=s.length_alpha,
+        seed=s.seed,
+        max_chars=max(4, data_cfg.max_prompt_length - _TEMPLATE_OVERHEAD),
+    )
 
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
@@ -96,17 +107,28 @@ class PromptDataset:
     ground_truths: list[str]
 
     @classmethod
-    def build(cls, rows: list[dict], tokenizer, *, max_prompt_length: int, truncation: str, prompt_key: str = "prompt",
-              source: str = "data") -> "PromptDataset":
+    def build(
+        cls,
+        rows: list[dict],
+        tokenizer,
+        *,
+        max_prompt_length: int,
+        truncation: str,
+        prompt_key: str = "prompt",
+        source: str = "data",
+    ) -> "PromptDataset":
         ids, truths = [], []
         for i, row in enumerate(rows):
-            text = tokenizer.apply_chat_template(row[prompt_key] if prompt_key in row else row["prompt"],
-                                                 add_generation_prompt=True, tokenize=False)
+            text = tokenizer.apply_chat_template(
+                row[prompt_key] if prompt_key in row else row["prompt"], add_generation_prompt=True, tokenize=False
+            )
             toks = tokenizer(text, add_special_tokens=False)["input_ids"]
             if len(toks) > max_prompt_length:
                 if truncation == "error":
-                    raise ValueError(f"{source}: data.max_prompt_length: prompt {i} has {len(toks)} tokens > {max_prompt_length} "
-                                     "(raise it, or set data.truncation=left|right)")
+                    raise ValueError(
+                        f"{source}: data.max_prompt_length: prompt {i} has {len(toks)} tokens > {max_prompt_length} "
+                        "(raise it, or set data.truncation=left|right)"
+                    )
                 toks = toks[-max_prompt_length:] if truncation == "left" else toks[:max_prompt_length]
             ids.append(toks)
             truths.append(str(row["reward_model"]["ground_truth"]))
@@ -133,7 +155,7 @@ class PromptLoader:
         if self.pos + self.batch_size > self.n:
             self.epoch, self.pos = self.epoch + 1, 0
             self.order = self._order(self.epoch)
-        out = self.order[self.pos:self.pos + self.batch_size]
+        out = self.order[self.pos : self.pos + self.batch_size]
         self.pos += self.batch_size
         return out
 
@@ -144,6 +166,6 @@ def left_pad(seqs: list[list[int]], length: int, pad_id: int) -> tuple[torch.Ten
     mask = torch.zeros((len(seqs), length), dtype=torch.long)
     for i, s in enumerate(seqs):
         if s:
-            ids[i, length - len(s):] = torch.tensor(s, dtype=torch.long)
-            mask[i, length - len(s):] = 1
+            ids[i, length - len(s) :] = torch.tensor(s, dtype=torch.long)
+            mask[i, length - len(s) :] = 1
     return ids, mask

@@ -3,6 +3,7 @@
 CUDA: allocator peaks (allocated/reserved) reset at each phase. CPU: peak RSS (VmHWM),
 reset at each phase by writing "5" to /proc/self/clear_refs.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -16,8 +17,18 @@ __all__ = ["PhaseMeter", "actor_mfu", "peak_flops", "summarize_steps", "rss_gb",
 GB = 1024**3
 
 # Dense bf16 peak FLOP/s per device (vendor sheets); None where unknown -> MFU is null.
-_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12,
-               "A10": 125e12, "L4": 121e12, "4090": 165e12, "V100": 125e12}
+_PEAK_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "H800": 989e12,
+    "A100": 312e12,
+    "A800": 312e12,
+    "L40S": 362e12,
+    "A10": 125e12,
+    "L4": 121e12,
+    "4090": 165e12,
+    "V100": 125e12,
+}
 
 
 def peak_flops(device_name: str | None) -> float | None:
@@ -29,8 +40,19 @@ def peak_flops(device_name: str | None) -> float | None:
     return None
 
 
-def actor_mfu(*, num_params: int, total_tokens: float, sum_seqlen_sq: float, head_dim: int, num_heads: int,
-              num_layers: int, epochs: int, seconds: float, world_size: int, peak: float | None) -> float | None:
+def actor_mfu(
+    *,
+    num_params: int,
+    total_tokens: float,
+    sum_seqlen_sq: float,
+    head_dim: int,
+    num_heads: int,
+    num_layers: int,
+    epochs: int,
+    seconds: float,
+    world_size: int,
+    peak: float | None,
+) -> float | None:
     """Actor-update MFU per GPU (verl's estimate): training FLOPs of forward+backward,
     (6·N·Σtokens + 6·ΣL²·head_dim·heads·layers) x epochs, over (seconds x world size x peak FLOP/s)."""
     if not peak or seconds <= 0:

@@ -3,6 +3,7 @@
 Never a hub download: every load passes ``local_files_only=True`` and the tiny preset is
 built from a config in code with a character-level tokenizer made on the spot.
 """
+
 from __future__ import annotations
 
 import string
@@ -108,8 +109,15 @@ def load_critic(path: str, tokenizer, *, tiny=None, max_positions: int = 512, se
     """
     if path == TINY:
         actor = load_actor(TINY, tokenizer, tiny=tiny, max_positions=max_positions, seed=seed)
-        cfg = Qwen2Config(**{**actor.config.to_dict(), "num_labels": 1, "id2label": {0: "value"}, "label2id": {"value": 0},
-                             "classifier_dropout": 0.0})  # dropout would make old values and updates disagree
+        cfg = Qwen2Config(
+            **{
+                **actor.config.to_dict(),
+                "num_labels": 1,
+                "id2label": {0: "value"},
+                "label2id": {"value": 0},
+                "classifier_dropout": 0.0,
+            }
+        )  # dropout would make old values and updates disagree
         cfg._attn_implementation = "sdpa"
         torch.manual_seed(seed + 1)
         model = Qwen2ForTokenClassification(cfg)

@@ -4,6 +4,7 @@ activation checkpointing -> shard each transformer block -> shard the root
 (torchtitan's parallelize order). FSDP1 = ``FullyShardedDataParallel``; FSDP2 = ``fully_shard``.
 Knobs that cannot act on the device at hand are not faked: they are reported in ``notes``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -13,8 +14,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["ShardKnobs", "shard_model", "full_params", "clip_grad_norm", "full_state_dict", "offload_optimizer_state",
-           "activation_offload_context", "layer_classes", "clean_state_dict"]
+__all__ = [
+    "ShardKnobs",
+    "shard_model",
+    "full_params",
+    "clip_grad_norm",
+    "full_state_dict",
+    "offload_optimizer_state",
+    "activation_offload_context",
+    "layer_classes",
+    "clean_state_dict",
+]
 
 
 @dataclass(frozen=True)
@@ -60,7 +70,9 @@ def shard_model(model: nn.Module, knobs: ShardKnobs, *, device: torch.device, na
             if getattr(knobs, k):
                 notes.append(f"{name}.{k}: no effect on CPU (parameters already live in host memory)")
     if knobs.forward_prefetch and on_cpu:
-        notes.append(f"{name}.forward_prefetch: applied, but no effect on CPU (gloo has no compute/communication overlap)")
+        notes.append(
+            f"{name}.forward_prefetch: applied, but no effect on CPU (gloo has no compute/communication overlap)"
+        )
     if knobs.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     blocks = [m for m in model.modules() if type(m) in layer_classes(model)]
@@ -87,7 +99,9 @@ def _shard_fsdp1(model, blocks, knobs: ShardKnobs, *, device, offload: bool) -> 
         model,
         auto_wrap_policy=policy,
         device_id=device if device.type == "cpu" else torch.cuda.current_device(),
-        sharding_strategy=ShardingStrategy.FULL_SHARD if knobs.reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP,
+        sharding_strategy=ShardingStrategy.FULL_SHARD
+        if knobs.reshard_after_forward
+        else ShardingStrategy.SHARD_GRAD_OP,
         cpu_offload=CPUOffload(offload_params=True) if offload else None,
         mixed_precision=mp,
         forward_prefetch=knobs.forward_prefetch,
@@ -103,10 +117,16 @@ def _shard_fsdp2(model, blocks, knobs: ShardKnobs, *, device, offload: bool, nam
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    mp = MixedPrecisionPolicy(param_dtype=_dtype(knobs.dtype), reduce_dtype=torch.float32) if knobs.dtype != "float32" else MixedPrecisionPolicy()
+    mp = (
+        MixedPrecisionPolicy(param_dtype=_dtype(knobs.dtype), reduce_dtype=torch.float32)
+        if knobs.dtype != "float32"
+        else MixedPrecisionPolicy()
+    )
     policy = CPUOffloadPolicy(pin_memory=True) if offload else OffloadPolicy()
     if knobs.wrap_min_num_params > 0:
-        notes.append(f"{name}.wrap_policy.min_num_params: FSDP2 shards per transformer block; size-based wrapping ignored")
+        notes.append(
+            f"{name}.wrap_policy.min_num_params: FSDP2 shards per transformer block; size-based wrapping ignored"
+        )
     kwargs = dict(mesh=mesh, mp_policy=mp, offload_policy=policy)
     for block in blocks:
         fully_shard(block, reshard_after_forward=knobs.reshard_after_forward, **kwargs)
@@ -132,7 +152,9 @@ def full_params(sharded: Sharded):
         # the mixed-precision dtype: autocast makes every matmul agree on the compute dtype.
         device_type = next(sharded.module.parameters()).device.type
         mixed = sharded.compute_dtype != "float32"
-        autocast = torch.autocast(device_type, dtype=_dtype(sharded.compute_dtype)) if mixed else contextlib.nullcontext()
+        autocast = (
+            torch.autocast(device_type, dtype=_dtype(sharded.compute_dtype)) if mixed else contextlib.nullcontext()
+        )
         with FSDP.summon_full_params(sharded.module, writeback=False, recurse=True), autocast:
             yield sharded.module.module
         return
@@ -171,14 +193,18 @@ def full_state_dict(sharded: Sharded, *, device: torch.device) -> dict | None:
         return sd if dist.get_rank() == 0 else None
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    sd = get_model_state_dict(sharded.module, options=StateDictOptions(full_state_dict=True, cpu_offload=device.type != "cpu"))
+    sd = get_model_state_dict(
+        sharded.module, options=StateDictOptions(full_state_dict=True, cpu_offload=device.type != "cpu")
+    )
     return sd if dist.get_rank() == 0 else None
 
 
 def clean_state_dict(sd: dict) -> dict:
     """Plain HF parameter names (no FSDP / checkpoint wrapper prefixes), tensors on CPU."""
-    return {k.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", ""): v.detach().cpu()
-            for k, v in sd.items()}
+    return {
+        k.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", ""): v.detach().cpu()
+        for k, v in sd.items()
+    }
 
 
 def offload_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:

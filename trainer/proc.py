@@ -1,4 +1,5 @@
 """Process plumbing shared by the launcher, the ranks and the tuner's reaper (no torch)."""
+
 from __future__ import annotations
 
 import ctypes

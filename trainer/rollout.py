@@ -3,6 +3,7 @@
 Every rank decodes until all ranks are done (``synced_gpus=True``): a rank that stops early
 keeps joining the collectives of the others, so ranks generating different lengths never deadlock.
 """
+
 from __future__ import annotations
 
 import torch
@@ -24,13 +25,30 @@ def response_mask_from_eos(responses: torch.Tensor, eos_id: int, generated: int)
 
 
 @torch.no_grad()
-def generate_responses(actor: Sharded, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_response_length: int,
-                       temperature: float, top_p: float, top_k: int, do_sample: bool, pad_id: int, eos_id: int,
-                       vocab_limit: int) -> tuple[torch.Tensor, torch.Tensor]:
+def generate_responses(
+    actor: Sharded,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    *,
+    max_response_length: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    do_sample: bool,
+    pad_id: int,
+    eos_id: int,
+    vocab_limit: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded prompts (B, P) -> responses (B, R) right-padded with ``pad_id``, response_mask (B, R)."""
     sample = do_sample and temperature > 0
-    kwargs = dict(max_new_tokens=max_response_length, do_sample=sample, pad_token_id=pad_id, eos_token_id=eos_id,
-                  synced_gpus=True, use_cache=True)
+    kwargs = dict(
+        max_new_tokens=max_response_length,
+        do_sample=sample,
+        pad_token_id=pad_id,
+        eos_token_id=eos_id,
+        synced_gpus=True,
+        use_cache=True,
+    )
     if sample:
         kwargs.update(temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else 0)
     with full_params(actor) as module:

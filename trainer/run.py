@@ -6,6 +6,7 @@ per-step metrics, rewritten after every step so a later failure keeps what was m
 An OOM anywhere is caught, recorded, and the rank exits at once (code 3): its peers, blocked in
 a collective, are then ended by torchrun, and the launcher reads the files.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,7 +58,9 @@ def _apply_memory_limit(limit_gb: float | None, device, notes: list[str]) -> Non
     base = vm_data_bytes() or 0
     cap = int(base + limit_gb * 1024**3)
     resource.setrlimit(resource.RLIMIT_DATA, (cap, cap))
-    notes.append(f"ppotune.memory_limit_gb: CPU cap is RLIMIT_DATA = {base / 1024**3:.2f} GiB held at start-up + {limit_gb} GiB")
+    notes.append(
+        f"ppotune.memory_limit_gb: CPU cap is RLIMIT_DATA = {base / 1024**3:.2f} GiB held at start-up + {limit_gb} GiB"
+    )
 
 
 def _environment(device, world: int) -> dict:
@@ -68,9 +71,17 @@ def _environment(device, world: int) -> dict:
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         name, total = props.name, props.total_memory / 1024**3
-    return {"device": device.type, "device_name": name, "device_memory_total_gb": total, "world_size": world,
-            "backend": "nccl" if device.type == "cuda" else "gloo", "torch": torch.__version__,
-            "transformers": transformers.__version__, "python": platform.python_version(), "hostname": socket.gethostname()}
+    return {
+        "device": device.type,
+        "device_name": name,
+        "device_memory_total_gb": total,
+        "world_size": world,
+        "backend": "nccl" if device.type == "cuda" else "gloo",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "hostname": socket.gethostname(),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,7 +121,9 @@ def main(argv: list[str] | None = None) -> int:
             write_json_atomic(rank_file, state)
         except OSError:
             pass
-        print(f"[rank {rank}] {state['status']} in phase {state['phase']}: {state['error']}", file=sys.stderr, flush=True)
+        print(
+            f"[rank {rank}] {state['status']} in phase {state['phase']}: {state['error']}", file=sys.stderr, flush=True
+        )
         # Peers may be blocked in a collective: leave now, torchrun ends them.
         os._exit(ExitCode.OOM if oom else ExitCode.ERROR)
 
@@ -138,15 +151,20 @@ def _train(cfg, rank: int, rank_file: Path, state: dict) -> None:
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=cfg.ppotune.dist_timeout_s),
-                            **({"device_id": device} if use_cuda else {}))
+    dist.init_process_group(
+        "nccl" if use_cuda else "gloo",
+        timeout=datetime.timedelta(seconds=cfg.ppotune.dist_timeout_s),
+        **({"device_id": device} if use_cuda else {}),
+    )
     # The cap counts from here: the runtime's own threads (intra-op pool, gloo) are up, so their
     # stacks do not eat the budget differently on a machine with more cores.
     torch.ones(1 << 16).sum()
     _apply_memory_limit(cfg.ppotune.memory_limit_gb, device, notes)
     world = dist.get_world_size()
     if world != world_size(cfg):
-        notes.append(f"trainer.n_gpus_per_node x nnodes = {world_size(cfg)} but torchrun started {world} ranks; using {world}")
+        notes.append(
+            f"trainer.n_gpus_per_node x nnodes = {world_size(cfg)} but torchrun started {world} ranks; using {world}"
+        )
     state["environment"] = _environment(device, world)
     meter = PhaseMeter(device, on_phase=lambda name: state.__setitem__("phase", name))
 
@@ -154,8 +172,14 @@ def _train(cfg, rank: int, rank_file: Path, state: dict) -> None:
     tokenizer = load_tokenizer(cfg.actor_rollout_ref.model.path)
     rows = load_rows(cfg.data, cfg.ppotune.synthetic)
     source = cfg.data.train_files or "synthetic"
-    dataset = PromptDataset.build(rows, tokenizer, max_prompt_length=cfg.data.max_prompt_length,
-                                  truncation=cfg.data.truncation, prompt_key=cfg.data.prompt_key, source=source)
+    dataset = PromptDataset.build(
+        rows,
+        tokenizer,
+        max_prompt_length=cfg.data.max_prompt_length,
+        truncation=cfg.data.truncation,
+        prompt_key=cfg.data.prompt_key,
+        source=source,
+    )
     loader = PromptLoader(len(dataset), cfg.data.train_batch_size, seed=cfg.trainer.seed)
 
     roles, shape_info = build_roles(cfg, tokenizer, device, world, notes)
@@ -167,7 +191,9 @@ def _train(cfg, rank: int, rank_file: Path, state: dict) -> None:
         # every rank draws the same global batch, repeats each prompt n times, and takes its slice
         global_idx = [i for i in loader.next() for _ in range(n)]
         mine = [global_idx[i] for i in rank_rows(len(global_idx), a.ppo_mini_batch_size * n, world, rank)]
-        prompt_ids, prompt_mask = left_pad([dataset.input_ids[i] for i in mine], cfg.data.max_prompt_length, tokenizer.pad_token_id)
+        prompt_ids, prompt_mask = left_pad(
+            [dataset.input_ids[i] for i in mine], cfg.data.max_prompt_length, tokenizer.pad_token_id
+        )
         truths = [dataset.ground_truths[i] for i in mine]
         _inject_fault(cfg.ppotune.fault, rank, step)
         meter.reset()
@@ -175,8 +201,11 @@ def _train(cfg, rank: int, rank_file: Path, state: dict) -> None:
         metrics = ppo_step(roles, prompt_ids.to(device), prompt_mask.to(device), truths, meter, device)
         step_s = time.perf_counter() - t0
         # memory: max over ranks of each phase's peak (one collective)
-        mem = torch.tensor([meter.memory.get(p, 0.0) for p in PHASES] + [meter.allocated_peak, meter.reserved_peak, step_s],
-                           dtype=torch.float64, device=device)
+        mem = torch.tensor(
+            [meter.memory.get(p, 0.0) for p in PHASES] + [meter.allocated_peak, meter.reserved_peak, step_s],
+            dtype=torch.float64,
+            device=device,
+        )
         dist.all_reduce(mem, op=dist.ReduceOp.MAX)
         mem = mem.tolist()
         step_s = mem[-1]  # the slowest rank sets the step time
@@ -184,8 +213,15 @@ def _train(cfg, rank: int, rank_file: Path, state: dict) -> None:
         row = {"step": step, "warmup": step <= warmup, "timing_s/step": step_s}
         row.update({f"timing_s/{p}": meter.timing.get(p, 0.0) for p in PHASES})
         row["perf/throughput"] = metrics["perf/total_num_tokens"] / (step_s * world)
-        row["perf/mfu/actor"] = actor_mfu(total_tokens=metrics["perf/total_num_tokens"], sum_seqlen_sq=sum_sq, **shape_info,
-                                          epochs=a.ppo_epochs, seconds=meter.timing.get("update_actor", 0.0), world_size=world, peak=peak)
+        row["perf/mfu/actor"] = actor_mfu(
+            total_tokens=metrics["perf/total_num_tokens"],
+            sum_seqlen_sq=sum_sq,
+            **shape_info,
+            epochs=a.ppo_epochs,
+            seconds=meter.timing.get("update_actor", 0.0),
+            world_size=world,
+            peak=peak,
+        )
         row.update({f"memory/{p}_gb": v for p, v in zip(PHASES, mem)})
         if use_cuda:
             row["perf/max_memory_allocated_gb"], row["perf/max_memory_reserved_gb"] = mem[-3], mem[-2]
@@ -230,19 +266,30 @@ def build_roles(cfg, tokenizer, device, world: int, notes: list[str]):
     critic_model = load_critic(c.model.path, tokenizer, **kw)
 
     def knobs(fc, strategy, gc):
-        return ShardKnobs(strategy=strategy, param_offload=fc.param_offload, offload_policy=fc.offload_policy,
-                          reshard_after_forward=fc.reshard_after_forward, forward_prefetch=fc.forward_prefetch,
-                          dtype=fc.dtype, gradient_checkpointing=gc, wrap_min_num_params=fc.wrap_policy.min_num_params)
+        return ShardKnobs(
+            strategy=strategy,
+            param_offload=fc.param_offload,
+            offload_policy=fc.offload_policy,
+            reshard_after_forward=fc.reshard_after_forward,
+            forward_prefetch=fc.forward_prefetch,
+            dtype=fc.dtype,
+            gradient_checkpointing=gc,
+            wrap_min_num_params=fc.wrap_policy.min_num_params,
+        )
 
     on_cpu = device.type == "cpu"
-    for key, value in (("actor_rollout_ref.model.enable_activation_offload", mdl.enable_activation_offload),
-                       ("critic.model.enable_activation_offload", cfg.critic.model.enable_activation_offload),
-                       ("actor_rollout_ref.actor.fsdp_config.optimizer_offload", a.fsdp_config.optimizer_offload),
-                       ("critic.fsdp.optimizer_offload", cfg.critic.fsdp.optimizer_offload)):
+    for key, value in (
+        ("actor_rollout_ref.model.enable_activation_offload", mdl.enable_activation_offload),
+        ("critic.model.enable_activation_offload", cfg.critic.model.enable_activation_offload),
+        ("actor_rollout_ref.actor.fsdp_config.optimizer_offload", a.fsdp_config.optimizer_offload),
+        ("critic.fsdp.optimizer_offload", cfg.critic.fsdp.optimizer_offload),
+    ):
         if value and on_cpu:
             notes.append(f"{key}: no effect on CPU (the tensors already live in host memory)")
     if ro.name == "vllm":
-        notes.append("actor_rollout_ref.rollout.name=vllm: vLLM rollout is not wired in this trainer; generated with HF generate")
+        notes.append(
+            "actor_rollout_ref.rollout.name=vllm: vLLM rollout is not wired in this trainer; generated with HF generate"
+        )
     if ro.name != "vllm":
         from .config import RolloutConfig
 
@@ -251,56 +298,118 @@ def build_roles(cfg, tokenizer, device, world: int, notes: list[str]):
             if getattr(ro, key) != getattr(defaults, key):  # only the ones somebody set
                 notes.append(f"actor_rollout_ref.rollout.{key}: no effect with rollout.name=hf (vLLM-only knob)")
 
-    actor = shard_model(actor_model, knobs(a.fsdp_config, a.strategy, mdl.enable_gradient_checkpointing), device=device,
-                        name="actor_rollout_ref.actor.fsdp_config", notes=notes)
-    ref = shard_model(ref_model, knobs(cfg.actor_rollout_ref.ref.fsdp_config, a.strategy, False), device=device,
-                      name="actor_rollout_ref.ref.fsdp_config", notes=notes)
-    critic = shard_model(critic_model, knobs(c.fsdp, c.strategy, c.model.enable_gradient_checkpointing),
-                         device=device, name="critic.fsdp", notes=notes)
-    actor_opt = torch.optim.AdamW(actor.module.parameters(), lr=a.optim.lr, betas=tuple(a.optim.betas),
-                                  weight_decay=a.optim.weight_decay)
-    critic_opt = torch.optim.AdamW(critic.module.parameters(), lr=cfg.critic.optim.lr, betas=tuple(cfg.critic.optim.betas),
-                                   weight_decay=cfg.critic.optim.weight_decay)
+    actor = shard_model(
+        actor_model,
+        knobs(a.fsdp_config, a.strategy, mdl.enable_gradient_checkpointing),
+        device=device,
+        name="actor_rollout_ref.actor.fsdp_config",
+        notes=notes,
+    )
+    ref = shard_model(
+        ref_model,
+        knobs(cfg.actor_rollout_ref.ref.fsdp_config, a.strategy, False),
+        device=device,
+        name="actor_rollout_ref.ref.fsdp_config",
+        notes=notes,
+    )
+    critic = shard_model(
+        critic_model,
+        knobs(c.fsdp, c.strategy, c.model.enable_gradient_checkpointing),
+        device=device,
+        name="critic.fsdp",
+        notes=notes,
+    )
+    actor_opt = torch.optim.AdamW(
+        actor.module.parameters(), lr=a.optim.lr, betas=tuple(a.optim.betas), weight_decay=a.optim.weight_decay
+    )
+    critic_opt = torch.optim.AdamW(
+        critic.module.parameters(),
+        lr=cfg.critic.optim.lr,
+        betas=tuple(cfg.critic.optim.betas),
+        weight_decay=cfg.critic.optim.weight_decay,
+    )
 
     n = ro.n
     kl = cfg.algorithm.kl_ctrl
-    kl_ctrl = (core.AdaptiveKLController(init_kl_coef=kl.kl_coef, target_kl=kl.target_kl, horizon=kl.horizon)
-               if kl.type == "adaptive" else core.FixedKLController(kl_coef=kl.kl_coef))
+    kl_ctrl = (
+        core.AdaptiveKLController(init_kl_coef=kl.kl_coef, target_kl=kl.target_kl, horizon=kl.horizon)
+        if kl.type == "adaptive"
+        else core.FixedKLController(kl_coef=kl.kl_coef)
+    )
     plans = Plans(
         actor=MicroBatching(a.use_dynamic_bsz, a.ppo_micro_batch_size_per_gpu, a.ppo_max_token_len_per_gpu),
         critic=MicroBatching(c.use_dynamic_bsz, c.ppo_micro_batch_size_per_gpu, c.ppo_max_token_len_per_gpu),
-        critic_forward=MicroBatching(c.use_dynamic_bsz, c.forward_micro_batch_size_per_gpu, c.forward_max_token_len_per_gpu),
-        ref=MicroBatching(ref_cfg.log_prob_use_dynamic_bsz, ref_cfg.log_prob_micro_batch_size_per_gpu,
-                          ref_cfg.log_prob_max_token_len_per_gpu),
-        rollout_log_prob=MicroBatching(ro.log_prob_use_dynamic_bsz, ro.log_prob_micro_batch_size_per_gpu,
-                                       ro.log_prob_max_token_len_per_gpu),
+        critic_forward=MicroBatching(
+            c.use_dynamic_bsz, c.forward_micro_batch_size_per_gpu, c.forward_max_token_len_per_gpu
+        ),
+        ref=MicroBatching(
+            ref_cfg.log_prob_use_dynamic_bsz,
+            ref_cfg.log_prob_micro_batch_size_per_gpu,
+            ref_cfg.log_prob_max_token_len_per_gpu,
+        ),
+        rollout_log_prob=MicroBatching(
+            ro.log_prob_use_dynamic_bsz, ro.log_prob_micro_batch_size_per_gpu, ro.log_prob_max_token_len_per_gpu
+        ),
     )
     settings = StepSettings(
-        temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k, do_sample=ro.do_sample,
+        temperature=ro.temperature,
+        top_p=ro.top_p,
+        top_k=ro.top_k,
+        do_sample=ro.do_sample,
         max_response_length=cfg.data.max_response_length,
         ppo_mini_batch_size_per_gpu=a.ppo_mini_batch_size * n // world,
         critic_mini_batch_size_per_gpu=c.ppo_mini_batch_size * n // world,
-        ppo_epochs=a.ppo_epochs, critic_epochs=c.ppo_epochs, gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam,
-        use_kl_in_reward=cfg.algorithm.use_kl_in_reward, kl_penalty=cfg.algorithm.kl_penalty,
-        cliprange_value=cfg.critic.cliprange_value, critic_grad_clip=cfg.critic.grad_clip,
-        actor_loss=ActorLoss(clip_ratio_low=a.clip_ratio_low,
-                             clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
-                             entropy_coeff=a.entropy_coeff, use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef,
-                             kl_loss_type=a.kl_loss_type, grad_clip=a.grad_clip),
-        train_batch_size=cfg.data.train_batch_size, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id,
+        ppo_epochs=a.ppo_epochs,
+        critic_epochs=c.ppo_epochs,
+        gamma=cfg.algorithm.gamma,
+        lam=cfg.algorithm.lam,
+        use_kl_in_reward=cfg.algorithm.use_kl_in_reward,
+        kl_penalty=cfg.algorithm.kl_penalty,
+        cliprange_value=cfg.critic.cliprange_value,
+        critic_grad_clip=cfg.critic.grad_clip,
+        actor_loss=ActorLoss(
+            clip_ratio_low=a.clip_ratio_low,
+            clip_ratio_high=a.clip_ratio_high,
+            clip_ratio_c=a.clip_ratio_c,
+            entropy_coeff=a.entropy_coeff,
+            use_kl_loss=a.use_kl_loss,
+            kl_loss_coef=a.kl_loss_coef,
+            kl_loss_type=a.kl_loss_type,
+            grad_clip=a.grad_clip,
+        ),
+        train_batch_size=cfg.data.train_batch_size,
+        pad_id=tokenizer.pad_token_id,
+        eos_id=tokenizer.eos_token_id,
         vocab_limit=len(tokenizer),
     )
     roles = Roles(
-        actor=Trainee(actor, actor_opt, optimizer_offload=a.fsdp_config.optimizer_offload,
-                      activation_offload=mdl.enable_activation_offload, rmpad=mdl.use_remove_padding),
+        actor=Trainee(
+            actor,
+            actor_opt,
+            optimizer_offload=a.fsdp_config.optimizer_offload,
+            activation_offload=mdl.enable_activation_offload,
+            rmpad=mdl.use_remove_padding,
+        ),
         ref=Trainee(ref, rmpad=mdl.use_remove_padding),
-        critic=Trainee(critic, critic_opt, optimizer_offload=cfg.critic.fsdp.optimizer_offload,
-                       activation_offload=cfg.critic.model.enable_activation_offload, rmpad=cfg.critic.model.use_remove_padding),
-        tokenizer=tokenizer, kl_ctrl=kl_ctrl, plans=plans, settings=settings,
+        critic=Trainee(
+            critic,
+            critic_opt,
+            optimizer_offload=cfg.critic.fsdp.optimizer_offload,
+            activation_offload=cfg.critic.model.enable_activation_offload,
+            rmpad=cfg.critic.model.use_remove_padding,
+        ),
+        tokenizer=tokenizer,
+        kl_ctrl=kl_ctrl,
+        plans=plans,
+        settings=settings,
     )
 
-    shape_info = {"num_params": n_params, "head_dim": head_dim, "num_heads": shape.num_attention_heads,
-                  "num_layers": shape.num_hidden_layers}
+    shape_info = {
+        "num_params": n_params,
+        "head_dim": head_dim,
+        "num_heads": shape.num_attention_heads,
+        "num_layers": shape.num_hidden_layers,
+    }
     return roles, shape_info
 
 

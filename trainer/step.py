@@ -6,6 +6,7 @@ mini-batch), so the update does not depend on how the batch is split across micr
 ranks. No ``.item()`` inside micro-batch loops: statistics stay on device and are read once per
 mini-batch.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -28,8 +29,19 @@ from .metrics import PhaseMeter
 from .parallel import Sharded, activation_offload_context, clip_grad_norm, offload_optimizer_state
 from .rollout import generate_responses
 
-__all__ = ["MicroBatching", "ActorLoss", "Trainee", "forward_response", "compute_log_probs", "compute_values",
-           "update_actor", "update_critic", "ppo_step", "assemble_batch", "StepSettings"]
+__all__ = [
+    "MicroBatching",
+    "ActorLoss",
+    "Trainee",
+    "forward_response",
+    "compute_log_probs",
+    "compute_values",
+    "update_actor",
+    "update_critic",
+    "ppo_step",
+    "assemble_batch",
+    "StepSettings",
+]
 
 
 @dataclass(frozen=True)
@@ -91,8 +103,16 @@ class StepSettings:
 
 
 # --------------------------------------------------------------------------- forward passes
-def forward_response(module: torch.nn.Module, mb: dict, *, kind: str, rmpad: bool, prompt_width: int,
-                     temperature: float = 1.0, with_entropy: bool = False) -> dict:
+def forward_response(
+    module: torch.nn.Module,
+    mb: dict,
+    *,
+    kind: str,
+    rmpad: bool,
+    prompt_width: int,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> dict:
     """Per-response-token outputs of one micro-batch: ``log_prob`` (+ ``entropy``) or ``values``, each (b, R).
 
     rmpad: the valid tokens of all rows are packed into one row (no pad token enters the forward).
@@ -114,7 +134,7 @@ def forward_response(module: torch.nn.Module, mb: dict, *, kind: str, rmpad: boo
             result["entropy"] = unpack_response(core.entropy_from_logits(logits), resp_mask)
         return result
     out = module(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False).logits
-    rows = out[:, prompt_width - 1: prompt_width - 1 + R]  # logits that predict each response token
+    rows = out[:, prompt_width - 1 : prompt_width - 1 + R]  # logits that predict each response token
     if kind == "critic":
         return {"values": rows[..., 0].float() * mb["response_mask"]}
     logits = rows.float() / temperature
@@ -143,8 +163,9 @@ def plan_micro_batches(batch: dict, idx: list[int], plan: MicroBatching) -> list
     return [[idx[i] for i in b] for b in bins]
 
 
-def _forward_only(trainee: Trainee, batch: dict, plan: MicroBatching, *, kind: str, prompt_width: int,
-                  temperature: float) -> torch.Tensor:
+def _forward_only(
+    trainee: Trainee, batch: dict, plan: MicroBatching, *, kind: str, prompt_width: int, temperature: float
+) -> torch.Tensor:
     key = "values" if kind == "critic" else "log_prob"
     n = batch["input_ids"].shape[0]
     out = torch.zeros_like(batch["responses"], dtype=torch.float32)
@@ -153,14 +174,22 @@ def _forward_only(trainee: Trainee, batch: dict, plan: MicroBatching, *, kind: s
         for mb_idx in plan_micro_batches(batch, list(range(n)), plan):
             # an empty micro-batch still runs (on row 0) so FSDP's collectives line up across ranks
             rows = mb_idx or [0]
-            res = forward_response(module, _select(batch, rows), kind=kind, rmpad=trainee.rmpad,
-                                   prompt_width=prompt_width, temperature=temperature)[key]
+            res = forward_response(
+                module,
+                _select(batch, rows),
+                kind=kind,
+                rmpad=trainee.rmpad,
+                prompt_width=prompt_width,
+                temperature=temperature,
+            )[key]
             if mb_idx:
                 out[torch.tensor(mb_idx, device=out.device)] = res
     return out
 
 
-def compute_log_probs(trainee: Trainee, batch: dict, plan: MicroBatching, *, prompt_width: int, temperature: float) -> torch.Tensor:
+def compute_log_probs(
+    trainee: Trainee, batch: dict, plan: MicroBatching, *, prompt_width: int, temperature: float
+) -> torch.Tensor:
     return _forward_only(trainee, batch, plan, kind="actor", prompt_width=prompt_width, temperature=temperature)
 
 
@@ -187,8 +216,18 @@ def _optimizer_step(trainee: Trainee, grad_clip: float, device: torch.device) ->
     return grad_norm.detach()
 
 
-def _minibatch_loop(trainee: Trainee, batch: dict, *, mini_per_gpu: int, epochs: int, plan: MicroBatching,
-                    loss_fn, stat_names: list[str], grad_clip: float, device: torch.device) -> dict:
+def _minibatch_loop(
+    trainee: Trainee,
+    batch: dict,
+    *,
+    mini_per_gpu: int,
+    epochs: int,
+    plan: MicroBatching,
+    loss_fn,
+    stat_names: list[str],
+    grad_clip: float,
+    device: torch.device,
+) -> dict:
     """epochs x mini-batches x micro-batches, gradient accumulation; returns mean stats over mini-batches."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     n = batch["input_ids"].shape[0]
@@ -219,49 +258,119 @@ def _minibatch_loop(trainee: Trainee, batch: dict, *, mini_per_gpu: int, epochs:
     return {k: v / max(num_updates, 1) for k, v in totals.items()}
 
 
-def update_actor(trainee: Trainee, batch: dict, plan: MicroBatching, loss_cfg: ActorLoss, *, mini_per_gpu: int,
-                 epochs: int, prompt_width: int, temperature: float, device: torch.device) -> dict:
+def update_actor(
+    trainee: Trainee,
+    batch: dict,
+    plan: MicroBatching,
+    loss_cfg: ActorLoss,
+    *,
+    mini_per_gpu: int,
+    epochs: int,
+    prompt_width: int,
+    temperature: float,
+    device: torch.device,
+) -> dict:
     def loss_fn(module, mb, global_tokens):
-        out = forward_response(module, mb, kind="actor", rmpad=trainee.rmpad, prompt_width=prompt_width,
-                               temperature=temperature, with_entropy=True)
+        out = forward_response(
+            module,
+            mb,
+            kind="actor",
+            rmpad=trainee.rmpad,
+            prompt_width=prompt_width,
+            temperature=temperature,
+            with_entropy=True,
+        )
         mask = mb["response_mask"]
-        pg = core.compute_policy_loss(mb["old_log_probs"], out["log_prob"], mb["advantages"], mask,
-                                      clip_ratio_low=loss_cfg.clip_ratio_low, clip_ratio_high=loss_cfg.clip_ratio_high,
-                                      clip_ratio_c=loss_cfg.clip_ratio_c, global_num_tokens=global_tokens)
+        pg = core.compute_policy_loss(
+            mb["old_log_probs"],
+            out["log_prob"],
+            mb["advantages"],
+            mask,
+            clip_ratio_low=loss_cfg.clip_ratio_low,
+            clip_ratio_high=loss_cfg.clip_ratio_high,
+            clip_ratio_c=loss_cfg.clip_ratio_c,
+            global_num_tokens=global_tokens,
+        )
         entropy = core.compute_entropy_loss(out["entropy"], mask, global_num_tokens=global_tokens)
         loss = pg["pg_loss"]
         if loss_cfg.entropy_coeff:
             loss = loss - loss_cfg.entropy_coeff * entropy
-        kl = core.compute_kl_loss(out["log_prob"], mb["ref_log_probs"], mask, kl_loss_type=loss_cfg.kl_loss_type,
-                                  global_num_tokens=global_tokens)
+        kl = core.compute_kl_loss(
+            out["log_prob"],
+            mb["ref_log_probs"],
+            mask,
+            kl_loss_type=loss_cfg.kl_loss_type,
+            global_num_tokens=global_tokens,
+        )
         if loss_cfg.use_kl_loss:
             loss = loss + loss_cfg.kl_loss_coef * kl
-        stats = {"pg_loss": pg["pg_loss"], "pg_clipfrac": pg["pg_clipfrac"], "pg_clipfrac_lower": pg["pg_clipfrac_lower"],
-                 "ppo_kl": pg["ppo_kl"], "entropy": entropy, "kl_loss": kl}
+        stats = {
+            "pg_loss": pg["pg_loss"],
+            "pg_clipfrac": pg["pg_clipfrac"],
+            "pg_clipfrac_lower": pg["pg_clipfrac_lower"],
+            "ppo_kl": pg["ppo_kl"],
+            "entropy": entropy,
+            "kl_loss": kl,
+        }
         return loss, stats
 
     names = ["pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy", "kl_loss"]
-    stats = _minibatch_loop(trainee, batch, mini_per_gpu=mini_per_gpu, epochs=epochs, plan=plan, loss_fn=loss_fn,
-                            stat_names=names, grad_clip=loss_cfg.grad_clip, device=device)
+    stats = _minibatch_loop(
+        trainee,
+        batch,
+        mini_per_gpu=mini_per_gpu,
+        epochs=epochs,
+        plan=plan,
+        loss_fn=loss_fn,
+        stat_names=names,
+        grad_clip=loss_cfg.grad_clip,
+        device=device,
+    )
     return {f"actor/{k}": v for k, v in stats.items()}
 
 
-def update_critic(trainee: Trainee, batch: dict, plan: MicroBatching, *, cliprange_value: float, grad_clip: float,
-                  mini_per_gpu: int, epochs: int, prompt_width: int, device: torch.device) -> dict:
+def update_critic(
+    trainee: Trainee,
+    batch: dict,
+    plan: MicroBatching,
+    *,
+    cliprange_value: float,
+    grad_clip: float,
+    mini_per_gpu: int,
+    epochs: int,
+    prompt_width: int,
+    device: torch.device,
+) -> dict:
     def loss_fn(module, mb, global_tokens):
         vpreds = forward_response(module, mb, kind="critic", rmpad=trainee.rmpad, prompt_width=prompt_width)["values"]
-        vf = core.compute_value_loss(vpreds, mb["returns"], mb["values"], mb["response_mask"],
-                                     cliprange_value=cliprange_value, global_num_tokens=global_tokens)
+        vf = core.compute_value_loss(
+            vpreds,
+            mb["returns"],
+            mb["values"],
+            mb["response_mask"],
+            cliprange_value=cliprange_value,
+            global_num_tokens=global_tokens,
+        )
         return vf["vf_loss"], vf
 
-    stats = _minibatch_loop(trainee, batch, mini_per_gpu=mini_per_gpu, epochs=epochs, plan=plan, loss_fn=loss_fn,
-                            stat_names=["vf_loss", "vf_clipfrac"], grad_clip=grad_clip, device=device)
+    stats = _minibatch_loop(
+        trainee,
+        batch,
+        mini_per_gpu=mini_per_gpu,
+        epochs=epochs,
+        plan=plan,
+        loss_fn=loss_fn,
+        stat_names=["vf_loss", "vf_clipfrac"],
+        grad_clip=grad_clip,
+        device=device,
+    )
     return {f"critic/{k}": v for k, v in stats.items()}
 
 
 # --------------------------------------------------------------------------- one iteration
-def assemble_batch(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, responses: torch.Tensor,
-                   response_mask: torch.Tensor) -> dict:
+def assemble_batch(
+    prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, responses: torch.Tensor, response_mask: torch.Tensor
+) -> dict:
     """verl's layout: [left-padded prompt | right-padded response], position ids counting valid tokens."""
     attn = torch.cat([prompt_mask, response_mask], dim=1)
     return {
@@ -293,8 +402,14 @@ class Roles:
     settings: StepSettings
 
 
-def ppo_step(roles: Roles, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, ground_truths: list[str],
-             meter: PhaseMeter, device: torch.device) -> dict:
+def ppo_step(
+    roles: Roles,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    ground_truths: list[str],
+    meter: PhaseMeter,
+    device: torch.device,
+) -> dict:
     """Rollout -> reward -> old/ref log-probs -> values -> advantages -> critic and actor updates."""
     s = roles.settings
     P = prompt_ids.shape[1]
@@ -303,28 +418,44 @@ def ppo_step(roles: Roles, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, 
     # step 1. rollout: sample responses from the current policy
     with meter.phase("gen"):
         responses, response_mask = generate_responses(
-            roles.actor.sharded, prompt_ids, prompt_mask, max_response_length=s.max_response_length,
-            temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, do_sample=s.do_sample,
-            pad_id=s.pad_id, eos_id=s.eos_id, vocab_limit=s.vocab_limit)
+            roles.actor.sharded,
+            prompt_ids,
+            prompt_mask,
+            max_response_length=s.max_response_length,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            do_sample=s.do_sample,
+            pad_id=s.pad_id,
+            eos_id=s.eos_id,
+            vocab_limit=s.vocab_limit,
+        )
         batch = assemble_batch(prompt_ids, prompt_mask, responses, response_mask)
 
     # step 2. rule-based reward on the last response token
     with meter.phase("reward"):
         scores = torch.zeros_like(response_mask, dtype=torch.float32)
         lengths = response_mask.sum(-1)
-        texts = roles.tokenizer.batch_decode([r[: int(n)].tolist() for r, n in zip(responses, lengths)], skip_special_tokens=True)
-        seq_scores = torch.tensor([score_response(t, g) for t, g in zip(texts, ground_truths)], dtype=torch.float32, device=device)
+        texts = roles.tokenizer.batch_decode(
+            [r[: int(n)].tolist() for r, n in zip(responses, lengths)], skip_special_tokens=True
+        )
+        seq_scores = torch.tensor(
+            [score_response(t, g) for t, g in zip(texts, ground_truths)], dtype=torch.float32, device=device
+        )
         scores[torch.arange(len(texts), device=device), (lengths - 1).clamp(min=0)] = seq_scores
         batch["token_level_scores"] = scores
 
     # step 3. log-probs of the behaviour policy (the actor before this update)
     with meter.phase("old_log_prob"):
-        batch["old_log_probs"] = compute_log_probs(roles.actor, batch, roles.plans.rollout_log_prob, prompt_width=P,
-                                                   temperature=s.temperature)
+        batch["old_log_probs"] = compute_log_probs(
+            roles.actor, batch, roles.plans.rollout_log_prob, prompt_width=P, temperature=s.temperature
+        )
 
     # step 4. log-probs of the frozen reference policy, for the KL penalty
     with meter.phase("ref"):
-        batch["ref_log_probs"] = compute_log_probs(roles.ref, batch, roles.plans.ref, prompt_width=P, temperature=s.temperature)
+        batch["ref_log_probs"] = compute_log_probs(
+            roles.ref, batch, roles.plans.ref, prompt_width=P, temperature=s.temperature
+        )
 
     # step 5. critic values
     with meter.phase("values"):
@@ -334,8 +465,14 @@ def ppo_step(roles: Roles, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, 
     with meter.phase("adv"):
         metrics["actor/kl_coef"] = roles.kl_ctrl.value  # the coefficient this step's rewards use
         if s.use_kl_in_reward:
-            rewards, kl_mean = core.apply_kl_in_reward(scores, batch["old_log_probs"], batch["ref_log_probs"], response_mask,
-                                                       kl_coef=roles.kl_ctrl.value, kl_penalty_type=s.kl_penalty)
+            rewards, kl_mean = core.apply_kl_in_reward(
+                scores,
+                batch["old_log_probs"],
+                batch["ref_log_probs"],
+                response_mask,
+                kl_coef=roles.kl_ctrl.value,
+                kl_penalty_type=s.kl_penalty,
+            )
             kl_sum = _all_reduce_sum(kl_mean.detach().to(torch.float64).reshape(1) * len(texts))
             current_kl = float(kl_sum.item()) / (len(texts) * (dist.get_world_size() if dist.is_initialized() else 1))
             metrics["actor/reward_kl_penalty"] = current_kl
@@ -343,7 +480,9 @@ def ppo_step(roles: Roles, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, 
         else:
             rewards = scores
         batch["token_level_rewards"] = rewards
-        adv, returns = core.compute_gae_advantage_return(rewards, batch["values"], response_mask, gamma=s.gamma, lam=s.lam)
+        adv, returns = core.compute_gae_advantage_return(
+            rewards, batch["values"], response_mask, gamma=s.gamma, lam=s.lam
+        )
         moments = _all_reduce_sum(torch.stack(core.masked_moments(adv, response_mask)).to(torch.float64))
         mean, var = core.moments_to_mean_var(moments[0], moments[1], moments[2])
         batch["advantages"] = core.whiten(adv, response_mask, mean=mean, var=var)
@@ -351,21 +490,47 @@ def ppo_step(roles: Roles, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, 
 
     # step 7. critic update (verl's order: critic, then actor)
     with meter.phase("update_critic"):
-        metrics.update(update_critic(roles.critic, batch, roles.plans.critic, cliprange_value=s.cliprange_value,
-                                     grad_clip=s.critic_grad_clip, mini_per_gpu=s.critic_mini_batch_size_per_gpu,
-                                     epochs=s.critic_epochs, prompt_width=P, device=device))
+        metrics.update(
+            update_critic(
+                roles.critic,
+                batch,
+                roles.plans.critic,
+                cliprange_value=s.cliprange_value,
+                grad_clip=s.critic_grad_clip,
+                mini_per_gpu=s.critic_mini_batch_size_per_gpu,
+                epochs=s.critic_epochs,
+                prompt_width=P,
+                device=device,
+            )
+        )
 
     # step 8. actor update: clipped surrogate (+ KL loss, entropy bonus)
     with meter.phase("update_actor"):
-        metrics.update(update_actor(roles.actor, batch, roles.plans.actor, s.actor_loss,
-                                    mini_per_gpu=s.ppo_mini_batch_size_per_gpu, epochs=s.ppo_epochs, prompt_width=P,
-                                    temperature=s.temperature, device=device))
+        metrics.update(
+            update_actor(
+                roles.actor,
+                batch,
+                roles.plans.actor,
+                s.actor_loss,
+                mini_per_gpu=s.ppo_mini_batch_size_per_gpu,
+                epochs=s.ppo_epochs,
+                prompt_width=P,
+                temperature=s.temperature,
+                device=device,
+            )
+        )
 
     # global batch statistics (one collective)
     seq_lens = batch["attention_mask"].sum(-1)
-    local = torch.stack([seq_scores.sum().double(), torch.tensor(float(len(texts)), dtype=torch.float64, device=device),
-                         batch["attention_mask"].sum().double(), response_mask.sum().double(),
-                         (seq_lens.double() ** 2).sum()])
+    local = torch.stack(
+        [
+            seq_scores.sum().double(),
+            torch.tensor(float(len(texts)), dtype=torch.float64, device=device),
+            batch["attention_mask"].sum().double(),
+            response_mask.sum().double(),
+            (seq_lens.double() ** 2).sum(),
+        ]
+    )
     glob = _all_reduce_sum(local).tolist()
     metrics["critic/score/mean"] = metrics["reward/mean"] = glob[0] / glob[1]
     metrics["response_length/mean"] = glob[3] / glob[1]

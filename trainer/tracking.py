@@ -3,6 +3,7 @@
 wandb runs offline when no credentials are configured, so a machine without network or
 an API key still records the run (``wandb sync`` uploads it later).
 """
+
 from __future__ import annotations
 
 import netrc
@@ -10,8 +11,17 @@ import os
 
 __all__ = ["StepLogger", "wandb_mode", "has_credentials"]
 
-_CONSOLE_KEYS = ("timing_s/step", "perf/throughput", "reward/mean", "actor/pg_loss", "actor/kl_coef",
-                 "critic/vf_loss", "actor/grad_norm", "perf/peak_rss_gb", "perf/max_memory_reserved_gb")
+_CONSOLE_KEYS = (
+    "timing_s/step",
+    "perf/throughput",
+    "reward/mean",
+    "actor/pg_loss",
+    "actor/kl_coef",
+    "critic/vf_loss",
+    "actor/grad_norm",
+    "perf/peak_rss_gb",
+    "perf/max_memory_reserved_gb",
+)
 
 
 def has_credentials() -> bool:
@@ -41,8 +51,13 @@ class StepLogger:
         if rank == 0 and use_wandb:
             import wandb
 
-            self.run = wandb.init(project=cfg.trainer.project_name, name=cfg.trainer.experiment_name,
-                                  config=config_dict, mode=wandb_mode(), reinit=True)
+            self.run = wandb.init(
+                project=cfg.trainer.project_name,
+                name=cfg.trainer.experiment_name,
+                config=config_dict,
+                mode=wandb_mode(),
+                reinit=True,
+            )
 
     def log(self, row: dict) -> None:
         if self.rank != 0:
@@ -54,7 +69,9 @@ class StepLogger:
                 parts.append(f"{k}={v:.4g}")
         print(" | ".join(parts), flush=True)
         if self.run is not None:
-            self.run.log({k: v for k, v in row.items() if isinstance(v, (int, float)) and v is not None}, step=row["step"])
+            self.run.log(
+                {k: v for k, v in row.items() if isinstance(v, (int, float)) and v is not None}, step=row["step"]
+            )
 
     def finish(self) -> None:
         if self.run is not None:

@@ -4,6 +4,7 @@ Each subcommand lives in its own module exposing ``add_arguments(parser)`` and
 ``run(args) -> int``; modules are imported only when their command runs, so
 ``ppotune search`` never imports torch.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,7 +24,6 @@ _COMMANDS = {
     "report": ("tuner.results.report", "write the Pareto report (HTML, PNG, CSV, summary.md) of a study"),
     "export": ("tuner.results.export", "write the chosen config: best_config.yaml, verl overrides, why.md"),
 }
-
 
 
 class _Parser(argparse.ArgumentParser):

@@ -11,6 +11,7 @@ sampler: :mod:`tuner.loop` does that and calls these.
   memory-hungry as a known OOM on every monotone knob);
 * :func:`stop_reason` -- the budget: when a search process stops asking.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -52,8 +53,15 @@ def count_progress(trials: Iterable[FrozenTrial]) -> int:
     return sum(1 for t in trials if counted(t))
 
 
-def stop_reason(trials: list[FrozenTrial], *, budget: int, elapsed_s: float, timeout_s: Optional[float],
-                free_in_a_row: int, max_free_in_a_row: int) -> Optional[str]:
+def stop_reason(
+    trials: list[FrozenTrial],
+    *,
+    budget: int,
+    elapsed_s: float,
+    timeout_s: Optional[float],
+    free_in_a_row: int,
+    max_free_in_a_row: int,
+) -> Optional[str]:
     """Why this search process should ask no more trials (None: go on)."""
     if count_progress(trials) >= budget:
         return f"the study holds {budget} counted trials"
@@ -90,8 +98,16 @@ def known_configs(trials: Iterable[FrozenTrial], space: Space, trial_flat: dict)
 
 
 # --------------------------------------------------------------------------- one candidate
-def judge(cand: Candidate, *, number: int, space: Space, trial_base: dict, trial_flat: dict,
-          known: dict[tuple, FrozenTrial], is_confirm: bool = False) -> Verdict:
+def judge(
+    cand: Candidate,
+    *,
+    number: int,
+    space: Space,
+    trial_base: dict,
+    trial_flat: dict,
+    known: dict[tuple, FrozenTrial],
+    is_confirm: bool = False,
+) -> Verdict:
     """Launch ``cand`` (trial ``number``) or record it at zero cost; see the module docstring.
 
     A ``--confirm`` re-run is checked for validity only: it repeats a measured config on purpose.
@@ -110,13 +126,20 @@ def judge(cand: Candidate, *, number: int, space: Space, trial_base: dict, trial
     if prev is not None and prev.number != number:
         rec = TrialRecord.from_user_attrs(prev.user_attrs)
         what = rec.status or prev.state.name.lower()
-        return Verdict(Status.DUPLICATE, f"duplicate: the sampler proposed the config of trial {prev.number} "
-                                         f"({what}); not run", source=prev.number)
+        return Verdict(
+            Status.DUPLICATE,
+            f"duplicate: the sampler proposed the config of trial {prev.number} ({what}); not run",
+            source=prev.number,
+        )
     for t in known.values():
         if t.state != TrialState.COMPLETE or TrialRecord.from_user_attrs(t.user_attrs).status != Status.OOM:
             continue
         eff = effective_of(t, trial_flat)
         if eff is not None and space.at_least_as_hungry(cand.effective, eff):
-            return Verdict(Status.INFERRED_OOM, f"inferred OOM: at least as memory-hungry as trial {t.number} "
-                                                "(an OOM) on every monotone knob; not launched", source=t.number)
+            return Verdict(
+                Status.INFERRED_OOM,
+                f"inferred OOM: at least as memory-hungry as trial {t.number} "
+                "(an OOM) on every monotone knob; not launched",
+                source=t.number,
+            )
     return Verdict(config=config)

@@ -14,6 +14,7 @@ The tuner's side (:func:`launch_trial`) waits with a hard timeout, samples memor
 JSON (:func:`classify`): ``ok | oom | hang | crash | invalid`` (+ ``interrupted`` when the
 tuner itself is stopping).
 """
+
 from __future__ import annotations
 
 import json
@@ -71,9 +72,15 @@ def log_tail(path: str | Path, *, lines: int = 40, max_chars: int = 4000) -> Opt
     return tail[-max_chars:] or None
 
 
-def classify(returncode: Optional[int], result: Optional[dict], *, timed_out: bool = False,
-             interrupted: bool = False, timeout_s: Optional[float] = None,
-             stderr_hint: Optional[str] = None) -> tuple[Status, Optional[str]]:
+def classify(
+    returncode: Optional[int],
+    result: Optional[dict],
+    *,
+    timed_out: bool = False,
+    interrupted: bool = False,
+    timeout_s: Optional[float] = None,
+    stderr_hint: Optional[str] = None,
+) -> tuple[Status, Optional[str]]:
     """(status, one-line error) of a finished trial process.
 
     ``invalid``: the config was refused (exit code 2, or a result error starting with
@@ -83,8 +90,12 @@ def classify(returncode: Optional[int], result: Optional[dict], *, timed_out: bo
     if interrupted:
         return Status.INTERRUPTED, "interrupted: the tuner was stopped while the trial ran"
     if timed_out:
-        return Status.HANG, f"no result after {timeout_s:.0f} s (--trial-timeout); trial process group killed" \
-            if timeout_s is not None else "trial timed out; process group killed"
+        return (
+            Status.HANG,
+            f"no result after {timeout_s:.0f} s (--trial-timeout); trial process group killed"
+            if timeout_s is not None
+            else "trial timed out; process group killed",
+        )
     if result is not None:
         status, error = result.get("status"), result.get("error")
         if status == "ok":
@@ -164,11 +175,20 @@ def _trial_env(extra_env: Optional[dict]) -> dict:
     return env
 
 
-def launch_trial(cmd: Sequence[str], *, trial_dir: str | Path, result_path: str | Path,
-                 timeout_s: Optional[float], grace_s: float = 10.0, extra_env: Optional[dict] = None,
-                 stop_event: Optional[threading.Event] = None, gpus: Optional[Sequence[str]] = None,
-                 use_nvml: bool = False, sample_hz: float = 10.0,
-                 on_start: Optional[callable] = None) -> TrialRun:
+def launch_trial(
+    cmd: Sequence[str],
+    *,
+    trial_dir: str | Path,
+    result_path: str | Path,
+    timeout_s: Optional[float],
+    grace_s: float = 10.0,
+    extra_env: Optional[dict] = None,
+    stop_event: Optional[threading.Event] = None,
+    gpus: Optional[Sequence[str]] = None,
+    use_nvml: bool = False,
+    sample_hz: float = 10.0,
+    on_start: Optional[callable] = None,
+) -> TrialRun:
     """Run ``cmd`` as one trial and classify it. Never raises for what the trial does."""
     trial_dir = Path(trial_dir)
     trial_dir.mkdir(parents=True, exist_ok=True)
@@ -177,13 +197,30 @@ def launch_trial(cmd: Sequence[str], *, trial_dir: str | Path, result_path: str 
     if result_path.exists():
         result_path.unlink()
     t0 = time.monotonic()
-    wrapper = [sys.executable, "-m", "tuner.launch", "--reap", "--ppid", str(os.getpid()),
-               "--grace", repr(float(grace_s)), "--", *cmd]
+    wrapper = [
+        sys.executable,
+        "-m",
+        "tuner.launch",
+        "--reap",
+        "--ppid",
+        str(os.getpid()),
+        "--grace",
+        repr(float(grace_s)),
+        "--",
+        *cmd,
+    ]
     with open(log_path, "ab") as log:
         log.write(f"$ {' '.join(cmd)}\n".encode())
         log.flush()
-        proc = subprocess.Popen(wrapper, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, env=_trial_env(extra_env), cwd=str(REPO_ROOT))
+        proc = subprocess.Popen(
+            wrapper,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env=_trial_env(extra_env),
+            cwd=str(REPO_ROOT),
+        )
     if on_start is not None:
         on_start(proc.pid)
     sampler = MemorySampler(proc.pid, gpus=gpus, use_nvml=use_nvml, hz=sample_hz)
@@ -202,8 +239,10 @@ def launch_trial(cmd: Sequence[str], *, trial_dir: str | Path, result_path: str 
         if timed_out or interrupted:
             why = "timed out" if timed_out else "interrupted"
             with open(log_path, "ab") as log:
-                log.write(f"\nppotune search: trial {why} after {time.monotonic() - t0:.1f} s; "
-                          f"terminating its process group\n".encode())
+                log.write(
+                    f"\nppotune search: trial {why} after {time.monotonic() - t0:.1f} s; "
+                    f"terminating its process group\n".encode()
+                )
             rc = _terminate(proc, grace_s, sampler)
             break
     duration = time.monotonic() - t0
@@ -214,14 +253,29 @@ def launch_trial(cmd: Sequence[str], *, trial_dir: str | Path, result_path: str 
         time.sleep(0.2)
         leftovers = _alive(leftovers)
     result, read_error = _read_result(result_path)
-    status, error = classify(rc, result, timed_out=timed_out, interrupted=interrupted, timeout_s=timeout_s,
-                             stderr_hint=_last_error_line(log_path))
+    status, error = classify(
+        rc,
+        result,
+        timed_out=timed_out,
+        interrupted=interrupted,
+        timeout_s=timeout_s,
+        stderr_hint=_last_error_line(log_path),
+    )
     if read_error and status == Status.CRASH and result is None:
         error = read_error
     tail = log_tail(log_path) if status != Status.OK else None
-    return TrialRun(status=status, error=error, returncode=rc, result=result, duration_s=duration,
-                    log_path=str(log_path), result_path=str(result_path), log_tail=tail, memory=peaks,
-                    leftover_pids=leftovers)
+    return TrialRun(
+        status=status,
+        error=error,
+        returncode=rc,
+        result=result,
+        duration_s=duration,
+        log_path=str(log_path),
+        result_path=str(result_path),
+        log_tail=tail,
+        memory=peaks,
+        leftover_pids=leftovers,
+    )
 
 
 def _terminate(proc: subprocess.Popen, grace_s: float, sampler: MemorySampler) -> Optional[int]:
@@ -257,7 +311,7 @@ def _tree(pid: int) -> list[psutil.Process]:
 def _reap_main(argv: list[str]) -> int:
     """``python -m tuner.launch --reap --ppid PID --grace S -- CMD...``"""
     sep = argv.index("--")
-    opts, cmd = argv[:sep], argv[sep + 1:]
+    opts, cmd = argv[:sep], argv[sep + 1 :]
     ppid = int(opts[opts.index("--ppid") + 1]) if "--ppid" in opts else None
     grace = float(opts[opts.index("--grace") + 1]) if "--grace" in opts else 10.0
     prctl(PR_SET_PDEATHSIG, signal.SIGTERM)

@@ -8,6 +8,7 @@ interrupt and resume, exploration when the sampler keeps proposing measured conf
 runner in benchmarks and tests. What happens is told to an optional
 :class:`SearchObserver` (the console display, wandb).
 """
+
 from __future__ import annotations
 
 import random
@@ -65,8 +66,13 @@ def build_sampler(name: str, *, seed: Optional[int], n_trials: int) -> optuna.sa
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         if name == "tpe":
             # The default 10 random start-up trials would be the whole budget of a short search.
-            return optuna.samplers.TPESampler(seed=seed, n_startup_trials=max(3, min(10, n_trials // 3)),
-                                              multivariate=True, group=True, constant_liar=True)
+            return optuna.samplers.TPESampler(
+                seed=seed,
+                n_startup_trials=max(3, min(10, n_trials // 3)),
+                multivariate=True,
+                group=True,
+                constant_liar=True,
+            )
         if name == "nsga2":
             return optuna.samplers.NSGAIISampler(seed=seed, population_size=max(4, min(50, n_trials // 3)))
         # grid: the tuner enqueues grid points itself (GridSampler cannot do conditional knobs)
@@ -146,8 +152,10 @@ class Search:
                 self.stop_event.set()
 
         self.sweep()
-        workers = [threading.Thread(target=guarded, args=(i,), name=f"trial-slot-{i}", daemon=True)
-                   for i in range(self.options.parallel)]
+        workers = [
+            threading.Thread(target=guarded, args=(i,), name=f"trial-slot-{i}", daemon=True)
+            for i in range(self.options.parallel)
+        ]
         for w in workers:
             w.start()
         while any(w.is_alive() for w in workers):
@@ -175,18 +183,27 @@ class Search:
             if time.monotonic() - self._last_sweep > SWEEP_EVERY_S:
                 self.sweep()
             trials = self.study.get_trials(deepcopy=False)
-            reason = "interrupted" if self.stop_event.is_set() else decide.stop_reason(
-                trials, budget=self.options.trials, elapsed_s=time.monotonic() - self._started,
-                timeout_s=self.options.timeout_s, free_in_a_row=self._free_in_a_row,
-                max_free_in_a_row=MAX_CONSECUTIVE_FREE)
+            reason = (
+                "interrupted"
+                if self.stop_event.is_set()
+                else decide.stop_reason(
+                    trials,
+                    budget=self.options.trials,
+                    elapsed_s=time.monotonic() - self._started,
+                    timeout_s=self.options.timeout_s,
+                    free_in_a_row=self._free_in_a_row,
+                    max_free_in_a_row=MAX_CONSECUTIVE_FREE,
+                )
+            )
             if reason:
                 self.stopped_reason = self.stopped_reason or reason
                 return None
             known = decide.known_configs(trials, self.space, self.trial_flat)
             if not any(t.state == TrialState.WAITING for t in trials):
                 size = self._space_size()
-                measured = sum(1 for t in known.values()
-                               if TrialRecord.from_user_attrs(t.user_attrs).status != Status.INVALID)
+                measured = sum(
+                    1 for t in known.values() if TrialRecord.from_user_attrs(t.user_attrs).status != Status.INVALID
+                )
                 if measured >= size:
                     self.stopped_reason = f"every one of the {size} configs of the space is in the study"
                     return None
@@ -204,8 +221,11 @@ class Search:
                 return self._propose(trial, known)
             except Exception as e:  # noqa: BLE001 - e.g. enqueued params outside the space
                 cand = Candidate(params=dict(trial.params), overrides={}, effective={})
-                return Proposal(trial, cand, decide.Verdict(
-                    Status.INVALID, f"tuner: could not prepare the trial: {type(e).__name__}: {e}"))
+                return Proposal(
+                    trial,
+                    cand,
+                    decide.Verdict(Status.INVALID, f"tuner: could not prepare the trial: {type(e).__name__}: {e}"),
+                )
 
     def _propose(self, trial: optuna.trial.Trial, known: dict) -> Proposal:
         asked = TrialRecord.from_user_attrs(trial.user_attrs)  # what was enqueued with it
@@ -223,11 +243,21 @@ class Search:
         else:
             cand = self.space.suggest(trial, self.trial_flat)
         baseline = asked.baseline and asked.confirm_of is None
-        for k, v in TrialRecord(baseline=baseline, overrides=cand.overrides).to_user_attrs(
-                only={"baseline", "overrides"}).items():
+        for k, v in (
+            TrialRecord(baseline=baseline, overrides=cand.overrides)
+            .to_user_attrs(only={"baseline", "overrides"})
+            .items()
+        ):
             trial.set_user_attr(k, v)
-        verdict = decide.judge(cand, number=trial.number, space=self.space, trial_base=self.trial_base,
-                               trial_flat=self.trial_flat, known=known, is_confirm=asked.confirm_of is not None)
+        verdict = decide.judge(
+            cand,
+            number=trial.number,
+            space=self.space,
+            trial_base=self.trial_base,
+            trial_flat=self.trial_flat,
+            known=known,
+            is_confirm=asked.confirm_of is not None,
+        )
         return Proposal(trial, cand, verdict, baseline=baseline, confirm_of=asked.confirm_of)
 
     def _space_size(self) -> int:
@@ -252,8 +282,10 @@ class Search:
         self._last_sweep = time.monotonic()
         swept = st.sweep_stale(self.study, self.storage)
         if swept and self.observer:
-            self.observer.message(f"ppotune search: trial(s) {swept} were left RUNNING by a dead tuner: "
-                                  "marked interrupted, params enqueued again")
+            self.observer.message(
+                f"ppotune search: trial(s) {swept} were left RUNNING by a dead tuner: "
+                "marked interrupted, params enqueued again"
+            )
 
     # ---- running one proposal and telling
     def process(self, prop: Proposal, slot: int) -> None:
@@ -263,9 +295,16 @@ class Search:
             return
         values = None
         if verdict.launch:
-            outcome = self.runner.run(TrialRequest(
-                number=trial.number, config=verdict.config, identity=self.space.identity(prop.cand.effective),
-                trial_dir=(self.trials_dir or Path("trials")) / str(trial.number), slot=slot), self.stop_event)
+            outcome = self.runner.run(
+                TrialRequest(
+                    number=trial.number,
+                    config=verdict.config,
+                    identity=self.space.identity(prop.cand.effective),
+                    trial_dir=(self.trials_dir or Path("trials")) / str(trial.number),
+                    slot=slot,
+                ),
+                self.stop_event,
+            )
             if outcome.status == Status.INTERRUPTED:
                 self._interrupt_own(trial, outcome.record.error or "interrupted", outcome.record)
                 return
@@ -287,10 +326,17 @@ class Search:
         self._free_in_a_row = self._free_in_a_row + 1 if free else 0
         self._dup_in_a_row = self._dup_in_a_row + 1 if free else 0
         if self.observer:
-            self.observer.trial_done(TrialEvent(
-                number=frozen.number, status=record.status, record=record, params=dict(frozen.params),
-                counted=decide.counted(frozen), values=tuple(frozen.values) if frozen.values else None,
-                note=_note(record, prop)))
+            self.observer.trial_done(
+                TrialEvent(
+                    number=frozen.number,
+                    status=record.status,
+                    record=record,
+                    params=dict(frozen.params),
+                    counted=decide.counted(frozen),
+                    values=tuple(frozen.values) if frozen.values else None,
+                    note=_note(record, prop),
+                )
+            )
 
     def _values(self, outcome: TrialOutcome) -> Optional[tuple[float, float]]:
         """The objective values Optuna gets: measured for ok, penalized for OOM/hang, none for FAIL."""
@@ -333,9 +379,11 @@ class Search:
             if self.stop_event.is_set():
                 return
             with self.lock():
-                self.study.enqueue_trial(dict(trials[number].params),
-                                         user_attrs=TrialRecord(confirm_of=number).to_user_attrs(only={"confirm_of"}),
-                                         skip_if_exists=False)
+                self.study.enqueue_trial(
+                    dict(trials[number].params),
+                    user_attrs=TrialRecord(confirm_of=number).to_user_attrs(only={"confirm_of"}),
+                    skip_if_exists=False,
+                )
                 prop = self._propose(self.study.ask(), {})
             self.process(prop, 0)
 

@@ -11,6 +11,7 @@ Like NVML's per-GPU figure, the psutil objective is per rank: the peak RSS of th
 process of the tree (on CPU a rank stands for a GPU, and ``--memory-limit-gb`` caps each process).
 The summed RSS of the whole tree is kept beside it (``tree_rss_peak_gb``).
 """
+
 from __future__ import annotations
 
 import os
@@ -107,8 +108,7 @@ class MemoryPeaks:
 class MemorySampler(threading.Thread):
     """Sample a process tree's memory at ``hz`` until :meth:`stop`; keep the peaks."""
 
-    def __init__(self, root_pid: int, *, gpus: Optional[Sequence[str]] = None, use_nvml: bool = True,
-                 hz: float = 10.0):
+    def __init__(self, root_pid: int, *, gpus: Optional[Sequence[str]] = None, use_nvml: bool = True, hz: float = 10.0):
         super().__init__(name=f"memory-sampler-{root_pid}", daemon=True)
         assert hz >= 10.0, "sample at 10 Hz or more: short phases peak for well under a second"
         self.root_pid = root_pid
@@ -116,7 +116,7 @@ class MemorySampler(threading.Thread):
         self._stop_event = threading.Event()
         self._handles = []
         if use_nvml and nvml_available():
-            for ident in (gpus if gpus is not None else visible_gpus()):
+            for ident in gpus if gpus is not None else visible_gpus():
                 try:
                     self._handles.append(_handle(str(ident)))
                 except Exception:
@@ -150,8 +150,11 @@ class MemorySampler(threading.Thread):
             for h in self._handles:
                 try:
                     dev_used = max(dev_used, pynvml.nvmlDeviceGetMemoryInfo(h).used)
-                    mine = sum((getattr(pr, "usedGpuMemory", None) or 0)
-                               for pr in pynvml.nvmlDeviceGetComputeRunningProcesses(h) if pr.pid in pids)
+                    mine = sum(
+                        (getattr(pr, "usedGpuMemory", None) or 0)
+                        for pr in pynvml.nvmlDeviceGetComputeRunningProcesses(h)
+                        if pr.pid in pids
+                    )
                     proc_used = max(proc_used, mine)
                 except Exception:
                     continue

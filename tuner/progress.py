@@ -1,5 +1,6 @@
 """What ``ppotune search`` shows: one plain line per finished trial, always; a rich progress
 bar (trials done/total, best throughput and its memory, OOMs, ETA) when stdout is a TTY."""
+
 from __future__ import annotations
 
 import sys
@@ -19,8 +20,16 @@ def format_knobs(params: dict, *, limit: int = 6) -> str:
     return " ".join(items)
 
 
-def trial_line(number: int, status: str, *, throughput: Optional[float], memory_gb: Optional[float],
-               seconds: float, params: dict, note: str = "") -> str:
+def trial_line(
+    number: int,
+    status: str,
+    *,
+    throughput: Optional[float],
+    memory_gb: Optional[float],
+    seconds: float,
+    params: dict,
+    note: str = "",
+) -> str:
     thr = f"{throughput:9.1f} tok/s/GPU" if throughput is not None else f"{'-':>9} tok/s/GPU"
     mem = f"{memory_gb:6.2f} GB" if memory_gb is not None else f"{'-':>6} GB"
     text = f"trial {number:4d} {status:<12} {thr} {mem} {seconds:7.1f} s | {format_knobs(params)}"
@@ -45,8 +54,13 @@ class Display:
         if self.tty:
             from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-            self._progress = Progress(TextColumn("[bold]trials[/] {task.completed}/{task.total}"), BarColumn(),
-                                      TextColumn("{task.fields[info]}"), TimeElapsedColumn(), transient=False)
+            self._progress = Progress(
+                TextColumn("[bold]trials[/] {task.completed}/{task.total}"),
+                BarColumn(),
+                TextColumn("{task.fields[info]}"),
+                TimeElapsedColumn(),
+                transient=False,
+            )
             self._task = self._progress.add_task("search", total=total, completed=done, info="")
             self._progress.start()
 
@@ -74,8 +88,17 @@ class Display:
         if self._progress is not None:
             self._progress.update(self._task, completed=min(self.done, self.total), info=self.info())
 
-    def trial_done(self, line: str, *, counted: bool, status: str, throughput: Optional[float],
-                   memory_gb: Optional[float], number: int, duration_s: float) -> None:
+    def trial_done(
+        self,
+        line: str,
+        *,
+        counted: bool,
+        status: str,
+        throughput: Optional[float],
+        memory_gb: Optional[float],
+        number: int,
+        duration_s: float,
+    ) -> None:
         with self._lock:
             if counted:
                 self.done += 1

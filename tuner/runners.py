@@ -12,6 +12,7 @@ raises for what the trial does: OOM, hang, crash and invalid are statuses.
   config identity; one of a config's repeats at random): benchmarks and tests replay the
   search loop over a recorded grid without launching anything.
 """
+
 from __future__ import annotations
 
 import random
@@ -76,10 +77,17 @@ class SubprocessRunner:
         config_path, result_path = d / "config.yaml", d / "result.json"
         config_path.write_text(yaml.safe_dump(request.config, sort_keys=False))
         gpus = self._gpu_slice(request.slot)
-        run = launch_trial(train_command(config_path, result_path=result_path), trial_dir=d, result_path=result_path,
-                           timeout_s=self.timeout_s, grace_s=self.grace_s,
-                           extra_env={"CUDA_VISIBLE_DEVICES": ",".join(gpus)} if gpus is not None else None,
-                           stop_event=stop, gpus=gpus, use_nvml=self.device_kind == "cuda")
+        run = launch_trial(
+            train_command(config_path, result_path=result_path),
+            trial_dir=d,
+            result_path=result_path,
+            timeout_s=self.timeout_s,
+            grace_s=self.grace_s,
+            extra_env={"CUDA_VISIBLE_DEVICES": ",".join(gpus)} if gpus is not None else None,
+            stop_event=stop,
+            gpus=gpus,
+            use_nvml=self.device_kind == "cuda",
+        )
         res = run.result or {}
         summary = res.get("summary") or {}
         mem = run.memory
@@ -89,26 +97,42 @@ class SubprocessRunner:
         if run.leftover_pids:
             notes.append(f"processes still alive after cleanup: {run.leftover_pids}")
         record = TrialRecord(
-            throughput=summary.get("throughput"), throughput_cv=summary.get("throughput_cv"),
-            step_s=summary.get("step_s"), peak_memory_gb=max(peaks) if peaks else None,
+            throughput=summary.get("throughput"),
+            throughput_cv=summary.get("throughput_cv"),
+            step_s=summary.get("step_s"),
+            peak_memory_gb=max(peaks) if peaks else None,
             memory_source=mem.external_source,
-            memory={"external_peak_gb": mem.external_peak_gb, "external_source": mem.external_source,
-                    "device_used_peak_gb": mem.device_used_peak_gb,
-                    "process_peak_gb": mem.process_peak_gb, "tree_rss_peak_gb": mem.tree_rss_peak_gb,
-                    "process_rss_peak_gb": mem.process_rss_peak_gb,
-                    "allocated_peak_gb": summary.get("peak_memory_allocated_gb"),
-                    "reserved_peak_gb": summary.get("peak_memory_reserved_gb"),
-                    "rss_peak_gb": summary.get("peak_rss_gb"), "samples": mem.samples},
-            timing_s=summary.get("timing_s") or {}, notes=notes, error=run.error, log_tail=run.log_tail,
-            log_path=run.log_path, result_path=run.result_path, config_path=str(config_path),
-            duration_s=run.duration_s, returncode=run.returncode, oom_phase=res.get("oom_phase"), gpus=gpus,
-            engine=self.name)
+            memory={
+                "external_peak_gb": mem.external_peak_gb,
+                "external_source": mem.external_source,
+                "device_used_peak_gb": mem.device_used_peak_gb,
+                "process_peak_gb": mem.process_peak_gb,
+                "tree_rss_peak_gb": mem.tree_rss_peak_gb,
+                "process_rss_peak_gb": mem.process_rss_peak_gb,
+                "allocated_peak_gb": summary.get("peak_memory_allocated_gb"),
+                "reserved_peak_gb": summary.get("peak_memory_reserved_gb"),
+                "rss_peak_gb": summary.get("peak_rss_gb"),
+                "samples": mem.samples,
+            },
+            timing_s=summary.get("timing_s") or {},
+            notes=notes,
+            error=run.error,
+            log_tail=run.log_tail,
+            log_path=run.log_path,
+            result_path=run.result_path,
+            config_path=str(config_path),
+            duration_s=run.duration_s,
+            returncode=run.returncode,
+            oom_phase=res.get("oom_phase"),
+            gpus=gpus,
+            engine=self.name,
+        )
         return TrialOutcome(Status(run.status), record)
 
     def _gpu_slice(self, slot: int) -> Optional[list[str]]:
         if self.device_kind != "cuda":
             return None
-        return visible_gpus()[slot * self.nproc:(slot + 1) * self.nproc]
+        return visible_gpus()[slot * self.nproc : (slot + 1) * self.nproc]
 
 
 # --------------------------------------------------------------------------- replay
@@ -141,8 +165,9 @@ class ReplayRunner:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @classmethod
-    def from_study(cls, study: optuna.Study, space: Space, trial_flat: dict, *,
-                   rng: Optional[random.Random] = None) -> "ReplayRunner":
+    def from_study(
+        cls, study: optuna.Study, space: Space, trial_flat: dict, *, rng: Optional[random.Random] = None
+    ) -> "ReplayRunner":
         trials = {t.number: t for t in study.get_trials(deepcopy=False)}
         table: dict[tuple, list[Recorded]] = {}
         for t in trials.values():
@@ -162,12 +187,21 @@ class ReplayRunner:
         with self._lock:
             choices = self.table.get(request.identity)
             if not choices:
-                return TrialOutcome(Status.CRASH, TrialRecord(error="replay: this config was never recorded",
-                                                              duration_s=0.0, engine=self.name))
+                return TrialOutcome(
+                    Status.CRASH,
+                    TrialRecord(error="replay: this config was never recorded", duration_s=0.0, engine=self.name),
+                )
             got = self.rng.choice(choices)
             self.spent_s += got.duration_s
             self.launched += 1
-        return TrialOutcome(got.status, TrialRecord(
-            throughput=got.throughput, peak_memory_gb=got.peak_memory_gb, duration_s=got.duration_s,
-            memory_source="replay", engine=self.name,
-            notes=[f"replayed from recorded trial {got.number} (not re-run)"]))
+        return TrialOutcome(
+            got.status,
+            TrialRecord(
+                throughput=got.throughput,
+                peak_memory_gb=got.peak_memory_gb,
+                duration_s=got.duration_s,
+                memory_source="replay",
+                engine=self.name,
+                notes=[f"replayed from recorded trial {got.number} (not re-run)"],
+            ),
+        )

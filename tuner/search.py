@@ -8,6 +8,7 @@ progress bar, wandb). Objectives: maximize throughput (tokens/s/GPU), minimize p
 
 Output: ``<out>/study.db`` (or ``--storage``), ``<out>/trials/<n>/{config.yaml,train.log,result.json}``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,27 +41,58 @@ __all__ = ["add_arguments", "run", "options_from_args"]
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("base_config", help="base config YAML (verl keys); its values are the baseline trial")
     p.add_argument("--space", required=True, help="search space YAML (see search_spaces/)")
-    p.add_argument("--trials", type=int, required=True,
-                   help="stop when the study holds N counted trials (all processes together; resumes count)")
+    p.add_argument(
+        "--trials",
+        type=int,
+        required=True,
+        help="stop when the study holds N counted trials (all processes together; resumes count)",
+    )
     p.add_argument("--timeout", type=float, default=None, metavar="S", help="start no new trial after S seconds")
-    p.add_argument("--storage", default=None,
-                   help="Optuna storage URL; journal:PATH or *.log for a journal file (default sqlite:///<out>/study.db)")
+    p.add_argument(
+        "--storage",
+        default=None,
+        help="Optuna storage URL; journal:PATH or *.log for a journal file (default sqlite:///<out>/study.db)",
+    )
     p.add_argument("--study", default=None, help="study name (default: <base>--<space>)")
-    p.add_argument("--out", default="ppotune_out", help="output dir: trials/, the default storage (default ppotune_out)")
+    p.add_argument(
+        "--out", default="ppotune_out", help="output dir: trials/, the default storage (default ppotune_out)"
+    )
     p.add_argument("--nproc", type=int, default=None, help="processes (GPUs) per trial (default: the base config's)")
     p.add_argument("--steps", type=int, default=3, help="PPO steps per trial, warm-up included (default 3)")
     p.add_argument("--warmup", type=int, default=1, help="leading steps left out of the measurement (default 1)")
-    p.add_argument("--trial-timeout", type=float, default=600.0, metavar="S",
-                   help="kill a trial after S seconds and record it as a hang (default 600)")
-    p.add_argument("--memory-limit-gb", type=float, default=None, metavar="G",
-                   help="a real per-process memory cap for every trial (GPU: allocator fraction; CPU: rlimit)")
+    p.add_argument(
+        "--trial-timeout",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="kill a trial after S seconds and record it as a hang (default 600)",
+    )
+    p.add_argument(
+        "--memory-limit-gb",
+        type=float,
+        default=None,
+        metavar="G",
+        help="a real per-process memory cap for every trial (GPU: allocator fraction; CPU: rlimit)",
+    )
     p.add_argument("--sampler", choices=list(SAMPLERS), default="tpe")
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--confirm", type=int, default=0, metavar="K",
-                   help="after the search, re-run the top K Pareto configs (new trials with confirm_of)")
-    p.add_argument("--parallel", type=int, default=1, metavar="P",
-                   help="trials at once on this node, each on its own GPU slice (CPU: plain concurrency)")
-    p.add_argument("--wandb", action="store_true", help="one wandb run per trial, grouped by study (offline without credentials)")
+    p.add_argument(
+        "--confirm",
+        type=int,
+        default=0,
+        metavar="K",
+        help="after the search, re-run the top K Pareto configs (new trials with confirm_of)",
+    )
+    p.add_argument(
+        "--parallel",
+        type=int,
+        default=1,
+        metavar="P",
+        help="trials at once on this node, each on its own GPU slice (CPU: plain concurrency)",
+    )
+    p.add_argument(
+        "--wandb", action="store_true", help="one wandb run per trial, grouped by study (offline without credentials)"
+    )
     p.add_argument("--report", action="store_true", help="write the report (DIR/report/report.html) when done")
     p.add_argument("--kill-grace", type=float, default=10.0, metavar="S", help=argparse.SUPPRESS)
 
@@ -94,8 +126,14 @@ def _device(base_flat: dict) -> dict:
 
 def options_from_args(args: argparse.Namespace, *, seed: Optional[int] = None) -> SearchOptions:
     """The loop's typed options from the parsed flags (``seed``: this process's, see _process_seed)."""
-    return SearchOptions(trials=args.trials, sampler=args.sampler, seed=args.seed if seed is None else seed,
-                         timeout_s=args.timeout, parallel=args.parallel, confirm=args.confirm)
+    return SearchOptions(
+        trials=args.trials,
+        sampler=args.sampler,
+        seed=args.seed if seed is None else seed,
+        timeout_s=args.timeout,
+        parallel=args.parallel,
+        confirm=args.confirm,
+    )
 
 
 class ConsoleObserver:
@@ -108,13 +146,33 @@ class ConsoleObserver:
     def trial_done(self, e: TrialEvent) -> None:
         r = e.record
         thr = r.throughput if e.status == Status.OK else None
-        line = trial_line(e.number, e.status, throughput=thr, memory_gb=r.peak_memory_gb,
-                          seconds=float(r.duration_s or 0.0), params=e.params, note=e.note)
-        self.display.trial_done(line, counted=e.counted, status=e.status, throughput=thr,
-                                memory_gb=r.peak_memory_gb, number=e.number, duration_s=float(r.duration_s or 0.0))
+        line = trial_line(
+            e.number,
+            e.status,
+            throughput=thr,
+            memory_gb=r.peak_memory_gb,
+            seconds=float(r.duration_s or 0.0),
+            params=e.params,
+            note=e.note,
+        )
+        self.display.trial_done(
+            line,
+            counted=e.counted,
+            status=e.status,
+            throughput=thr,
+            memory_gb=r.peak_memory_gb,
+            number=e.number,
+            duration_s=float(r.duration_s or 0.0),
+        )
         if self.tracker is not None and e.status != Status.DUPLICATE:
-            self.tracker.log_trial(e.number, status=str(e.status), params=e.params, overrides=r.overrides or {},
-                                   attrs=r.to_user_attrs(), values=e.values)
+            self.tracker.log_trial(
+                e.number,
+                status=str(e.status),
+                params=e.params,
+                overrides=r.overrides or {},
+                attrs=r.to_user_attrs(),
+                values=e.values,
+            )
 
     def message(self, text: str) -> None:
         self.display.message(text)
@@ -149,7 +207,9 @@ _COMPAT_KEYS = ("nproc", "steps", "warmup", "memory_limit_gb", "space", "base_co
 def _incompatible(study: optuna.Study, attrs: dict) -> Optional[str]:
     have = study.user_attrs
     for k in _COMPAT_KEYS:
-        if k in have and json.dumps(have[k], sort_keys=True, default=str) != json.dumps(attrs[k], sort_keys=True, default=str):
+        if k in have and json.dumps(have[k], sort_keys=True, default=str) != json.dumps(
+            attrs[k], sort_keys=True, default=str
+        ):
             what = k if k in ("space", "base_config") else f"{k}={have[k]!r} (now {attrs[k]!r})"
             return f"study {study.study_name!r} was created with a different {what}; pass --study NAME to start another"
     return None
@@ -162,10 +222,14 @@ def run(args: argparse.Namespace) -> int:
         space = load_space(args.space)
         base_nested, base_flat = base_flat_config(args.base_config, nproc=args.nproc)
         # One complete trial config: the trial command carries only its path and --result.
-        trial_extra = {"trainer.total_training_steps": args.steps, "ppotune.warmup_steps": args.warmup,
-                       "ppotune.memory_limit_gb": args.memory_limit_gb}
-        trial_base = config_to_dict(config_from_dict(apply_overrides(base_nested, trial_extra),
-                                                     source=args.base_config))
+        trial_extra = {
+            "trainer.total_training_steps": args.steps,
+            "ppotune.warmup_steps": args.warmup,
+            "ppotune.memory_limit_gb": args.memory_limit_gb,
+        }
+        trial_base = config_to_dict(
+            config_from_dict(apply_overrides(base_nested, trial_extra), source=args.base_config)
+        )
         trial_flat = flatten(trial_base)
         space.validate(trial_flat)
     except ValueError as e:  # SpaceError / ConfigError / bad option: one line naming file and key
@@ -179,8 +243,10 @@ def run(args: argparse.Namespace) -> int:
     device = _device(trial_flat)
     nproc = trial_flat["trainer.n_gpus_per_node"]
     if device["kind"] == "cuda" and options.parallel * nproc > len(visible_gpus()):
-        return _fail(f"--parallel {options.parallel} x --nproc {nproc} needs {options.parallel * nproc} GPUs; "
-                     f"{len(visible_gpus())} visible")
+        return _fail(
+            f"--parallel {options.parallel} x --nproc {nproc} needs {options.parallel * nproc} GPUs; "
+            f"{len(visible_gpus())} visible"
+        )
     if device["kind"] == "cuda":
         penalty = args.memory_limit_gb or device["memory_total_gb"] or 80.0
     else:
@@ -192,14 +258,19 @@ def run(args: argparse.Namespace) -> int:
     def setup(study: optuna.Study) -> None:
         for k, v in attrs.items():
             study.set_user_attr(k, v)
-        study.enqueue_trial(space.baseline_params(trial_flat),
-                            user_attrs=TrialRecord(baseline=True).to_user_attrs(only={"baseline"}))
+        study.enqueue_trial(
+            space.baseline_params(trial_flat), user_attrs=TrialRecord(baseline=True).to_user_attrs(only={"baseline"})
+        )
         study.set_user_attr(st.SCHEMA_ATTR, STUDY_SCHEMA_VERSION)  # last: marks the study as set up
 
     try:
         study, storage, created = st.open_study(
-            spec, name, lock, sampler=build_sampler(options.sampler, seed=options.seed, n_trials=options.trials),
-            setup=setup)
+            spec,
+            name,
+            lock,
+            sampler=build_sampler(options.sampler, seed=options.seed, n_trials=options.trials),
+            setup=setup,
+        )
     except StorageError as e:
         return _fail(str(e))
     except Exception as e:  # noqa: BLE001 - storage errors come in many types
@@ -212,9 +283,12 @@ def run(args: argparse.Namespace) -> int:
 
     trials = study.get_trials(deepcopy=False)
     done = count_progress(trials)
-    print(f"ppotune search: study {name!r} in {spec.display} ({'new' if created else 'resumed'}, "
-          f"{done}/{options.trials} trials done) | space {args.space} ({space.size(trial_flat):,} configs) | "
-          f"{device['kind']} x{nproc} per trial | sampler {options.sampler} | out {out_dir}", flush=True)
+    print(
+        f"ppotune search: study {name!r} in {spec.display} ({'new' if created else 'resumed'}, "
+        f"{done}/{options.trials} trials done) | space {args.space} ({space.size(trial_flat):,} configs) | "
+        f"{device['kind']} x{nproc} per trial | sampler {options.sampler} | out {out_dir}",
+        flush=True,
+    )
     display = Display(options.trials, done=min(done, options.trials), parallel=options.parallel)
     _seed_display(display, trials)
     tracker = None
@@ -222,11 +296,23 @@ def run(args: argparse.Namespace) -> int:
         from tuner.tracking import TrialTracker
 
         tracker = TrialTracker(project="ppotune", group=name, out_dir=out_dir)
-    runner = SubprocessRunner(device_kind=device["kind"], nproc=nproc, timeout_s=args.trial_timeout,
-                              grace_s=args.kill_grace)
-    search = Search(options=options, study=study, storage=storage, lock=lock, space=space, trial_base=trial_base,
-                    trial_flat=trial_flat, runner=runner, penalty_gb=penalty, trials_dir=out_dir / "trials",
-                    observer=ConsoleObserver(display, tracker), heartbeat=st.Heartbeat(storage))
+    runner = SubprocessRunner(
+        device_kind=device["kind"], nproc=nproc, timeout_s=args.trial_timeout, grace_s=args.kill_grace
+    )
+    search = Search(
+        options=options,
+        study=study,
+        storage=storage,
+        lock=lock,
+        space=space,
+        trial_base=trial_base,
+        trial_flat=trial_flat,
+        runner=runner,
+        penalty_gb=penalty,
+        trials_dir=out_dir / "trials",
+        observer=ConsoleObserver(display, tracker),
+        heartbeat=st.Heartbeat(storage),
+    )
     search.heartbeat.start()
 
     got: list[int] = []
@@ -245,8 +331,11 @@ def run(args: argparse.Namespace) -> int:
             signal.signal(s, h)
     _summary(study, search)
     if got:
-        print(f"ppotune search: stopped by {signal.Signals(got[0]).name}; the interrupted trial(s) will run "
-              "again when the same command is re-run", flush=True)
+        print(
+            f"ppotune search: stopped by {signal.Signals(got[0]).name}; the interrupted trial(s) will run "
+            "again when the same command is re-run",
+            flush=True,
+        )
         return ExitCode.INTERRUPTED if got[0] == signal.SIGINT else 128 + got[0]
     if args.report:
         _write_report(spec, name, out_dir)
@@ -259,8 +348,10 @@ def _seed_display(display: Display, trials: list) -> None:
     ok = [(t, r) for t, r in recs if r.status == Status.OK and t.values]
     if ok:
         b, _ = max(ok, key=lambda tr: tr[0].values[0])
-        display.seed(best=(b.values[0], b.values[1], b.number),
-                     ooms=sum(r.status in (Status.OOM, Status.INFERRED_OOM) for _, r in recs))
+        display.seed(
+            best=(b.values[0], b.values[1], b.number),
+            ooms=sum(r.status in (Status.OOM, Status.INFERRED_OOM) for _, r in recs),
+        )
 
 
 def _summary(study: optuna.Study, search: Search) -> None:
@@ -276,8 +367,10 @@ def _summary(study: optuna.Study, search: Search) -> None:
     base_thr = float(base["throughput"].iloc[0]) if len(base) and base["throughput"].iloc[0] else None
     for _, r in front.head(5).iterrows():
         rel = f" ({r['throughput'] / base_thr:.2f}x baseline)" if base_thr else ""
-        print(f"  pareto: trial {r['number']}: {r['throughput']:.1f} tok/s/GPU{rel}, {r['peak_memory_gb']:.2f} GB",
-              flush=True)
+        print(
+            f"  pareto: trial {r['number']}: {r['throughput']:.1f} tok/s/GPU{rel}, {r['peak_memory_gb']:.2f} GB",
+            flush=True,
+        )
 
 
 def _write_report(spec, study_name: str, out_dir: Path) -> None:

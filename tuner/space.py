@@ -37,6 +37,7 @@ Semantics:
   memory-hungry as a known OOM on every monotone knob, and equal on the others, is not
   launched.
 """
+
 from __future__ import annotations
 
 import ast
@@ -198,13 +199,20 @@ class Expr:
                 return True
 
             return compare
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _FUNCS
-                and not node.keywords and node.args):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in _FUNCS
+            and not node.keywords
+            and node.args
+        ):
             fn = _FUNCS[node.func.id]
             args = [self._compile(a) for a in node.args]
             return lambda lk: fn(*(a(lk) for a in args))
-        raise ExprError(f"bad expression {self.text!r}: {type(node).__name__} is not allowed "
-                        "(numbers, dotted keys, + - * / // %, comparisons, and/or/not, min/max)")
+        raise ExprError(
+            f"bad expression {self.text!r}: {type(node).__name__} is not allowed "
+            "(numbers, dotted keys, + - * / // %, comparisons, and/or/not, min/max)"
+        )
 
 
 # --------------------------------------------------------------------------- knobs
@@ -238,8 +246,12 @@ class Knob:
 
     def contains(self, value: Any) -> bool:
         if self.type == "int":
-            return (isinstance(value, int) and not isinstance(value, bool)
-                    and self.low <= value <= self.high and (value - self.low) % self.step == 0)
+            return (
+                isinstance(value, int)
+                and not isinstance(value, bool)
+                and self.low <= value <= self.high
+                and (value - self.low) % self.step == 0
+            )
         if self.type == "float":
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 return False
@@ -546,7 +558,7 @@ class Space:
         Returns ``{"size", "sampled", "accepted", "first_refusal"}``.
         """
         for knob in self.knobs:
-            for v in (knob.domain() if knob.domain_size() <= 64 else [knob.low, knob.high]):
+            for v in knob.domain() if knob.domain_size() <= 64 else [knob.low, knob.high]:
                 try:
                     config_from_dict(unflatten({**base_flat, knob.key: v}), validate=False)
                 except ValueError as e:
@@ -593,8 +605,12 @@ class Space:
         if seen and accepted == 0:
             key = getattr(first_refusal, "key", "knobs")
             raise self._err(key, f"the trainer config refuses every sampled configuration: {first_refusal}")
-        return {"size": size, "sampled": len(seen), "accepted": accepted,
-                "first_refusal": str(first_refusal) if first_refusal else None}
+        return {
+            "size": size,
+            "sampled": len(seen),
+            "accepted": accepted,
+            "first_refusal": str(first_refusal) if first_refusal else None,
+        }
 
     def _why_empty(self, base_flat: dict) -> tuple[str, str]:
         """Name the constraint that is never satisfied (alone), else all of them."""
@@ -608,8 +624,9 @@ class Space:
             cand = self.complete(p, base_flat)
             if cand.error:
                 return "constraints", cand.error
-        return "constraints", "no configuration satisfies all constraints together: " + \
-            "; ".join(c.expr.text for c in self.constraints)
+        return "constraints", "no configuration satisfies all constraints together: " + "; ".join(
+            c.expr.text for c in self.constraints
+        )
 
 
 # --------------------------------------------------------------------------- loading
@@ -661,7 +678,12 @@ def _parse_knob(key: str, spec: Any, source: Optional[str]) -> Knob:
             step = spec.get("step", 1)
         else:
             step = _num(spec, "step", key, source, kind=float)  # discrete on purpose: grid, dedupe
-        if isinstance(step, bool) or not isinstance(step, (int, float)) or (typ == "int" and not isinstance(step, int)) or step <= 0:
+        if (
+            isinstance(step, bool)
+            or not isinstance(step, (int, float))
+            or (typ == "int" and not isinstance(step, int))
+            or step <= 0
+        ):
             raise err(f"{key}.step", f"must be a positive {kind.__name__}, got {step!r}")
         if low > high:
             raise err(f"{key}.low", f"low={low} is above high={high}")
@@ -785,12 +807,19 @@ def space_from_dict(raw: Any, *, source: Optional[str] = None) -> Space:
             if name not in CONFIG_KEYS:
                 raise err(label, f"unknown key {name!r} in {expr.text!r} (not a key of trainer.config.PPOConfig)")
         constraints.append(Constraint(index=i, expr=expr))
-    return Space(knobs=knobs, derived=derived, constraints=constraints, source=source,
-                 raw=raw, description=str(raw.get("description") or ""))
+    return Space(
+        knobs=knobs,
+        derived=derived,
+        constraints=constraints,
+        source=source,
+        raw=raw,
+        description=str(raw.get("description") or ""),
+    )
 
 
-def base_flat_config(base_path: Optional[str | Path], *, nproc: Optional[int] = None,
-                     extra: Optional[dict] = None) -> tuple[dict, dict]:
+def base_flat_config(
+    base_path: Optional[str | Path], *, nproc: Optional[int] = None, extra: Optional[dict] = None
+) -> tuple[dict, dict]:
     """Load and validate a base config (world size set to ``nproc``) -> (nested, flat)."""
     from trainer.config import load_config
 

@@ -4,6 +4,7 @@ Exit 0 when the space is usable; exit 2 with one line naming the file and the ke
 otherwise (malformed YAML, a knob that is not a config key, an empty space, a bad
 expression, constraints that nothing satisfies, a space the trainer config refuses).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,15 +16,17 @@ from tuner.space import GRID_LIMIT, base_flat_config, load_space
 __all__ = ["add_arguments", "run", "check"]
 
 
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="space_command", metavar="ACTION", required=True,
-                                parser_class=type(parser))
+    sub = parser.add_subparsers(dest="space_command", metavar="ACTION", required=True, parser_class=type(parser))
     p = sub.add_parser("check", help="validate a space against a base config and print its size and knobs")
     p.add_argument("file", help="search space YAML (e.g. search_spaces/default.yaml)")
     p.add_argument("--base", default=None, help="base config YAML (default: the embedded defaults)")
-    p.add_argument("--nproc", type=int, default=None,
-                   help="processes (GPUs) per trial; default: the base config's trainer.n_gpus_per_node")
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="processes (GPUs) per trial; default: the base config's trainer.n_gpus_per_node",
+    )
 
 
 def check(file: str, base: str | None = None, nproc: int | None = None) -> tuple[object, dict, dict]:
@@ -43,10 +46,14 @@ def run(args: argparse.Namespace) -> int:
     size = report["size"]
     size_text = f">{GRID_LIMIT:,}" if size > GRID_LIMIT else f"{size:,}"
     print(f"{args.file}: OK" + (f" - {space.description}" if space.description else ""))
-    print(f"size: {size_text} distinct configs after conditions and constraints "
-          f"(base {args.base or '<defaults>'}, nproc {flat['trainer.n_gpus_per_node']})")
-    print(f"trainer config check: {report['accepted']}/{report['sampled']} sampled configs accepted"
-          + (f" (first refusal: {report['first_refusal']})" if report["first_refusal"] else ""))
+    print(
+        f"size: {size_text} distinct configs after conditions and constraints "
+        f"(base {args.base or '<defaults>'}, nproc {flat['trainer.n_gpus_per_node']})"
+    )
+    print(
+        f"trainer config check: {report['accepted']}/{report['sampled']} sampled configs accepted"
+        + (f" (first refusal: {report['first_refusal']})" if report["first_refusal"] else "")
+    )
     print(f"knobs ({len(space.knobs)}):")
     for knob in space.knobs:
         base_value = flat[knob.key]
@@ -62,8 +69,10 @@ def run(args: argparse.Namespace) -> int:
     baseline = space.baseline_params(flat)
     outside = [short_knob(k.key) for k in space.knobs if k.key not in baseline and space.active(k, flat)]
     if outside:
-        print(f"note: the base config's value is outside the space for {', '.join(outside)} "
-              "(the baseline trial still runs the base config as written)")
+        print(
+            f"note: the base config's value is outside the space for {', '.join(outside)} "
+            "(the baseline trial still runs the base config as written)"
+        )
     return 0
 
 
@@ -71,4 +80,3 @@ if __name__ == "__main__":  # pragma: no cover
     from tuner.cli import main
 
     sys.exit(main(["space", *sys.argv[1:]]))
-

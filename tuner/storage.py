@@ -4,6 +4,7 @@
 The grammar of ``--storage`` lives in :func:`trainer.contracts.parse_storage`; this module
 only turns a parsed spec into an Optuna storage.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -32,7 +33,7 @@ def open_storage(spec: StorageSpec, *, read_only: bool = False) -> BaseStorage:
             spec.path.parent.mkdir(parents=True, exist_ok=True)
             return optuna.storages.JournalStorage(JournalFileBackend(str(spec.path)))
         if spec.kind == "grpc":
-            host, port = spec.url[len("grpc://"):].rsplit(":", 1)
+            host, port = spec.url[len("grpc://") :].rsplit(":", 1)
             return optuna.storages.GrpcStorageProxy(host=host, port=int(port))
         if read_only:
             url = spec.url

@@ -13,6 +13,7 @@ What this module adds on top of Optuna:
   enqueued again (``retry_of``). This works for every storage (Optuna's own heartbeat is
   RDB-only and lives inside ``optimize()``, which a tuner driving ask/tell never calls).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -92,8 +93,15 @@ def default_study_name(base_path: Optional[str], space_path: str) -> str:
     return f"{base}--{Path(space_path).stem}"
 
 
-def open_study(spec: StorageSpec, name: str, lock: StudyLock, *, sampler: optuna.samplers.BaseSampler,
-               setup: Any, wait_s: float = 60.0) -> tuple[optuna.Study, BaseStorage, bool]:
+def open_study(
+    spec: StorageSpec,
+    name: str,
+    lock: StudyLock,
+    *,
+    sampler: optuna.samplers.BaseSampler,
+    setup: Any,
+    wait_s: float = 60.0,
+) -> tuple[optuna.Study, BaseStorage, bool]:
     """Create or load the study; the creating process (under the lock) runs ``setup(study)``,
     which must set :data:`SCHEMA_ATTR` last. Returns (study, storage, created)."""
     with lock():
@@ -149,8 +157,9 @@ def is_stale(t: FrozenTrial, *, now: Optional[float] = None, stale_after_s: floa
     return now - float(beat) > stale_after_s
 
 
-def interrupt(study: optuna.Study, storage: BaseStorage, t: FrozenTrial, reason: str, *,
-              measured: Optional[TrialRecord] = None) -> bool:
+def interrupt(
+    study: optuna.Study, storage: BaseStorage, t: FrozenTrial, reason: str, *, measured: Optional[TrialRecord] = None
+) -> bool:
     """Mark a RUNNING trial FAIL/interrupted and enqueue its params again. Only the process
     whose FAIL transition wins enqueues, so concurrent sweepers never double it.
 
@@ -158,8 +167,7 @@ def interrupt(study: optuna.Study, storage: BaseStorage, t: FrozenTrial, reason:
     rec = TrialRecord.from_user_attrs(t.user_attrs)
     fields = {"status", "error"}
     if measured is not None:
-        fields |= {f for f, v in measured.to_user_attrs().items()
-                   if f not in ASKED_FIELDS and v not in (None, {}, [])}
+        fields |= {f for f, v in measured.to_user_attrs().items() if f not in ASKED_FIELDS and v not in (None, {}, [])}
         for f in fields - {"status", "error"}:
             setattr(rec, f, getattr(measured, f))
     rec.status, rec.error = Status.INTERRUPTED, reason
@@ -171,8 +179,11 @@ def interrupt(study: optuna.Study, storage: BaseStorage, t: FrozenTrial, reason:
     except UpdateFinishedTrialError:
         return False
     retry = TrialRecord(retry_of=t.number, baseline=rec.baseline, confirm_of=rec.confirm_of)
-    study.enqueue_trial(dict(t.params), user_attrs=retry.to_user_attrs(only={"retry_of", "baseline", "confirm_of"}),
-                        skip_if_exists=False)
+    study.enqueue_trial(
+        dict(t.params),
+        user_attrs=retry.to_user_attrs(only={"retry_of", "baseline", "confirm_of"}),
+        skip_if_exists=False,
+    )
     return True
 
 
@@ -183,8 +194,9 @@ def sweep_stale(study: optuna.Study, storage: BaseStorage, *, stale_after_s: flo
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         if is_stale(t, now=now, stale_after_s=stale_after_s):
             owner = TrialRecord.from_user_attrs(t.user_attrs).owner or {}
-            reason = (f"interrupted: its tuner (pid {owner.get('pid')} on {owner.get('host')}) died; "
-                      "params enqueued again")
+            reason = (
+                f"interrupted: its tuner (pid {owner.get('pid')} on {owner.get('host')}) died; params enqueued again"
+            )
             if interrupt(study, storage, t, reason):
                 swept.append(t.number)
     return swept
@@ -227,13 +239,16 @@ class Heartbeat(threading.Thread):
 
 def claim(trial: optuna.trial.Trial) -> None:
     """Record this process as the RUNNING trial's owner, with a first heartbeat."""
-    for k, v in TrialRecord(owner=owner_info(), heartbeat=time.time()).to_user_attrs(only={"owner", "heartbeat"}).items():
+    for k, v in (
+        TrialRecord(owner=owner_info(), heartbeat=time.time()).to_user_attrs(only={"owner", "heartbeat"}).items()
+    ):
         trial.set_user_attr(k, v)
 
 
 # --------------------------------------------------------------------------- telling
-def finish(study: optuna.Study, trial: optuna.trial.Trial, record: TrialRecord, *,
-           values: Optional[tuple[float, float]] = None) -> FrozenTrial:
+def finish(
+    study: optuna.Study, trial: optuna.trial.Trial, record: TrialRecord, *, values: Optional[tuple[float, float]] = None
+) -> FrozenTrial:
     """Write the trial's record and tell Optuna: COMPLETE (feasible only if ``ok``) or FAIL.
 
     Only the record's measurement and outcome fields are written: the attrs set when the trial

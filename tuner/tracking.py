@@ -4,6 +4,7 @@ Without credentials (no ``WANDB_API_KEY`` and no ``api.wandb.ai`` entry in ``~/.
 runs are written offline (``WANDB_MODE=offline``) under ``<out>/wandb``; ``wandb sync``
 uploads them later. wandb is imported only when ``--wandb`` is given.
 """
+
 from __future__ import annotations
 
 import os
@@ -25,23 +26,45 @@ class TrialTracker:
         self.group = group
         self.dir = Path(out_dir) / "wandb"
         self.dir.mkdir(parents=True, exist_ok=True)
-        where = f"runs under {self.dir}" + (f"; upload later with `wandb sync {self.dir}/wandb/offline-run-*`"
-                                            if self.mode == "offline" else "")
+        where = f"runs under {self.dir}" + (
+            f"; upload later with `wandb sync {self.dir}/wandb/offline-run-*`" if self.mode == "offline" else ""
+        )
         print(f"ppotune search: wandb {self.mode} (project {project}, group {group}): {where}", flush=True)
 
-    def log_trial(self, number: int, *, status: str, params: dict, overrides: dict, attrs: dict,
-                  values: Optional[tuple[float, float]]) -> Optional[str]:
+    def log_trial(
+        self,
+        number: int,
+        *,
+        status: str,
+        params: dict,
+        overrides: dict,
+        attrs: dict,
+        values: Optional[tuple[float, float]],
+    ) -> Optional[str]:
         """One short run; returns its id (or None if wandb failed: tracking never stops a search)."""
         try:
             import wandb
 
-            run = wandb.init(project=self.project, group=self.group, name=f"{self.group}/trial-{number}",
-                             job_type="trial", dir=str(self.dir), config={"trial": number, **overrides},
-                             tags=[status], reinit="create_new")
-            summary = {"status": status, "trial": number, "duration_s": attrs.get("duration_s"),
-                       "throughput": attrs.get("throughput"), "throughput_cv": attrs.get("throughput_cv"),
-                       "step_s": attrs.get("step_s"), "peak_memory_gb": attrs.get("peak_memory_gb"),
-                       "memory_source": attrs.get("memory_source")}
+            run = wandb.init(
+                project=self.project,
+                group=self.group,
+                name=f"{self.group}/trial-{number}",
+                job_type="trial",
+                dir=str(self.dir),
+                config={"trial": number, **overrides},
+                tags=[status],
+                reinit="create_new",
+            )
+            summary = {
+                "status": status,
+                "trial": number,
+                "duration_s": attrs.get("duration_s"),
+                "throughput": attrs.get("throughput"),
+                "throughput_cv": attrs.get("throughput_cv"),
+                "step_s": attrs.get("step_s"),
+                "peak_memory_gb": attrs.get("peak_memory_gb"),
+                "memory_source": attrs.get("memory_source"),
+            }
             for phase, s in (attrs.get("timing_s") or {}).items():
                 summary[f"timing_s/{phase}"] = s
             for k, v in (attrs.get("memory") or {}).items():

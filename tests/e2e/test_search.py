@@ -8,6 +8,7 @@ OOM that is never launched, a real crash (``ppotune.fault=crash``: rank 1 SIGKIL
 itself), a duplicate proposal, a plain ok trial and a ``--confirm`` re-run. Trials are
 enqueued through Optuna's own API so the sequence is deterministic.
 """
+
 from __future__ import annotations
 
 import signal
@@ -28,7 +29,11 @@ from tuner.results.view import load as load_view
 
 pytestmark = pytest.mark.slow
 
-HIDDEN, MICRO, FAULT = "ppotune.tiny.hidden_size", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", "ppotune.fault"
+HIDDEN, MICRO, FAULT = (
+    "ppotune.tiny.hidden_size",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+    "ppotune.fault",
+)
 SPACE = f"""
 knobs:
   {HIDDEN}: {{type: categorical, choices: [64, 1024], memory: increasing}}
@@ -48,8 +53,22 @@ def knobs(hidden, micro, fault="none") -> dict:
 
 
 def common(d: Path, space: Path, *extra) -> list:
-    return [TINY_BASE, "--space", space, "--steps", 2, "--warmup", 1, "--out", d / "out", "--seed", 0,
-            "--kill-grace", 3, *extra]
+    return [
+        TINY_BASE,
+        "--space",
+        space,
+        "--steps",
+        2,
+        "--warmup",
+        1,
+        "--out",
+        d / "out",
+        "--seed",
+        0,
+        "--kill-grace",
+        3,
+        *extra,
+    ]
 
 
 def load(storage: str, name: str = "tiny_cpu--space") -> optuna.Study:
@@ -87,8 +106,9 @@ def shared(tmp_path_factory, cli):
         study.enqueue_trial(p)
     runs.append(cli("search", *args, "--trials", 6, "--trial-timeout", 180, "--confirm", 1))
     assert runs[-1].returncode == 0, runs[-1].stdout + runs[-1].stderr
-    return SimpleNamespace(dir=d, out=d / "out", storage=storage, study=load(storage), runs=runs,
-                           seconds=time.monotonic() - t0)
+    return SimpleNamespace(
+        dir=d, out=d / "out", storage=storage, study=load(storage), runs=runs, seconds=time.monotonic() - t0
+    )
 
 
 def status_of(study, status):
@@ -175,8 +195,11 @@ def test_duplicate_proposal_is_recorded_not_run(shared):
     assert dup.state == TrialState.FAIL and not counted(dup)
     assert not (shared.out / "trials" / str(dup.number)).exists()
     # each measured config was measured once (the confirm run aside)
-    measured = [tuple(sorted(t.params.items())) for t in shared.study.get_trials()
-                if t.user_attrs["status"] in ("ok", "oom", "hang", "crash") and "confirm_of" not in t.user_attrs]
+    measured = [
+        tuple(sorted(t.params.items()))
+        for t in shared.study.get_trials()
+        if t.user_attrs["status"] in ("ok", "oom", "hang", "crash") and "confirm_of" not in t.user_attrs
+    ]
     assert len(measured) == len(set(measured))
 
 
@@ -204,8 +227,22 @@ def test_trial_files_follow_the_contract(shared):
     # the trial command carries only the (complete) config and the result path: parsed once
     first = (d / "train.log").read_text().splitlines()[0]
     assert first.endswith(f"train {d / 'config.yaml'} --result {d / 'result.json'}"), first
-    for key in ("throughput", "throughput_cv", "step_s", "peak_memory_gb", "timing_s", "notes", "error",
-                "log_tail", "log_path", "result_path", "config_path", "duration_s", "overrides", "baseline"):
+    for key in (
+        "throughput",
+        "throughput_cv",
+        "step_s",
+        "peak_memory_gb",
+        "timing_s",
+        "notes",
+        "error",
+        "log_tail",
+        "log_path",
+        "result_path",
+        "config_path",
+        "duration_s",
+        "overrides",
+        "baseline",
+    ):
         assert key in ok.user_attrs, key
     assert set(ok.user_attrs["timing_s"]) >= {"gen", "update_actor", "update_critic", "step"}
 
@@ -231,8 +268,9 @@ def test_one_plain_line_per_finished_trial(shared):
 
 
 def test_resume_refuses_a_different_setup(shared, cli):
-    r = cli("search", *common(shared.dir, shared.dir / "space.yaml", "--memory-limit-gb", 0.25),
-            "--trials", 6, "--nproc", 1)
+    r = cli(
+        "search", *common(shared.dir, shared.dir / "space.yaml", "--memory-limit-gb", 0.25), "--trials", 6, "--nproc", 1
+    )
     assert r.returncode == 2
     assert "nproc=2" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
@@ -299,8 +337,11 @@ def test_two_tuners_on_one_storage_add_up(tmp_path, cli, kind, no_processes_left
     tuners = [cli.popen("search", *args) for _ in range(2)]
     outs = [p.communicate(timeout=900)[0] for p in tuners]
     assert [p.returncode for p in tuners] == [0, 0], outs
-    study = load(parse_storage(storage).url if kind == "sqlite" else
-                 optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(storage)))
+    study = load(
+        parse_storage(storage).url
+        if kind == "sqlite"
+        else optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(storage))
+    )
     trials = study.get_trials()
     counted_trials = [t for t in trials if counted(t)]
     assert len(counted_trials) == 3

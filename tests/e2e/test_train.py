@@ -1,4 +1,5 @@
 """`ppotune train` end to end: real torchrun, 2 processes on gloo, the tiny preset."""
+
 import json
 import os
 import subprocess
@@ -21,7 +22,14 @@ PHASES = [*contracts.PHASES, contracts.STEP_TIMING_KEY]
 
 def train(*args, result: Path, timeout: int = 300, env: dict | None = None):
     cmd = [sys.executable, "-m", "tuner.cli", "train", *map(str, args), "--result", str(result)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env={k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None})
+    proc = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None},
+    )
     data = json.loads(result.read_text()) if result.exists() else None
     if data is not None:
         jsonschema.validate(data, SCHEMA)
@@ -42,8 +50,17 @@ def _no_process_mentions(token: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
 def test_three_steps_on_two_processes(tmp_path, strategy):
-    proc, r = train(BASE, f"actor_rollout_ref.actor.strategy={strategy}", "--nproc", 2, "--steps", 3, "--warmup", 1,
-                    result=tmp_path / "r.json")
+    proc, r = train(
+        BASE,
+        f"actor_rollout_ref.actor.strategy={strategy}",
+        "--nproc",
+        2,
+        "--steps",
+        3,
+        "--warmup",
+        1,
+        result=tmp_path / "r.json",
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert r["status"] == "ok" and r["error"] is None
     assert r["summary"]["throughput"] > 0 and r["summary"]["num_measured_steps"] == 2
@@ -52,8 +69,20 @@ def test_three_steps_on_two_processes(tmp_path, strategy):
     for step in r["steps"]:
         for phase in PHASES:
             assert step[f"timing_s/{phase}"] >= 0, phase
-        for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/pg_clipfrac", "actor/ppo_kl", "actor/grad_norm",
-                    "critic/vf_loss", "critic/vf_clipfrac", "critic/grad_norm", "reward/mean", "actor/kl_coef", "perf/peak_rss_gb"):
+        for key in (
+            "actor/pg_loss",
+            "actor/kl_loss",
+            "actor/entropy",
+            "actor/pg_clipfrac",
+            "actor/ppo_kl",
+            "actor/grad_norm",
+            "critic/vf_loss",
+            "critic/vf_clipfrac",
+            "critic/grad_norm",
+            "reward/mean",
+            "actor/kl_coef",
+            "perf/peak_rss_gb",
+        ):
             assert key in step, key
         assert step["perf/mfu/actor"] is None  # no peak-FLOPs figure for a CPU
     assert set(r["summary"]["timing_s"]) >= set(PHASES)
@@ -64,18 +93,30 @@ def test_three_steps_on_two_processes(tmp_path, strategy):
 
 @pytest.mark.slow
 def test_knobs_without_effect_on_cpu_are_reported(tmp_path):
-    proc, r = train(BASE, "actor_rollout_ref.actor.fsdp_config.param_offload=true",
-                    "actor_rollout_ref.actor.fsdp_config.forward_prefetch=true",
-                    "actor_rollout_ref.model.enable_activation_offload=true",
-                    "actor_rollout_ref.rollout.gpu_memory_utilization=0.7", "--nproc", 2, "--steps", 1,
-                    "--save", tmp_path / "ckpt", "--wandb", result=tmp_path / "r.json",
-                    env={"WANDB_DIR": str(tmp_path), "WANDB_MODE": None, "WANDB_API_KEY": None})
+    proc, r = train(
+        BASE,
+        "actor_rollout_ref.actor.fsdp_config.param_offload=true",
+        "actor_rollout_ref.actor.fsdp_config.forward_prefetch=true",
+        "actor_rollout_ref.model.enable_activation_offload=true",
+        "actor_rollout_ref.rollout.gpu_memory_utilization=0.7",
+        "--nproc",
+        2,
+        "--steps",
+        1,
+        "--save",
+        tmp_path / "ckpt",
+        "--wandb",
+        result=tmp_path / "r.json",
+        env={"WANDB_DIR": str(tmp_path), "WANDB_MODE": None, "WANDB_API_KEY": None},
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     notes = "\n".join(r["notes"])
-    for key in ("actor_rollout_ref.actor.fsdp_config.param_offload: no effect on CPU",
-                "actor_rollout_ref.actor.fsdp_config.forward_prefetch: applied, but no effect on CPU",
-                "actor_rollout_ref.model.enable_activation_offload: no effect on CPU",
-                "actor_rollout_ref.rollout.gpu_memory_utilization: no effect with rollout.name=hf"):
+    for key in (
+        "actor_rollout_ref.actor.fsdp_config.param_offload: no effect on CPU",
+        "actor_rollout_ref.actor.fsdp_config.forward_prefetch: applied, but no effect on CPU",
+        "actor_rollout_ref.model.enable_activation_offload: no effect on CPU",
+        "actor_rollout_ref.rollout.gpu_memory_utilization: no effect with rollout.name=hf",
+    ):
         assert key in notes
     # --wandb without credentials records an offline run
     runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
@@ -86,20 +127,42 @@ def test_knobs_without_effect_on_cpu_are_reported(tmp_path):
     actor = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "actor", local_files_only=True)
     critic = AutoModelForTokenClassification.from_pretrained(tmp_path / "ckpt" / "critic", local_files_only=True)
     tok = AutoTokenizer.from_pretrained(tmp_path / "ckpt" / "actor", local_files_only=True)
-    assert actor.config.num_hidden_layers == 2 and critic.config.num_labels == 1 and tok.decode(tok("12+3=")["input_ids"]) == "12+3="
+    assert (
+        actor.config.num_hidden_layers == 2
+        and critic.config.num_labels == 1
+        and tok.decode(tok("12+3=")["input_ids"]) == "12+3="
+    )
 
 
 @pytest.mark.slow
 def test_parquet_input_and_local_checkpoint(tmp_path):
-    rows = [{"data_source": "gsm8k", "prompt": [{"role": "user", "content": f"What is {i} + {i}?"}], "ability": "math",
-             "reward_model": {"style": "rule", "ground_truth": f"#### {2 * i}"}, "extra_info": {"index": i}} for i in range(40)]
+    rows = [
+        {
+            "data_source": "gsm8k",
+            "prompt": [{"role": "user", "content": f"What is {i} + {i}?"}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": f"#### {2 * i}"},
+            "extra_info": {"index": i},
+        }
+        for i in range(40)
+    ]
     path = tmp_path / "train.parquet"
     pd.DataFrame(rows).to_parquet(path)
     # first a run that saves a checkpoint, then a run that starts from it with the parquet data
     proc, _ = train(BASE, "--nproc", 1, "--steps", 1, "--save", tmp_path / "ckpt", result=tmp_path / "a.json")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    proc, r = train(BASE, f"data.train_files={path}", f"actor_rollout_ref.model.path={tmp_path / 'ckpt' / 'actor'}",
-                    "--nproc", 2, "--steps", 2, "--warmup", 1, result=tmp_path / "b.json")
+    proc, r = train(
+        BASE,
+        f"data.train_files={path}",
+        f"actor_rollout_ref.model.path={tmp_path / 'ckpt' / 'actor'}",
+        "--nproc",
+        2,
+        "--steps",
+        2,
+        "--warmup",
+        1,
+        result=tmp_path / "b.json",
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert r["status"] == "ok" and r["config"]["data"]["train_files"] == str(path)
 
@@ -109,13 +172,32 @@ def test_memory_cap_gives_a_real_oom_and_no_process_survives(tmp_path):
     # the same cap: the tiny model fits, a wider one runs out of memory for real during a step
     proc, r = train(BASE, "--nproc", 2, "--steps", 1, "--memory-limit-gb", 0.15, result=tmp_path / "fits.json")
     assert proc.returncode == 0 and r["status"] == "ok", proc.stderr[-2000:]
-    proc, r = train(BASE, "ppotune.tiny.hidden_size=512", "ppotune.tiny.intermediate_size=2048", "--nproc", 2, "--steps", 2,
-                    "--memory-limit-gb", 0.15, result=tmp_path / "oom.json")
+    proc, r = train(
+        BASE,
+        "ppotune.tiny.hidden_size=512",
+        "ppotune.tiny.intermediate_size=2048",
+        "--nproc",
+        2,
+        "--steps",
+        2,
+        "--memory-limit-gb",
+        0.15,
+        result=tmp_path / "oom.json",
+    )
     assert proc.returncode == 3, proc.stderr[-2000:]
     assert r["status"] == "oom"
     assert "can't allocate memory" in r["error"] or "out of memory" in r["error"].lower()
-    assert r["oom_rank"] in (0, 1) and r["oom_phase"] in ("setup", "gen", "reward", "old_log_prob", "ref", "values", "adv",
-                                                          "update_critic", "update_actor")
+    assert r["oom_rank"] in (0, 1) and r["oom_phase"] in (
+        "setup",
+        "gen",
+        "reward",
+        "old_log_prob",
+        "ref",
+        "values",
+        "adv",
+        "update_critic",
+        "update_actor",
+    )
     _no_process_mentions(str(tmp_path))
 
 
@@ -127,13 +209,22 @@ def test_one_rank_crashing_ends_the_run(tmp_path):
     _no_process_mentions(str(tmp_path))
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["actor_rollout_ref.actor.not_a_knob=1"], "actor_rollout_ref.actor.not_a_knob: unknown key"),
-    (["data.train_batch_size=lots"], "data.train_batch_size: expected int"),
-    (["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3"], "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu: 3 does not divide"),
-    (["actor_rollout_ref.model.path=/no/such/model"], "actor_rollout_ref.model.path: not 'tiny' and not a local HF checkpoint"),
-    (["data.train_files=/no/such/train.parquet"], "data.train_files: file not found"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["actor_rollout_ref.actor.not_a_knob=1"], "actor_rollout_ref.actor.not_a_knob: unknown key"),
+        (["data.train_batch_size=lots"], "data.train_batch_size: expected int"),
+        (
+            ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3"],
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu: 3 does not divide",
+        ),
+        (
+            ["actor_rollout_ref.model.path=/no/such/model"],
+            "actor_rollout_ref.model.path: not 'tiny' and not a local HF checkpoint",
+        ),
+        (["data.train_files=/no/such/train.parquet"], "data.train_files: file not found"),
+    ],
+)
 def test_bad_input_exits_2_with_one_line(tmp_path, args, needle):
     proc, r = train(BASE, *args, "--nproc", 2, result=tmp_path / "r.json", timeout=60)
     assert proc.returncode == 2
@@ -143,16 +234,29 @@ def test_bad_input_exits_2_with_one_line(tmp_path, args, needle):
 
 
 def test_missing_config_file_exits_2(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "tuner.cli", "train", str(tmp_path / "nope.yaml")], cwd=ROOT,
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tuner.cli", "train", str(tmp_path / "nope.yaml")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2 and "nope.yaml: config: file not found" in proc.stderr
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
 def test_bf16_mixed_precision(tmp_path, strategy):
-    proc, r = train(BASE, f"actor_rollout_ref.actor.strategy={strategy}", "actor_rollout_ref.actor.fsdp_config.dtype=bfloat16",
-                    "actor_rollout_ref.ref.fsdp_config.dtype=bfloat16", "critic.fsdp.dtype=bfloat16",
-                    "--nproc", 2, "--steps", 1, result=tmp_path / "r.json")
+    proc, r = train(
+        BASE,
+        f"actor_rollout_ref.actor.strategy={strategy}",
+        "actor_rollout_ref.actor.fsdp_config.dtype=bfloat16",
+        "actor_rollout_ref.ref.fsdp_config.dtype=bfloat16",
+        "critic.fsdp.dtype=bfloat16",
+        "--nproc",
+        2,
+        "--steps",
+        1,
+        result=tmp_path / "r.json",
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert r["status"] == "ok" and r["steps"][0]["actor/grad_norm"] > 0

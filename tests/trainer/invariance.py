@@ -1,5 +1,6 @@
 """The invariance check's machinery (shared by test_invariance.py and test_gpu.py): the knob variants,
 torchrun of the worker over them, and the parameter comparison."""
+
 from __future__ import annotations
 
 import json
@@ -18,14 +19,28 @@ TOL = 1e-5  # per-tensor relative difference ||a - b|| / ||b||
 
 VARIANTS_2 = {
     "base": {},
-    "micro_batch_1": {"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 1, "critic.ppo_micro_batch_size_per_gpu": 1},
-    "micro_batch_4": {"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 4, "critic.ppo_micro_batch_size_per_gpu": 4},
-    "dynamic_bsz_96": {"actor_rollout_ref.actor.use_dynamic_bsz": True, "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": 96,
-                       "critic.ppo_max_token_len_per_gpu": 96},
-    "dynamic_bsz_300": {"actor_rollout_ref.actor.use_dynamic_bsz": True, "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": 300,
-                        "critic.ppo_max_token_len_per_gpu": 300},
-    "gradient_checkpointing": {"actor_rollout_ref.model.enable_gradient_checkpointing": True,
-                               "critic.model.enable_gradient_checkpointing": True},
+    "micro_batch_1": {
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 1,
+        "critic.ppo_micro_batch_size_per_gpu": 1,
+    },
+    "micro_batch_4": {
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 4,
+        "critic.ppo_micro_batch_size_per_gpu": 4,
+    },
+    "dynamic_bsz_96": {
+        "actor_rollout_ref.actor.use_dynamic_bsz": True,
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": 96,
+        "critic.ppo_max_token_len_per_gpu": 96,
+    },
+    "dynamic_bsz_300": {
+        "actor_rollout_ref.actor.use_dynamic_bsz": True,
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": 300,
+        "critic.ppo_max_token_len_per_gpu": 300,
+    },
+    "gradient_checkpointing": {
+        "actor_rollout_ref.model.enable_gradient_checkpointing": True,
+        "critic.model.enable_gradient_checkpointing": True,
+    },
     "padded": {"actor_rollout_ref.model.use_remove_padding": False, "critic.model.use_remove_padding": False},
     "fsdp2": {"actor_rollout_ref.actor.strategy": "fsdp2"},
 }
@@ -35,9 +50,23 @@ def run_variants(nproc: int, out: Path, variants: dict, env: dict | None = None)
     """torchrun the worker over ``variants``; -> {variant: saved parameters and stats}."""
     spec = out / f"variants{nproc}.json"
     spec.write_text(json.dumps(variants))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                           str(WORKER), str(out), str(spec)], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, **(env or {})})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            str(WORKER),
+            str(out),
+            str(spec),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, **(env or {})},
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return {name: torch.load(out / f"{name}.pt") for name in variants}
 

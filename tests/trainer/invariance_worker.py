@@ -4,6 +4,7 @@ Every variant starts from the same seeded weights and the same global batch (fix
 responses, advantages and returns); each rank takes its slice. Rank 0 saves the updated full
 parameters of actor and critic to OUT/<variant>.pt.
 """
+
 import json
 import os
 import sys
@@ -28,11 +29,15 @@ def fixed_batch(cfg, tokenizer, device):
     ds = PromptDataset.build(rows, tokenizer, max_prompt_length=cfg.data.max_prompt_length, truncation="error")
     g = torch.Generator().manual_seed(1234)
     idx = torch.randperm(len(ds), generator=g)[:GLOBAL_BATCH].tolist()
-    prompt_ids, prompt_mask = left_pad([ds.input_ids[i] for i in idx], cfg.data.max_prompt_length, tokenizer.pad_token_id)
+    prompt_ids, prompt_mask = left_pad(
+        [ds.input_ids[i] for i in idx], cfg.data.max_prompt_length, tokenizer.pad_token_id
+    )
     R = cfg.data.max_response_length
     lengths = torch.randint(1, R + 1, (GLOBAL_BATCH,), generator=g)
     mask = (torch.arange(R)[None] < lengths[:, None]).long()
-    responses = torch.randint(5, len(tokenizer), (GLOBAL_BATCH, R), generator=g) * mask + tokenizer.pad_token_id * (1 - mask)
+    responses = torch.randint(5, len(tokenizer), (GLOBAL_BATCH, R), generator=g) * mask + tokenizer.pad_token_id * (
+        1 - mask
+    )
     batch = assemble_batch(prompt_ids, prompt_mask, responses, mask)
     batch["advantages"] = torch.randn(GLOBAL_BATCH, R, generator=g) * mask
     batch["return_noise"] = torch.randn(GLOBAL_BATCH, R, generator=g) * mask
@@ -51,8 +56,16 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     for name, overrides in variants.items():
-        cfg = load_config(BASE, {**overrides, "trainer.n_gpus_per_node": world, "ppotune.device": device.type,
-                                 "actor_rollout_ref.actor.optim.lr": 1e-4, "critic.optim.lr": 1e-4})
+        cfg = load_config(
+            BASE,
+            {
+                **overrides,
+                "trainer.n_gpus_per_node": world,
+                "ppotune.device": device.type,
+                "actor_rollout_ref.actor.optim.lr": 1e-4,
+                "critic.optim.lr": 1e-4,
+            },
+        )
         tokenizer = load_tokenizer(cfg.actor_rollout_ref.model.path)
         roles, _ = build_roles(cfg, tokenizer, device, world, [])
         full = fixed_batch(cfg, tokenizer, device)
@@ -60,20 +73,48 @@ def main():
         batch = {k: v[rows] for k, v in full.items()}
         init_actor = full_state_dict(roles.actor.sharded, device=device)
         P, s, plans = cfg.data.max_prompt_length, roles.settings, roles.plans
-        batch["old_log_probs"] = compute_log_probs(roles.actor, batch, plans.rollout_log_prob, prompt_width=P, temperature=s.temperature)
-        batch["ref_log_probs"] = compute_log_probs(roles.ref, batch, plans.ref, prompt_width=P, temperature=s.temperature)
+        batch["old_log_probs"] = compute_log_probs(
+            roles.actor, batch, plans.rollout_log_prob, prompt_width=P, temperature=s.temperature
+        )
+        batch["ref_log_probs"] = compute_log_probs(
+            roles.ref, batch, plans.ref, prompt_width=P, temperature=s.temperature
+        )
         batch["values"] = compute_values(roles.critic, batch, plans.critic_forward, prompt_width=P)
         batch["returns"] = batch["values"] + batch.pop("return_noise")
-        update_critic(roles.critic, batch, plans.critic, cliprange_value=s.cliprange_value, grad_clip=s.critic_grad_clip,
-                      mini_per_gpu=s.critic_mini_batch_size_per_gpu, epochs=s.critic_epochs, prompt_width=P, device=device)
-        stats = update_actor(roles.actor, batch, plans.actor, s.actor_loss, mini_per_gpu=s.ppo_mini_batch_size_per_gpu,
-                             epochs=s.ppo_epochs, prompt_width=P, temperature=s.temperature, device=device)
+        update_critic(
+            roles.critic,
+            batch,
+            plans.critic,
+            cliprange_value=s.cliprange_value,
+            grad_clip=s.critic_grad_clip,
+            mini_per_gpu=s.critic_mini_batch_size_per_gpu,
+            epochs=s.critic_epochs,
+            prompt_width=P,
+            device=device,
+        )
+        stats = update_actor(
+            roles.actor,
+            batch,
+            plans.actor,
+            s.actor_loss,
+            mini_per_gpu=s.ppo_mini_batch_size_per_gpu,
+            epochs=s.ppo_epochs,
+            prompt_width=P,
+            temperature=s.temperature,
+            device=device,
+        )
         actor_sd = full_state_dict(roles.actor.sharded, device=device)
         critic_sd = full_state_dict(roles.critic.sharded, device=device)
         if rank == 0:
-            torch.save({"actor": clean_state_dict(actor_sd), "critic": clean_state_dict(critic_sd), "stats": stats,
-                        "init_actor": clean_state_dict(init_actor)},
-                       f"{out_dir}/{name}.pt")
+            torch.save(
+                {
+                    "actor": clean_state_dict(actor_sd),
+                    "critic": clean_state_dict(critic_sd),
+                    "stats": stats,
+                    "init_actor": clean_state_dict(init_actor),
+                },
+                f"{out_dir}/{name}.pt",
+            )
         del roles
     dist.barrier()
     dist.destroy_process_group()

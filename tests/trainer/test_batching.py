@@ -1,4 +1,5 @@
 """Micro-batch planning: token budgets are strict caps, balanced, count forced across ranks."""
+
 import random
 
 import pytest
@@ -58,6 +59,7 @@ def test_pack_and_response_positions():
     assert packed.tolist() == [[5, 6, 7, 8, 9, 9, 4, 3]]
     assert packed_pos.tolist() == [[0, 1, 2, 3, 0, 1, 2, 3]]
     idx, mask = response_positions(attn, resp_mask, 3)
-    # row 0: tokens 7, 8 are predicted by packed positions 1 (token 6) and 2 (token 7); row 1: token 3 by position 6 (token 4)
+    # row 0: tokens 7, 8 are predicted by packed positions 1 (token 6) and 2 (token 7);
+    # row 1: token 3 by position 6 (token 4)
     assert idx.tolist() == [1, 2, 6]
     assert mask.tolist() == [[True, True], [True, False]]

@@ -1,4 +1,5 @@
 """The config: verl keys, one place for defaults, contradictions refused naming the key."""
+
 import pytest
 
 from trainer.config import ConfigError, PPOConfig, config_to_dict, flatten, load_config
@@ -7,7 +8,9 @@ BASE = "configs/tiny_cpu.yaml"
 
 
 def test_defaults_and_overrides():
-    cfg = load_config(BASE, ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "algorithm.kl_ctrl.kl_coef=0.05"])
+    cfg = load_config(
+        BASE, ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "algorithm.kl_ctrl.kl_coef=0.05"]
+    )
     assert cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu == 4
     assert cfg.algorithm.kl_ctrl.kl_coef == 0.05
     assert cfg.data.train_batch_size == 16  # from the file
@@ -15,35 +18,68 @@ def test_defaults_and_overrides():
 
 def test_every_design_key_exists():
     keys = set(flatten(config_to_dict(PPOConfig())))
-    for key in ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", "actor_rollout_ref.actor.use_dynamic_bsz",
-                "actor_rollout_ref.actor.ppo_max_token_len_per_gpu", "actor_rollout_ref.actor.fsdp_config.param_offload",
-                "actor_rollout_ref.actor.fsdp_config.optimizer_offload", "actor_rollout_ref.actor.fsdp_config.offload_policy",
-                "actor_rollout_ref.actor.fsdp_config.forward_prefetch", "actor_rollout_ref.model.enable_gradient_checkpointing",
-                "actor_rollout_ref.model.enable_activation_offload", "actor_rollout_ref.model.use_remove_padding",
-                "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
-                "actor_rollout_ref.rollout.gpu_memory_utilization", "actor_rollout_ref.rollout.max_num_batched_tokens",
-                "actor_rollout_ref.rollout.max_num_seqs", "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
-                "actor_rollout_ref.rollout.n", "critic.ppo_micro_batch_size_per_gpu", "critic.ppo_max_token_len_per_gpu",
-                "critic.forward_max_token_len_per_gpu", "algorithm.gamma", "algorithm.lam", "algorithm.use_kl_in_reward",
-                "algorithm.kl_penalty", "algorithm.kl_ctrl.type", "algorithm.kl_ctrl.kl_coef", "algorithm.kl_ctrl.target_kl",
-                "algorithm.kl_ctrl.horizon", "data.train_batch_size", "data.max_prompt_length", "data.max_response_length",
-                "data.train_files", "trainer.n_gpus_per_node", "trainer.nnodes", "trainer.total_training_steps"]:
+    for key in [
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+        "actor_rollout_ref.actor.use_dynamic_bsz",
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+        "actor_rollout_ref.actor.fsdp_config.param_offload",
+        "actor_rollout_ref.actor.fsdp_config.optimizer_offload",
+        "actor_rollout_ref.actor.fsdp_config.offload_policy",
+        "actor_rollout_ref.actor.fsdp_config.forward_prefetch",
+        "actor_rollout_ref.model.enable_gradient_checkpointing",
+        "actor_rollout_ref.model.enable_activation_offload",
+        "actor_rollout_ref.model.use_remove_padding",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+        "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
+        "actor_rollout_ref.rollout.gpu_memory_utilization",
+        "actor_rollout_ref.rollout.max_num_batched_tokens",
+        "actor_rollout_ref.rollout.max_num_seqs",
+        "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+        "actor_rollout_ref.rollout.n",
+        "critic.ppo_micro_batch_size_per_gpu",
+        "critic.ppo_max_token_len_per_gpu",
+        "critic.forward_max_token_len_per_gpu",
+        "algorithm.gamma",
+        "algorithm.lam",
+        "algorithm.use_kl_in_reward",
+        "algorithm.kl_penalty",
+        "algorithm.kl_ctrl.type",
+        "algorithm.kl_ctrl.kl_coef",
+        "algorithm.kl_ctrl.target_kl",
+        "algorithm.kl_ctrl.horizon",
+        "data.train_batch_size",
+        "data.max_prompt_length",
+        "data.max_response_length",
+        "data.train_files",
+        "trainer.n_gpus_per_node",
+        "trainer.nnodes",
+        "trainer.total_training_steps",
+    ]:
         assert key in keys, key
 
 
-@pytest.mark.parametrize("override, key", [
-    ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"),
-    ("critic.ppo_micro_batch_size_per_gpu=8", "critic.ppo_micro_batch_size_per_gpu"),
-    ("actor_rollout_ref.actor.ppo_mini_batch_size=5", "actor_rollout_ref.actor.ppo_mini_batch_size"),
-    ("actor_rollout_ref.actor.bogus_knob=1", "actor_rollout_ref.actor.bogus_knob"),
-    ("data.train_batch_size=many", "data.train_batch_size"),
-    ("actor_rollout_ref.model.use_remove_padding=3", "actor_rollout_ref.model.use_remove_padding"),
-    ("actor_rollout_ref.actor.strategy=megatron", "actor_rollout_ref.actor.strategy"),
-    ("algorithm.kl_penalty=k9", "algorithm.kl_penalty"),
-    ("actor_rollout_ref.actor.fsdp_config.offload_policy=true", "actor_rollout_ref.actor.fsdp_config.offload_policy"),
-    ("actor_rollout_ref.model.path=/nonexistent/model", "actor_rollout_ref.model.path"),
-    ("data.train_files=/nonexistent/train.parquet", "data.train_files"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        (
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+        ),
+        ("critic.ppo_micro_batch_size_per_gpu=8", "critic.ppo_micro_batch_size_per_gpu"),
+        ("actor_rollout_ref.actor.ppo_mini_batch_size=5", "actor_rollout_ref.actor.ppo_mini_batch_size"),
+        ("actor_rollout_ref.actor.bogus_knob=1", "actor_rollout_ref.actor.bogus_knob"),
+        ("data.train_batch_size=many", "data.train_batch_size"),
+        ("actor_rollout_ref.model.use_remove_padding=3", "actor_rollout_ref.model.use_remove_padding"),
+        ("actor_rollout_ref.actor.strategy=megatron", "actor_rollout_ref.actor.strategy"),
+        ("algorithm.kl_penalty=k9", "algorithm.kl_penalty"),
+        (
+            "actor_rollout_ref.actor.fsdp_config.offload_policy=true",
+            "actor_rollout_ref.actor.fsdp_config.offload_policy",
+        ),
+        ("actor_rollout_ref.model.path=/nonexistent/model", "actor_rollout_ref.model.path"),
+        ("data.train_files=/nonexistent/train.parquet", "data.train_files"),
+    ],
+)
 def test_refused_with_the_key_named(override, key):
     with pytest.raises(ConfigError) as e:
         load_config(BASE, [override])
@@ -53,12 +89,21 @@ def test_refused_with_the_key_named(override, key):
 
 def test_token_budget_below_one_sequence_is_refused():
     with pytest.raises(ConfigError, match="ppo_max_token_len_per_gpu: 50 is below"):
-        load_config(BASE, ["actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=50"])
+        load_config(
+            BASE,
+            ["actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=50"],
+        )
 
 
 def test_divisibility_depends_on_world_size():
-    load_config(BASE, ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "trainer.n_gpus_per_node=1",
-                       "critic.ppo_micro_batch_size_per_gpu=8"])
+    load_config(
+        BASE,
+        [
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+            "trainer.n_gpus_per_node=1",
+            "critic.ppo_micro_batch_size_per_gpu=8",
+        ],
+    )
     with pytest.raises(ConfigError, match="per-GPU mini-batch"):
         load_config(BASE, ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8"])  # 2 GPUs: 4 per GPU
 
@@ -74,9 +119,14 @@ def test_check_command_validates_without_launching():
     import subprocess
     import sys
 
-    ok = subprocess.run([sys.executable, "-m", "tuner.cli", "check", BASE, "--nproc", "2"], capture_output=True, text=True)
+    ok = subprocess.run(
+        [sys.executable, "-m", "tuner.cli", "check", BASE, "--nproc", "2"], capture_output=True, text=True
+    )
     assert ok.returncode == 0 and "mini-batch 4 sequences per GPU, 2 sequences per micro-batch" in ok.stdout
-    bad = subprocess.run([sys.executable, "-m", "tuner.cli", "check", BASE, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3"],
-                         capture_output=True, text=True)
+    bad = subprocess.run(
+        [sys.executable, "-m", "tuner.cli", "check", BASE, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3"],
+        capture_output=True,
+        text=True,
+    )
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1
     assert "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu: 3 does not divide" in bad.stderr

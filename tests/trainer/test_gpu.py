@@ -2,6 +2,7 @@
 
 Run on a GPU machine with:  python -m pytest tests/test_gpu.py -v -s
 """
+
 import json
 import subprocess
 import sys
@@ -12,27 +13,62 @@ import torch
 from invariance import TOL, VARIANTS_2, max_rel_diff, run_variants
 from support import REPO
 
-pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.slow,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
 ROOT = REPO
 BASE = str(ROOT / "configs" / "tiny_cpu.yaml")
 # Qwen2.5-0.5B's shape (hidden 896, 24 layers, 14 heads, 2 KV heads), built from config.
-HALF_B = ["ppotune.tiny.hidden_size=896", "ppotune.tiny.num_hidden_layers=24", "ppotune.tiny.num_attention_heads=14",
-          "ppotune.tiny.num_key_value_heads=2", "ppotune.tiny.intermediate_size=4864"]
+HALF_B = [
+    "ppotune.tiny.hidden_size=896",
+    "ppotune.tiny.num_hidden_layers=24",
+    "ppotune.tiny.num_attention_heads=14",
+    "ppotune.tiny.num_key_value_heads=2",
+    "ppotune.tiny.intermediate_size=4864",
+]
 
 
 def _train(tmp_path, *args):
     result = tmp_path / "r.json"
-    proc = subprocess.run([sys.executable, "-m", "tuner.cli", "train", BASE, "ppotune.device=cuda", *map(str, args),
-                           "--result", str(result)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tuner.cli",
+            "train",
+            BASE,
+            "ppotune.device=cuda",
+            *map(str, args),
+            "--result",
+            str(result),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     return proc, json.loads(result.read_text())
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
 def test_e2e_nccl(tmp_path, strategy):
     n = torch.cuda.device_count()
-    proc, r = _train(tmp_path, f"actor_rollout_ref.actor.strategy={strategy}", "actor_rollout_ref.actor.fsdp_config.dtype=bfloat16",
-                     "actor_rollout_ref.actor.fsdp_config.param_offload=true", "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true",
-                     "actor_rollout_ref.model.enable_activation_offload=true", "--nproc", n, "--steps", 3, "--warmup", 1)
+    proc, r = _train(
+        tmp_path,
+        f"actor_rollout_ref.actor.strategy={strategy}",
+        "actor_rollout_ref.actor.fsdp_config.dtype=bfloat16",
+        "actor_rollout_ref.actor.fsdp_config.param_offload=true",
+        "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true",
+        "actor_rollout_ref.model.enable_activation_offload=true",
+        "--nproc",
+        n,
+        "--steps",
+        3,
+        "--warmup",
+        1,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert r["status"] == "ok" and r["environment"]["backend"] == "nccl"
     assert r["summary"]["memory_source"] == "torch_cuda" and r["summary"]["peak_memory_allocated_gb"] > 0
@@ -47,8 +83,19 @@ def test_real_cuda_oom_under_the_cap(tmp_path):
 
 
 def test_mfu_half_b_shape(tmp_path):
-    proc, r = _train(tmp_path, *HALF_B, "actor_rollout_ref.actor.fsdp_config.dtype=bfloat16", "critic.fsdp.dtype=bfloat16",
-                     "actor_rollout_ref.ref.fsdp_config.dtype=bfloat16", "--nproc", 1, "--steps", 3, "--warmup", 1)
+    proc, r = _train(
+        tmp_path,
+        *HALF_B,
+        "actor_rollout_ref.actor.fsdp_config.dtype=bfloat16",
+        "critic.fsdp.dtype=bfloat16",
+        "actor_rollout_ref.ref.fsdp_config.dtype=bfloat16",
+        "--nproc",
+        1,
+        "--steps",
+        3,
+        "--warmup",
+        1,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     mfu = r["summary"]["mfu"]
     print(f"MFU (actor update, 0.5B shape, {r['environment']['device_name']}): {mfu}")

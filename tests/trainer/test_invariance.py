@@ -1,10 +1,12 @@
 """Per-GPU knobs must not change training: one PPO update of actor and critic from the same
 weights and batch gives the same parameters under every knob setting (fp32, gloo, real FSDP)."""
+
 import pytest
 
 from invariance import TOL, VARIANTS_2, max_rel_diff, run_variants
 
 pytestmark = pytest.mark.slow  # torchrun of real FSDP ranks
+
 
 @pytest.fixture(scope="module")
 def updated(tmp_path_factory):

@@ -1,4 +1,5 @@
 """The search's decisions with no process at all: tuner.decide, and tuner.loop over a replay runner."""
+
 from __future__ import annotations
 
 import random
@@ -32,16 +33,19 @@ def setup():
 
     space = space_from_dict(yaml.safe_load(SPACE), source="space.yaml")
     nested, _ = base_flat_config(TINY_BASE, nproc=2)
-    trial_base = config_to_dict(config_from_dict(apply_overrides(nested, {"trainer.total_training_steps": 2,
-                                                                           "ppotune.warmup_steps": 1})))
+    trial_base = config_to_dict(
+        config_from_dict(apply_overrides(nested, {"trainer.total_training_steps": 2, "ppotune.warmup_steps": 1}))
+    )
     return space, trial_base, flatten(trial_base)
 
 
 def frozen(number: int, status: str, overrides: dict, **attrs) -> optuna.trial.FrozenTrial:
     complete = Status(status).complete
-    t = create_trial(state=TrialState.COMPLETE if complete else TrialState.FAIL,
-                     values=[1.0, 1.0] if complete else None,
-                     user_attrs={"status": status, "overrides": overrides, **attrs})
+    t = create_trial(
+        state=TrialState.COMPLETE if complete else TrialState.FAIL,
+        values=[1.0, 1.0] if complete else None,
+        user_attrs={"status": status, "overrides": overrides, **attrs},
+    )
     t.number = number
     return t
 
@@ -76,14 +80,19 @@ def test_judge_invalid_duplicate_and_inferred_oom(setup):
     lighter = space.complete({MICRO: 4, GC: True}, flat)  # checkpointing on: not comparable to the OOM
     assert decide.judge(lighter, number=9, space=space, trial_base=trial_base, trial_flat=flat, known=known).launch
     # a --confirm re-run repeats a measured config on purpose
-    assert decide.judge(same, number=10, space=space, trial_base=trial_base, trial_flat=flat, known=known,
-                        is_confirm=True).launch
+    assert decide.judge(
+        same, number=10, space=space, trial_base=trial_base, trial_flat=flat, known=known, is_confirm=True
+    ).launch
 
 
 def test_known_configs_skip_what_is_not_a_measurement(setup):
     space, _, flat = setup
-    trials = [frozen(0, "interrupted", {MICRO: 1}), frozen(1, "duplicate", {MICRO: 1}, duplicate_of=3),
-              frozen(2, "ok", {MICRO: 1}, confirm_of=3), frozen(3, "ok", {MICRO: 1})]
+    trials = [
+        frozen(0, "interrupted", {MICRO: 1}),
+        frozen(1, "duplicate", {MICRO: 1}, duplicate_of=3),
+        frozen(2, "ok", {MICRO: 1}, confirm_of=3),
+        frozen(3, "ok", {MICRO: 1}),
+    ]
     known = decide.known_configs(trials, space, flat)
     assert [t.number for t in known.values()] == [3]
 
@@ -118,8 +127,9 @@ def test_search_loop_over_a_replay_runner(setup):
     """The real loop (ask -> judge -> run -> tell) with every launch answered from a recording."""
     space, trial_base, flat = setup
     storage = optuna.storages.InMemoryStorage()
-    study = optuna.create_study(storage=storage, directions=list(DIRECTIONS),
-                                sampler=build_sampler("grid", seed=0, n_trials=6))
+    study = optuna.create_study(
+        storage=storage, directions=list(DIRECTIONS), sampler=build_sampler("grid", seed=0, n_trials=6)
+    )
     study.enqueue_trial(space.baseline_params(flat), user_attrs={"baseline": True})
     study.enqueue_trial({MICRO: 1, GC: False})
     study.enqueue_trial({MICRO: 4, GC: False})  # hungrier than an OOM: never launched
@@ -127,11 +137,20 @@ def test_search_loop_over_a_replay_runner(setup):
     table = _replay_table(space, flat)
     # in this recording "micro-batch 1 without checkpointing" ran out of memory
     table[space.identity(space.complete({MICRO: 1, GC: False}, flat).effective)] = [
-        Recorded(Status.OOM, None, None, 3.0, 99)]
+        Recorded(Status.OOM, None, None, 3.0, 99)
+    ]
     runner = ReplayRunner(table, rng=random.Random(0))
-    search = Search(options=SearchOptions(trials=5, sampler="grid", seed=0), study=study, storage=storage,
-                    lock=st.StudyLock(None), space=space, trial_base=trial_base, trial_flat=flat, runner=runner,
-                    penalty_gb=64.0)
+    search = Search(
+        options=SearchOptions(trials=5, sampler="grid", seed=0),
+        study=study,
+        storage=storage,
+        lock=st.StudyLock(None),
+        space=space,
+        trial_base=trial_base,
+        trial_flat=flat,
+        runner=runner,
+        penalty_gb=64.0,
+    )
     search.run()
 
     trials = study.get_trials()
@@ -147,5 +166,6 @@ def test_search_loop_over_a_replay_runner(setup):
     assert all(t.values[0] == TrialRecord.from_user_attrs(t.user_attrs).throughput for t in ok)
     assert trials[1].values == [0.0, 64.0] and trials[2].values == [0.0, 64.0]
     assert trials[3].state == TrialState.FAIL  # the duplicate: recorded, not run, not counted
-    assert len({space.identity({**flat, **r.overrides}) for r, t in zip(recs, trials)
-                if decide.counted(t)}) == 5  # five distinct configs
+    assert (
+        len({space.identity({**flat, **r.overrides}) for r, t in zip(recs, trials) if decide.counted(t)}) == 5
+    )  # five distinct configs

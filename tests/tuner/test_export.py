@@ -1,4 +1,5 @@
 """``ppotune export`` on the hand-built study of test_report.py (and on a real search when there is one)."""
+
 from __future__ import annotations
 
 import os
@@ -89,11 +90,14 @@ def test_device_memory_rules():
     assert device_memory_gb({"device": h100, "memory_limit_gb": 40.0}) == (40.0, "memory cap 40 GB (--memory-limit-gb)")
     assert device_memory_gb({"device": h100, "memory_limit_gb": None})[0] == 80.0
     # on CPU the cap is an RLIMIT_DATA per rank, not comparable with RSS: the machine's RAM bounds the trial
-    gb, label = device_memory_gb({"device": {"kind": "cpu", "name": "Xeon", "memory_total_gb": 23.5},
-                                  "memory_limit_gb": 0.45})
+    gb, label = device_memory_gb(
+        {"device": {"kind": "cpu", "name": "Xeon", "memory_total_gb": 23.5}, "memory_limit_gb": 0.45}
+    )
     assert gb == 23.5 and "rlimit" in label
     assert device_memory_gb({"device": {"kind": "cpu", "name": None, "memory_total_gb": None}}) == (
-        None, "device memory unknown")
+        None,
+        "device memory unknown",
+    )
 
 
 def test_best_config_is_base_plus_overrides(demo_out, tmp_path):
@@ -106,8 +110,14 @@ def test_best_config_is_base_plus_overrides(demo_out, tmp_path):
     assert got["actor_rollout_ref.actor.strategy"] == "fsdp2"
     assert got["critic.forward_micro_batch_size_per_gpu"] == 2  # the derived key too
     # global algorithm settings and the user's run length are untouched
-    for key in ("data.train_batch_size", "actor_rollout_ref.actor.ppo_mini_batch_size", "algorithm.kl_ctrl.kl_coef",
-                "algorithm.kl_ctrl.type", "trainer.total_training_steps", "ppotune.warmup_steps"):
+    for key in (
+        "data.train_batch_size",
+        "actor_rollout_ref.actor.ppo_mini_batch_size",
+        "algorithm.kl_ctrl.kl_coef",
+        "algorithm.kl_ctrl.type",
+        "trainer.total_training_steps",
+        "ppotune.warmup_steps",
+    ):
         assert got[key] == base[key], key
     assert cfg.trainer.n_gpus_per_node == 2
 
@@ -136,8 +146,27 @@ def test_hydra_value_round_trips():
 
     from tuner.results.export import hydra_value
 
-    values = [True, False, None, 0, 7, -3, 0.5, 1e-05, 2.0, "fsdp2", "token-mean", "a b", "true", "it's",
-              "/data/x.parquet", [1, 2], ["a", "b c"], "1", "null"]
+    values = [
+        True,
+        False,
+        None,
+        0,
+        7,
+        -3,
+        0.5,
+        1e-05,
+        2.0,
+        "fsdp2",
+        "token-mean",
+        "a b",
+        "true",
+        "it's",
+        "/data/x.parquet",
+        [1, 2],
+        ["a", "b c"],
+        "1",
+        "null",
+    ]
     lines = [f"k{i}={hydra_value(v)}" for i, v in enumerate(values)]
     parsed = [o.value() for o in OverridesParser.create().parse_overrides(lines)]
     assert parsed == values
@@ -146,8 +175,7 @@ def test_hydra_value_round_trips():
 def test_export_never_exports_ppotune_keys():
     from tuner.results.export import verl_overrides
 
-    lines = verl_overrides({"ppotune.tiny.hidden_size": 64, "critic.fsdp.param_offload": True,
-                            "ppotune.device": "cpu"})
+    lines = verl_overrides({"ppotune.tiny.hidden_size": 64, "critic.fsdp.param_offload": True, "ppotune.device": "cpu"})
     assert lines == ["critic.fsdp.param_offload=true"]
 
 
@@ -169,8 +197,12 @@ def test_validate_verl_rejects_bad_keys():
 
     if verl_root() is None:
         pytest.skip("verl is not installed (pip install --no-deps verl==0.9.1)")
-    good = ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "critic.fsdp.param_offload=true",
-            "actor_rollout_ref.ref.fsdp_config.param_offload=false", "actor_rollout_ref.rollout.gpu_memory_utilization=0.6"]
+    good = [
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+        "critic.fsdp.param_offload=true",
+        "actor_rollout_ref.ref.fsdp_config.param_offload=false",
+        "actor_rollout_ref.rollout.gpu_memory_utilization=0.6",
+    ]
     assert validate_overrides(good)["critic.fsdp.param_offload"] is True
     with pytest.raises(VerlOverrideError) as e:
         validate_overrides(good + ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpuu=4"])
@@ -219,29 +251,56 @@ def test_exported_config_trains(real_search, tmp_path):
     if not _has_train():
         pytest.skip("`ppotune train` is not available yet")
     to = tmp_path / "exp"
-    r = subprocess.run([sys.executable, "-m", "tuner.cli", "export", "--out", str(real_search), "--to", str(to)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "tuner.cli", "export", "--out", str(real_search), "--to", str(to)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if r.returncode == 2 and "no feasible trial" in r.stderr:
         pytest.skip(f"the small real search found nothing feasible: {r.stderr.strip()}")
     assert r.returncode == 0, r.stderr
     load_config(to / "best_config.yaml")
-    r = subprocess.run([sys.executable, "-m", "tuner.cli", "train", str(to / "best_config.yaml"), "--nproc", "2",
-                        "--steps", "2", "--warmup", "1", "--result", str(tmp_path / "result.json")],
-                       cwd=ROOT, capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tuner.cli",
+            "train",
+            str(to / "best_config.yaml"),
+            "--nproc",
+            "2",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--result",
+            str(tmp_path / "result.json"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert r.returncode == 0, f"{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
 
 
 def test_report_and_export_never_import_torch():
-    code = ("import sys, tuner.results.report, tuner.results.export, tuner.results.verl_validate; "
-            "from tuner.cli import build_parser; build_parser(); "
-            "assert 'torch' not in sys.modules, 'torch imported'")
+    code = (
+        "import sys, tuner.results.report, tuner.results.export, tuner.results.verl_validate; "
+        "from tuner.cli import build_parser; build_parser(); "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
 
 
 def test_study_view_never_imports_matplotlib():
     """`ppotune search` prints its summary from the view: no plotting library for that."""
-    code = ("import sys, tuner.results.view; "
-            "assert 'matplotlib' not in sys.modules and 'torch' not in sys.modules, 'heavy import'")
+    code = (
+        "import sys, tuner.results.view; "
+        "assert 'matplotlib' not in sys.modules and 'torch' not in sys.modules, 'heavy import'"
+    )
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr

@@ -2,6 +2,7 @@
 
 The thing under test is the launcher: process group, timeout, kill, reaping, classification.
 """
+
 from __future__ import annotations
 
 import os
@@ -21,31 +22,40 @@ PY = sys.executable
 
 def run(tmp_path, code: str, *, timeout_s=30.0, grace_s=2.0, **kw):
     d = tmp_path / "trial"
-    return launch_trial([PY, "-c", textwrap.dedent(code)], trial_dir=d, result_path=d / "result.json",
-                        timeout_s=timeout_s, grace_s=grace_s, **kw)
+    return launch_trial(
+        [PY, "-c", textwrap.dedent(code)],
+        trial_dir=d,
+        result_path=d / "result.json",
+        timeout_s=timeout_s,
+        grace_s=grace_s,
+        **kw,
+    )
 
 
 # --------------------------------------------------------------------------- classification table
 OK = {"status": "ok", "error": None, "summary": {"throughput": 10.0}}
 
 
-@pytest.mark.parametrize("rc,result,kw,expected", [
-    (0, OK, {}, "ok"),
-    (0, {"status": "ok", "error": None, "summary": {"throughput": None}}, {}, "crash"),
-    (3, {"status": "oom", "error": "rank 0 out of memory"}, {}, "oom"),
-    (2, {"status": "error", "error": "config: x.yaml: data.train_batch_size: must be > 0"}, {}, "invalid"),
-    (1, {"status": "error", "error": "config: refused"}, {}, "invalid"),
-    (1, {"status": "error", "error": "rank 1 failed in phase gen: boom"}, {}, "crash"),
-    (1, {"status": "weird"}, {}, "crash"),
-    (2, None, {}, "invalid"),
-    (3, None, {}, "oom"),
-    (-9, None, {}, "crash"),
-    (1, None, {}, "crash"),
-    (0, None, {}, "crash"),
-    (None, None, {"timed_out": True, "timeout_s": 5}, "hang"),
-    (-15, OK, {"timed_out": True, "timeout_s": 5}, "hang"),
-    (-15, None, {"interrupted": True}, "interrupted"),
-])
+@pytest.mark.parametrize(
+    "rc,result,kw,expected",
+    [
+        (0, OK, {}, "ok"),
+        (0, {"status": "ok", "error": None, "summary": {"throughput": None}}, {}, "crash"),
+        (3, {"status": "oom", "error": "rank 0 out of memory"}, {}, "oom"),
+        (2, {"status": "error", "error": "config: x.yaml: data.train_batch_size: must be > 0"}, {}, "invalid"),
+        (1, {"status": "error", "error": "config: refused"}, {}, "invalid"),
+        (1, {"status": "error", "error": "rank 1 failed in phase gen: boom"}, {}, "crash"),
+        (1, {"status": "weird"}, {}, "crash"),
+        (2, None, {}, "invalid"),
+        (3, None, {}, "oom"),
+        (-9, None, {}, "crash"),
+        (1, None, {}, "crash"),
+        (0, None, {}, "crash"),
+        (None, None, {"timed_out": True, "timeout_s": 5}, "hang"),
+        (-15, OK, {"timed_out": True, "timeout_s": 5}, "hang"),
+        (-15, None, {"interrupted": True}, "interrupted"),
+    ],
+)
 def test_classify(rc, result, kw, expected):
     status, error = classify(rc, result, **kw)
     assert status == expected
@@ -61,11 +71,14 @@ def test_train_command_carries_only_the_config_and_the_result():
 
 # --------------------------------------------------------------------------- real processes
 def test_ok_result_file_and_log(tmp_path):
-    r = run(tmp_path, f"""
+    r = run(
+        tmp_path,
+        f"""
         import json
         print("hello from the trial")
-        json.dump({OK!r}, open({str(tmp_path / 'trial' / 'result.json')!r}, "w"))
-    """)
+        json.dump({OK!r}, open({str(tmp_path / "trial" / "result.json")!r}, "w"))
+    """,
+    )
     assert r.status == "ok" and r.returncode == 0 and r.result["summary"]["throughput"] == 10.0
     assert "hello from the trial" in (tmp_path / "trial" / "train.log").read_text()
     assert r.log_tail is None  # only kept for failures
@@ -73,12 +86,17 @@ def test_ok_result_file_and_log(tmp_path):
 
 def test_timeout_kills_the_whole_group_including_grandchildren(tmp_path):
     marker = f"marker-{os.getpid()}-timeout"
-    r = run(tmp_path, f"""
+    r = run(
+        tmp_path,
+        f"""
         import subprocess, time
         subprocess.Popen(["bash", "-c", "sleep 300; echo {marker}"])
         subprocess.Popen(["python3", "-c", "import time; time.sleep(300)  # {marker}"])
         time.sleep(300)
-    """, timeout_s=2.0, grace_s=1.0)
+    """,
+        timeout_s=2.0,
+        grace_s=1.0,
+    )
     assert r.status == "hang" and "trial-timeout" in r.error
     assert 2.0 <= r.duration_s < 15
     assert r.leftover_pids == []
@@ -87,11 +105,16 @@ def test_timeout_kills_the_whole_group_including_grandchildren(tmp_path):
 
 
 def test_sigterm_ignoring_trial_is_sigkilled_after_grace(tmp_path):
-    r = run(tmp_path, """
+    r = run(
+        tmp_path,
+        """
         import signal, time
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         time.sleep(300)
-    """, timeout_s=1.0, grace_s=1.0)
+    """,
+        timeout_s=1.0,
+        grace_s=1.0,
+    )
     assert r.status == "hang"
     assert r.duration_s < 12
     assert r.leftover_pids == []
@@ -100,10 +123,13 @@ def test_sigterm_ignoring_trial_is_sigkilled_after_grace(tmp_path):
 def test_orphaned_grandchild_is_reaped_when_the_trial_exits(tmp_path):
     # the trial exits at once, leaving a detached grandchild (a rank whose torchrun died)
     marker = f"marker-{os.getpid()}-orphan"
-    r = run(tmp_path, f"""
+    r = run(
+        tmp_path,
+        f"""
         import subprocess
         subprocess.Popen(["bash", "-c", "sleep 300; echo {marker}"], start_new_session=True)
-    """)
+    """,
+    )
     assert r.status == "crash" and "without a result file" in r.error  # rc 0, no result
     assert wait_until(lambda: not processes_with(marker), 10)
 
@@ -115,11 +141,14 @@ def test_signal_death_is_a_crash(tmp_path):
 
 
 def test_exit_2_is_invalid(tmp_path):
-    r = run(tmp_path, """
+    r = run(
+        tmp_path,
+        """
         import sys
         print("ppotune train: error: c.yaml: data.train_batch_size: must be > 0", file=sys.stderr)
         sys.exit(2)
-    """)
+    """,
+    )
     assert r.status == "invalid" and "data.train_batch_size" in r.error
     assert "must be > 0" in r.log_tail
 
@@ -137,15 +166,21 @@ def test_stop_event_interrupts(tmp_path):
 def test_trial_dies_with_a_sigkilled_tuner(tmp_path):
     """PDEATHSIG on the reaper: SIGKILL the process that launched the trial, the trial tree goes."""
     marker = f"marker-{os.getpid()}-pdeathsig"
-    tuner = subprocess.Popen([PY, "-c", textwrap.dedent(f"""
+    tuner = subprocess.Popen(
+        [
+            PY,
+            "-c",
+            textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(REPO)!r})
         from tuner.launch import launch_trial
         launch_trial([sys.executable, "-c", "import subprocess, time; "
                       "subprocess.Popen(['bash', '-c', 'sleep 300; echo {marker}']); time.sleep(300)"],
-                     trial_dir={str(tmp_path / 't')!r}, result_path={str(tmp_path / 't' / 'r.json')!r},
+                     trial_dir={str(tmp_path / "t")!r}, result_path={str(tmp_path / "t" / "r.json")!r},
                      timeout_s=300, grace_s=2)
-    """)])
+    """),
+        ]
+    )
     assert wait_until(lambda: len(processes_with(marker)) >= 1, 20)
     tuner.kill()
     tuner.wait()
@@ -155,11 +190,14 @@ def test_trial_dies_with_a_sigkilled_tuner(tmp_path):
 # --------------------------------------------------------------------------- memory
 def test_psutil_fallback_without_nvml(tmp_path):
     assert not nvml_available()  # this CPU machine: nvmlInit raises NVMLError_LibraryNotFound
-    r = run(tmp_path, """
+    r = run(
+        tmp_path,
+        """
         import time
         block = bytearray(300 * 1024 * 1024)  # touched: 300 MB resident
         time.sleep(1.0)
-    """)
+    """,
+    )
     assert r.memory.external_source == "psutil"
     assert r.memory.samples >= 8  # >= 10 Hz over ~1 s
     assert r.memory.external_peak_gb > 0.28
@@ -167,9 +205,11 @@ def test_psutil_fallback_without_nvml(tmp_path):
 
 
 def test_sampler_reads_the_process_tree(tmp_path):
-    code = ("import subprocess, sys, time; "
-            "kids = [subprocess.Popen([sys.executable, '-c', 'b = bytearray(150 * 2**20); import time; time.sleep(2)']) "
-            "for _ in range(2)]; [k.wait() for k in kids]")
+    code = (
+        "import subprocess, sys, time; "
+        "kids = [subprocess.Popen([sys.executable, '-c', 'b = bytearray(150 * 2**20); import time; time.sleep(2)']) "
+        "for _ in range(2)]; [k.wait() for k in kids]"
+    )
     proc = subprocess.Popen([PY, "-c", code])
     sampler = MemorySampler(proc.pid, use_nvml=True, hz=20)
     assert sampler.source == "psutil"

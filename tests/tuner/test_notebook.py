@@ -1,4 +1,5 @@
 """notebooks/pareto_report.ipynb executes top to bottom (nbclient) on a study, so it never rots."""
+
 from __future__ import annotations
 
 import pytest
@@ -16,8 +17,9 @@ def _execute(monkeypatch, storage: str, study: str = ""):
     monkeypatch.setenv("PPOTUNE_STORAGE", storage)
     monkeypatch.setenv("PPOTUNE_STUDY", study)
     nb = nbformat.read(NOTEBOOK, as_version=4)
-    client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
-                                     resources={"metadata": {"path": str(ROOT / "notebooks")}})
+    client = nbclient.NotebookClient(
+        nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(ROOT / "notebooks")}}
+    )
     client.execute()  # raises CellExecutionError naming the cell if any cell fails
     return nb
 

@@ -4,6 +4,7 @@ Two studies: one built here through Optuna's public API (every status, an 80 GB 
 constraints, a baseline, a trial still running) and, when the tuner's ``search``
 exists, a real small search on CPU (the session fixture ``real_search`` in conftest.py).
 """
+
 from __future__ import annotations
 
 import csv
@@ -23,7 +24,6 @@ from support import DEMO_TRIALS, DEVICE_GB, PENALTY_GB, REPO, check_report_dir, 
 ROOT = REPO
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
-
 
 
 @pytest.fixture(scope="module")
@@ -138,21 +138,40 @@ def test_write_report_as_search_calls_it(tmp_path):
 
 def test_report_few_trials_and_unknown_device(tmp_path):
     """Two trials, no device memory: importances say why they are missing, no crash."""
-    study = optuna.create_study(storage=f"sqlite:///{tmp_path / 'study.db'}", study_name="small",
-                                directions=["maximize", "minimize"])
+    study = optuna.create_study(
+        storage=f"sqlite:///{tmp_path / 'study.db'}", study_name="small", directions=["maximize", "minimize"]
+    )
     study.set_user_attr("device", {"kind": "cpu", "name": None, "memory_total_gb": None})
     study.set_user_attr("memory_limit_gb", None)
     for i, (status, thr, peak) in enumerate([("ok", 100.0, 1.2), ("oom", None, None)]):
         t = study.ask({"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": CategoricalDistribution([1, 2])})
-        for k, v in {"status": status, "baseline": i == 0, "throughput": thr, "peak_memory_gb": peak,
-                     "memory_source": "psutil", "duration_s": 9.0}.items():
+        for k, v in {
+            "status": status,
+            "baseline": i == 0,
+            "throughput": thr,
+            "peak_memory_gb": peak,
+            "memory_source": "psutil",
+            "duration_s": 9.0,
+        }.items():
             t.set_user_attr(k, v)
         t.set_constraint("oom", -1.0 if status == "ok" else 1.0)
         study.tell(t, [thr or 0.0, peak or 99.0])
     from tuner.cli import main
 
-    assert main(["report", "--storage", f"sqlite:///{tmp_path / 'study.db'}", "--study", "small",
-                 "--to", str(tmp_path / "r")]) == 0
+    assert (
+        main(
+            [
+                "report",
+                "--storage",
+                f"sqlite:///{tmp_path / 'study.db'}",
+                "--study",
+                "small",
+                "--to",
+                str(tmp_path / "r"),
+            ]
+        )
+        == 0
+    )
     text = (tmp_path / "r" / "report.html").read_text()
     assert "not enough feasible trials to estimate importances (1; need 4)" in text
     assert "Device memory unknown" in text
@@ -184,9 +203,16 @@ def test_optuna_dashboard_reads_our_storage(demo_out):
 
     def get(path: str):
         status = {}
-        environ = {"REQUEST_METHOD": "GET", "PATH_INFO": path, "QUERY_STRING": "", "SERVER_NAME": "x",
-                   "SERVER_PORT": "80", "wsgi.input": io.BytesIO(), "wsgi.errors": sys.stderr,
-                   "wsgi.url_scheme": "http"}
+        environ = {
+            "REQUEST_METHOD": "GET",
+            "PATH_INFO": path,
+            "QUERY_STRING": "",
+            "SERVER_NAME": "x",
+            "SERVER_PORT": "80",
+            "wsgi.input": io.BytesIO(),
+            "wsgi.errors": sys.stderr,
+            "wsgi.url_scheme": "http",
+        }
         body = b"".join(app(environ, lambda s, h, *a: status.setdefault("s", s)))
         return status["s"], body
 
@@ -206,8 +232,13 @@ def test_report_on_real_search(real_search, tmp_path):
     view = load(out=real_search)
     statuses = {int(r["number"]): r["status"] for _, r in view.trials.iterrows()}
     assert len(statuses) >= 4
-    r = subprocess.run([sys.executable, "-m", "tuner.cli", "report", "--out", str(real_search), "--to", str(tmp_path)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-m", "tuner.cli", "report", "--out", str(real_search), "--to", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr
     check_report_dir(tmp_path, len(statuses), statuses)
     # `search --report` wrote the same report next to the study

@@ -1,4 +1,5 @@
 """Search spaces: parsing, safe expressions, conditions, constraints, grid, memory dominance."""
+
 from __future__ import annotations
 
 import random
@@ -47,8 +48,7 @@ def test_shipped_space_is_valid_against_the_demo_config(path, base_flat):
     assert report["size"] > 0
     assert report["accepted"] == report["sampled"] > 0, report["first_refusal"]
     # every shipped space can be sampled by Optuna and yields a config the trainer accepts
-    study = optuna.create_study(directions=["maximize", "minimize"],
-                                sampler=optuna.samplers.RandomSampler(seed=0))
+    study = optuna.create_study(directions=["maximize", "minimize"], sampler=optuna.samplers.RandomSampler(seed=0))
     for _ in range(5):
         trial = study.ask()
         cand = space.suggest(trial, base_flat)
@@ -72,17 +72,20 @@ def test_tiny_cpu_space_fits_the_tiny_demo(base_flat):
 
 
 # --------------------------------------------------------------------------- expressions
-@pytest.mark.parametrize("text,expected", [
-    ("2 * a.b", 8),
-    ("a.b // 3 + a.b % 3", 2),
-    ("a.b / 8", 0.5),
-    ("min(a.b, 2) + max(1, a.b)", 6),
-    ("a.b <= 4 and not c.d", True),
-    ("c.d == false", True),
-    ("e.f == 'fsdp2' or e.f == \"fsdp\"", True),
-    ("1 < a.b < 8", True),
-    ("-a.b", -4),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("2 * a.b", 8),
+        ("a.b // 3 + a.b % 3", 2),
+        ("a.b / 8", 0.5),
+        ("min(a.b, 2) + max(1, a.b)", 6),
+        ("a.b <= 4 and not c.d", True),
+        ("c.d == false", True),
+        ("e.f == 'fsdp2' or e.f == \"fsdp\"", True),
+        ("1 < a.b < 8", True),
+        ("-a.b", -4),
+    ],
+)
 def test_expressions_evaluate(text, expected):
     env = {"a.b": 4, "c.d": False, "e.f": "fsdp"}
     expr = Expr(text)
@@ -90,18 +93,21 @@ def test_expressions_evaluate(text, expected):
     assert expr.names <= set(env)
 
 
-@pytest.mark.parametrize("text", [
-    "__import__('os').system('true')",
-    "a.b.__class__",  # parses as a dotted name, but it is not a config key (checked at load)
-    "(lambda: 1)()",
-    "a.b if c.d else 1",
-    "[1, 2]",
-    "a.b ** 2",
-    "open('x')",
-    "a.b[0]",
-    "",
-    "a.b <=",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "__import__('os').system('true')",
+        "a.b.__class__",  # parses as a dotted name, but it is not a config key (checked at load)
+        "(lambda: 1)()",
+        "a.b if c.d else 1",
+        "[1, 2]",
+        "a.b ** 2",
+        "open('x')",
+        "a.b[0]",
+        "",
+        "a.b <=",
+    ],
+)
 def test_unsafe_or_bad_expressions_are_refused(text):
     if text == "a.b.__class__":
         with pytest.raises(SpaceError, match="unknown key"):
@@ -112,24 +118,32 @@ def test_unsafe_or_bad_expressions_are_refused(text):
 
 
 # --------------------------------------------------------------------------- loading errors
-@pytest.mark.parametrize("text,key", [
-    ("knobs:\n  a: {type: bool\n", "malformed YAML at line"),
-    ("knobs:\n  actor_rollout_ref.actor.no_such_knob: {type: bool}\n", "actor_rollout_ref.actor.no_such_knob"),
-    ("# nothing here\n", "knobs: empty space"),
-    ("knobs: {}\n", "knobs: empty space"),
-    (f"knobs:\n  {MICRO}: {{type: pow2, low: 3, high: 8}}\n", f"{MICRO}.low: must be a power of two"),
-    (f"knobs:\n  {MICRO}: {{type: int, low: 4, high: 1}}\n", f"{MICRO}.low"),
-    (f"knobs:\n  {MICRO}: {{type: range, low: 1, high: 4}}\n", f"{MICRO}.type"),
-    (f"knobs:\n  {MICRO}: {{type: bool, memory: up}}\n", f"{MICRO}.memory"),
-    (f"knobs:\n  {STRATEGY}: {{type: categorical, choices: [fsdp, fsdp2], order: [fsdp]}}\n", f"{STRATEGY}.order"),
-    (f"knobs:\n  {MICRO}: {{type: pow2, low: 1, high: 4, when: 'x.y == 1'}}\n", f"{MICRO}.when: unknown key 'x.y'"),
-    (f"knobs:\n  {MICRO}: {{type: pow2, low: 1, high: 4, when: '{DYN} =='}}\n", f"{MICRO}.when: bad expression"),
-    (f"knobs:\n  {MICRO}: {{type: pow2, low: 1, high: 4, when: 'not {DYN}'}}\n  {DYN}: {{type: bool}}\n",
-     f"{MICRO}.when: names knob '{DYN}', which comes later"),
-    (f"knobs:\n  {MICRO}: {{type: pow2, low: 1, high: 4}}\nderived:\n  data.no_key: 2 * {MICRO}\n", "data.no_key"),
-    (f"knobs:\n  {MICRO}: {{type: pow2, low: 1, high: 4}}\nconstraints:\n  - '{MICRO} ** 2 > 1'\n", "constraints[0]: bad expression"),
-    (f"knobs:\n  {MICRO}: {{type: pow2, low: 1, high: 4}}\nsearch: 1\n", "search: unknown section"),
-])
+@pytest.mark.parametrize(
+    "text,key",
+    [
+        ("knobs:\n  a: {type: bool\n", "malformed YAML at line"),
+        ("knobs:\n  actor_rollout_ref.actor.no_such_knob: {type: bool}\n", "actor_rollout_ref.actor.no_such_knob"),
+        ("# nothing here\n", "knobs: empty space"),
+        ("knobs: {}\n", "knobs: empty space"),
+        (f"knobs:\n  {MICRO}: {{type: pow2, low: 3, high: 8}}\n", f"{MICRO}.low: must be a power of two"),
+        (f"knobs:\n  {MICRO}: {{type: int, low: 4, high: 1}}\n", f"{MICRO}.low"),
+        (f"knobs:\n  {MICRO}: {{type: range, low: 1, high: 4}}\n", f"{MICRO}.type"),
+        (f"knobs:\n  {MICRO}: {{type: bool, memory: up}}\n", f"{MICRO}.memory"),
+        (f"knobs:\n  {STRATEGY}: {{type: categorical, choices: [fsdp, fsdp2], order: [fsdp]}}\n", f"{STRATEGY}.order"),
+        (f"knobs:\n  {MICRO}: {{type: pow2, low: 1, high: 4, when: 'x.y == 1'}}\n", f"{MICRO}.when: unknown key 'x.y'"),
+        (f"knobs:\n  {MICRO}: {{type: pow2, low: 1, high: 4, when: '{DYN} =='}}\n", f"{MICRO}.when: bad expression"),
+        (
+            f"knobs:\n  {MICRO}: {{type: pow2, low: 1, high: 4, when: 'not {DYN}'}}\n  {DYN}: {{type: bool}}\n",
+            f"{MICRO}.when: names knob '{DYN}', which comes later",
+        ),
+        (f"knobs:\n  {MICRO}: {{type: pow2, low: 1, high: 4}}\nderived:\n  data.no_key: 2 * {MICRO}\n", "data.no_key"),
+        (
+            f"knobs:\n  {MICRO}: {{type: pow2, low: 1, high: 4}}\nconstraints:\n  - '{MICRO} ** 2 > 1'\n",
+            "constraints[0]: bad expression",
+        ),
+        (f"knobs:\n  {MICRO}: {{type: pow2, low: 1, high: 4}}\nsearch: 1\n", "search: unknown section"),
+    ],
+)
 def test_bad_spaces_name_file_and_key(tmp_path, text, key):
     path = write(tmp_path, text)
     with pytest.raises(SpaceError) as e:
@@ -141,26 +155,32 @@ def test_bad_spaces_name_file_and_key(tmp_path, text, key):
 
 
 def test_impossible_constraint_names_it(tmp_path, base_flat):
-    path = write(tmp_path, f"""
+    path = write(
+        tmp_path,
+        f"""
         knobs:
           {MICRO}: {{type: pow2, low: 1, high: 4}}
           {CKPT}: {{type: bool}}
         constraints:
           - {CKPT} or not {CKPT}
           - {MICRO} > data.train_batch_size
-    """)
+    """,
+    )
     with pytest.raises(SpaceError, match=r"constraints\[1\]: no configuration satisfies"):
         load_space(path).validate(base_flat)
 
 
 def test_jointly_impossible_constraints(tmp_path, base_flat):
-    path = write(tmp_path, f"""
+    path = write(
+        tmp_path,
+        f"""
         knobs:
           {MICRO}: {{type: pow2, low: 1, high: 4}}
         constraints:
           - {MICRO} >= 4
           - {MICRO} <= 2
-    """)
+    """,
+    )
     with pytest.raises(SpaceError, match="constraints: no configuration satisfies all constraints together"):
         load_space(path).validate(base_flat)
 
@@ -276,11 +296,16 @@ def test_memory_dominance(cond_space, base_flat):
 
 
 def test_memory_none_knob_must_be_equal(tmp_path, base_flat):
-    space = load_space(write(tmp_path, f"""
+    space = load_space(
+        write(
+            tmp_path,
+            f"""
         knobs:
           {MICRO}: {{type: pow2, low: 1, high: 4, memory: increasing}}
           {STRATEGY}: {{type: categorical, choices: [fsdp, fsdp2]}}
-    """))
+    """,
+        )
+    )
     a = space.complete({MICRO: 4, STRATEGY: "fsdp"}, base_flat).effective
     b = space.complete({MICRO: 1, STRATEGY: "fsdp2"}, base_flat).effective
     c = space.complete({MICRO: 1, STRATEGY: "fsdp"}, base_flat).effective
@@ -290,11 +315,16 @@ def test_memory_none_knob_must_be_equal(tmp_path, base_flat):
 
 def test_null_follow_keys_are_resolved_in_conditions(tmp_path, base_flat):
     # critic.use_dynamic_bsz is null in the base config: it follows the actor's
-    space = load_space(write(tmp_path, f"""
+    space = load_space(
+        write(
+            tmp_path,
+            f"""
         knobs:
           {DYN}: {{type: bool}}
           critic.ppo_micro_batch_size_per_gpu: {{type: pow2, low: 1, high: 4, when: not critic.use_dynamic_bsz}}
-    """))
+    """,
+        )
+    )
     assert base_flat["critic.use_dynamic_bsz"] is None
     grid = list(space.grid(base_flat))
     assert sorted(len(c.params) for c in grid) == [1, 2, 2, 2]
@@ -302,7 +332,9 @@ def test_null_follow_keys_are_resolved_in_conditions(tmp_path, base_flat):
 
 def test_float_knob_domain_and_sampling(tmp_path, base_flat):
     key = "actor_rollout_ref.rollout.gpu_memory_utilization"
-    space = load_space(write(tmp_path, f"knobs:\n  {key}: {{type: float, low: 0.3, high: 0.9, step: 0.1, memory: increasing}}\n"))
+    space = load_space(
+        write(tmp_path, f"knobs:\n  {key}: {{type: float, low: 0.3, high: 0.9, step: 0.1, memory: increasing}}\n")
+    )
     knob = space.knob(key)
     assert knob.domain() == [0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
     assert knob.contains(0.5) and not knob.contains(0.55)
@@ -318,13 +350,18 @@ def test_space_check_cli_prints_size_and_knobs(cli):
     assert MICRO in r.stdout and "knobs (6)" in r.stdout
 
 
-@pytest.mark.parametrize("text,key", [
-    ("knobs:\n  x: [1\n", "space: malformed YAML at line 3"),
-    ("knobs:\n  actor_rollout_ref.actor.nope: {type: bool}\n", "actor_rollout_ref.actor.nope: unknown knob key"),
-    ("description: nothing\n", "knobs: empty space"),
-    (f"knobs:\n  {MICRO}: {{type: pow2, low: 1, high: 4}}\nconstraints:\n  - {MICRO} > 64\n",
-     "constraints[0]: no configuration satisfies"),
-])
+@pytest.mark.parametrize(
+    "text,key",
+    [
+        ("knobs:\n  x: [1\n", "space: malformed YAML at line 3"),
+        ("knobs:\n  actor_rollout_ref.actor.nope: {type: bool}\n", "actor_rollout_ref.actor.nope: unknown knob key"),
+        ("description: nothing\n", "knobs: empty space"),
+        (
+            f"knobs:\n  {MICRO}: {{type: pow2, low: 1, high: 4}}\nconstraints:\n  - {MICRO} > 64\n",
+            "constraints[0]: no configuration satisfies",
+        ),
+    ],
+)
 def test_space_check_cli_bad_space_exit_2_one_line(cli, tmp_path, text, key):
     path = write(tmp_path, text, "bad.yaml")
     r = cli("space", "check", path, "--base", "configs/tiny_cpu.yaml", "--nproc", "2")

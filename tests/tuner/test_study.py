@@ -1,4 +1,5 @@
 """Study bookkeeping on real Optuna storages (SQLite file and journal file, same suite)."""
+
 from __future__ import annotations
 
 import subprocess
@@ -33,7 +34,9 @@ def new_study(kind: str, tmp_path: Path, name: str = "s"):
         study.enqueue_trial({P: 2}, user_attrs={"baseline": True})
         study.set_user_attr(st.SCHEMA_ATTR, STUDY_SCHEMA_VERSION)
 
-    study, storage, created = st.open_study(spec, name, lock, sampler=optuna.samplers.RandomSampler(seed=0), setup=setup)
+    study, storage, created = st.open_study(
+        spec, name, lock, sampler=optuna.samplers.RandomSampler(seed=0), setup=setup
+    )
     return study, storage, created
 
 
@@ -77,8 +80,10 @@ def test_two_processes_creating_one_fresh_study_do_not_race(kind, tmp_path):
                       setup=setup)
         print("ok")
     """)
-    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for _ in range(3)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for _ in range(3)
+    ]
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
     study, _, _ = new_study(kind, tmp_path)
@@ -110,8 +115,9 @@ def test_finish_records_constraints_values_and_states(kind, tmp_path):
 
 def test_counted():
     def ft(state, **ua):
-        return optuna.trial.create_trial(state=state, values=[1.0, 1.0] if state == TrialState.COMPLETE else None,
-                                         user_attrs=ua)
+        return optuna.trial.create_trial(
+            state=state, values=[1.0, 1.0] if state == TrialState.COMPLETE else None, user_attrs=ua
+        )
 
     assert counted(ft(TrialState.COMPLETE, status="ok"))
     assert counted(ft(TrialState.FAIL, status="crash"))
@@ -194,7 +200,7 @@ def test_study_lock_excludes_other_processes(tmp_path):
         from pathlib import Path
         from tuner.study import StudyLock
         t = time.monotonic()
-        with StudyLock(Path({str(tmp_path / 'x.lock')!r}))():
+        with StudyLock(Path({str(tmp_path / "x.lock")!r}))():
             print(round(time.monotonic() - t, 2))
     """)
     with lock():

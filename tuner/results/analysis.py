@@ -6,6 +6,7 @@
 - :func:`baseline_vs_best`: the base config against export's pick;
 - :func:`build`: all of the above for one report (:class:`ReportData`).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -78,11 +79,13 @@ def compute_importances(view: StudyView, *, min_trials: int = MIN_TRIALS_FOR_IMP
     finally:
         optuna.logging.set_verbosity(level)
     for t, (_, r) in zip(trials, feas.iterrows()):
-        tmp.add_trial(optuna.trial.create_trial(
-            params={k: t.params[k] for k in varying},
-            distributions={k: t.distributions[k] for k in varying},
-            values=[float(r["throughput"]), float(r["peak_memory_gb"])],
-        ))
+        tmp.add_trial(
+            optuna.trial.create_trial(
+                params={k: t.params[k] for k in varying},
+                distributions={k: t.distributions[k] for k in varying},
+                values=[float(r["throughput"]), float(r["peak_memory_gb"])],
+            )
+        )
     # PED-ANOVA compares the top quantile with the rest; with a small study the default
     # 10% is a single trial, so take at least 3.
     q = min(0.5, max(0.1, 3.0 / n))
@@ -90,10 +93,12 @@ def compute_importances(view: StudyView, *, min_trials: int = MIN_TRIALS_FOR_IMP
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            thr = optuna.importance.get_param_importances(tmp, params=varying, evaluator=evaluator,
-                                                          target=lambda t: -t.values[0])  # it minimizes
-            mem = optuna.importance.get_param_importances(tmp, params=varying, evaluator=evaluator,
-                                                          target=lambda t: t.values[1])
+            thr = optuna.importance.get_param_importances(
+                tmp, params=varying, evaluator=evaluator, target=lambda t: -t.values[0]
+            )  # it minimizes
+            mem = optuna.importance.get_param_importances(
+                tmp, params=varying, evaluator=evaluator, target=lambda t: t.values[1]
+            )
     except Exception as e:  # an evaluator limit we did not foresee must not sink the report
         return Importances({}, {}, n, f"importance evaluation failed: {e}")
     msg = f"PED-ANOVA over {n} feasible trials"
@@ -129,7 +134,7 @@ def knob_effects(view: StudyView) -> list[Effect]:
     pairs: dict[str, list[tuple[int, int, bool, str]]] = {k: [] for k in knobs}
     nums = sorted(params)
     for i, a in enumerate(nums):
-        for b in nums[i + 1:]:
+        for b in nums[i + 1 :]:
             pa, pb = params[a], params[b]
             if set(pa) != set(pb):
                 continue
@@ -144,8 +149,10 @@ def knob_effects(view: StudyView) -> list[Effect]:
             mem_tol = max(MEMORY_REL_TOL * max(ra["peak_memory_gb"], rb["peak_memory_gb"]), MEMORY_ABS_TOL_GB)
             same = d_thr <= thr_tol and d_mem <= mem_tol
             signed = (rb["throughput"] - ra["throughput"]) / ra["throughput"]
-            text = (f"#{a} vs #{b} ({pa[diff[0]]} -> {pb[diff[0]]}): throughput {signed:+.1%} "
-                    f"(noise {thr_tol:.0%}), memory {d_mem:.2f} GB (noise {mem_tol:.2f} GB)")
+            text = (
+                f"#{a} vs #{b} ({pa[diff[0]]} -> {pb[diff[0]]}): throughput {signed:+.1%} "
+                f"(noise {thr_tol:.0%}), memory {d_mem:.2f} GB (noise {mem_tol:.2f} GB)"
+            )
             pairs[diff[0]].append((a, b, same, text))
     notes: dict[str, str] = {}
     note_trials: dict[str, int] = {}

@@ -10,6 +10,7 @@ Outputs (in ``--to``):
 The pick never changes the algorithm: only the trial's overrides (per-GPU knobs and
 their derived keys) are applied; global settings stay as the base config has them.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -47,15 +48,17 @@ PICKS = ("max-throughput", "min-memory", "knee")
 
 # Keys a trial sets to make it a short trial, not to tune it: production keeps the
 # user's values (the base config holds them).
-RUN_KEYS = frozenset({
-    "trainer.total_training_steps",
-    "trainer.n_gpus_per_node",
-    "trainer.nnodes",
-    "ppotune.warmup_steps",
-    "ppotune.memory_limit_gb",
-    "ppotune.fault",
-    "ppotune.wandb",
-})
+RUN_KEYS = frozenset(
+    {
+        "trainer.total_training_steps",
+        "trainer.n_gpus_per_node",
+        "trainer.nnodes",
+        "ppotune.warmup_steps",
+        "ppotune.memory_limit_gb",
+        "ppotune.fault",
+        "ppotune.wandb",
+    }
+)
 
 
 class NoFit(StorageError):
@@ -104,7 +107,9 @@ def choose(view: StudyView, *, pick: str = "max-throughput", headroom: float = D
         raise NoFit(f"no feasible trial in study {view.name!r} ({counts})")
     if device_gb is None:
         limit = None
-        warning = "device memory unknown (no device.memory_total_gb or memory_limit_gb in the study): no headroom filter"
+        warning = (
+            "device memory unknown (no device.memory_total_gb or memory_limit_gb in the study): no headroom filter"
+        )
         under = feasible
     else:
         limit = (1.0 - headroom) * device_gb
@@ -135,9 +140,16 @@ def choose(view: StudyView, *, pick: str = "max-throughput", headroom: float = D
     params = {n: view.trial(n).params for n in ranking}
     runner_up = next((n for n in ranking[1:] if params[n] != params[chosen]), None)
     return Choice(
-        pick=pick, headroom=headroom, device_gb=device_gb, device_label=device_label, limit_gb=limit,
-        chosen=chosen, runner_up=runner_up, ranking=ranking,
-        front=[int(n) for n in df.loc[front_mask, "number"]], warning=warning,
+        pick=pick,
+        headroom=headroom,
+        device_gb=device_gb,
+        device_label=device_label,
+        limit_gb=limit,
+        chosen=chosen,
+        runner_up=runner_up,
+        ranking=ranking,
+        front=[int(n) for n in df.loc[front_mask, "number"]],
+        warning=warning,
     )
 
 
@@ -248,14 +260,21 @@ def _why_md(view: StudyView, choice: Choice, overrides: dict, lines: list[str]) 
     else:
         out.append(f"Pick **{choice.pick}** among all feasible trials ({choice.warning}).")
     out += ["", f"## Chosen: trial #{choice.chosen}", ""]
-    out += _metrics_table(view, [choice.chosen] + ([choice.runner_up] if choice.runner_up is not None else [])
-                          + ([int(base.iloc[0]["number"])] if not base.empty else []))
+    out += _metrics_table(
+        view,
+        [choice.chosen]
+        + ([choice.runner_up] if choice.runner_up is not None else [])
+        + ([int(base.iloc[0]["number"])] if not base.empty else []),
+    )
     if not base.empty:
         b = base.iloc[0]
         if b["feasible"] and b["throughput"]:
-            out += ["", f"Against the baseline (trial #{int(b['number'])}, the base config): "
-                    f"{r['throughput'] / b['throughput']:.2f}x throughput, "
-                    f"{r['peak_memory_gb'] / b['peak_memory_gb']:.2f}x peak memory."]
+            out += [
+                "",
+                f"Against the baseline (trial #{int(b['number'])}, the base config): "
+                f"{r['throughput'] / b['throughput']:.2f}x throughput, "
+                f"{r['peak_memory_gb'] / b['peak_memory_gb']:.2f}x peak memory.",
+            ]
         else:
             out += ["", f"The baseline (trial #{int(b['number'])}, the base config) was `{b['status']}`."]
     confirms = df.loc[df["confirm_of"] == choice.chosen]
@@ -266,8 +285,13 @@ def _why_md(view: StudyView, choice: Choice, overrides: dict, lines: list[str]) 
         out += ["", f"Notes from the run: {r['notes']}"]
     if not overrides:
         out += ["", "The base config itself is the pick: there is no knob to change."]
-    out += ["", "Knob values (the trial's overrides; the rest is the base config):", "",
-            "| key | value | base config |", "|---|---|---|"]
+    out += [
+        "",
+        "Knob values (the trial's overrides; the rest is the base config):",
+        "",
+        "| key | value | base config |",
+        "|---|---|---|",
+    ]
     base_flat = flatten(view.attrs.get("base_config") or {})
     for k, v in sorted(overrides.items()):
         out.append(f"| `{k}` | `{v}` | `{base_flat.get(k, 'n/a')}` |")
@@ -282,11 +306,15 @@ def _why_md(view: StudyView, choice: Choice, overrides: dict, lines: list[str]) 
             f"Trial #{choice.runner_up}: {u['throughput']:.1f} tokens/s/GPU ({d_thr:+.1f}% vs chosen), "
             f"peak {u['peak_memory_gb']:.2f} GB ({u['peak_memory_gb'] - r['peak_memory_gb']:+.2f} GB)."
         )
-        cv = max(0.0 if missing(r["throughput_cv"]) else r["throughput_cv"],
-                 0.0 if missing(u["throughput_cv"]) else u["throughput_cv"])
+        cv = max(
+            0.0 if missing(r["throughput_cv"]) else r["throughput_cv"],
+            0.0 if missing(u["throughput_cv"]) else u["throughput_cv"],
+        )
         if cv and abs(d_thr) < 200 * cv:
-            out.append(f"The throughput gap is within 2x the measured step-time CV ({cv:.1%}): "
-                       "the two are statistically close; consider `ppotune search --confirm`.")
+            out.append(
+                f"The throughput gap is within 2x the measured step-time CV ({cv:.1%}): "
+                "the two are statistically close; consider `ppotune search --confirm`."
+            )
         diff = _param_diff(view.trial(choice.chosen).params, view.trial(choice.runner_up).params)
         if diff:
             out += ["", "| knob | chosen | runner-up |", "|---|---|---|"]
@@ -296,21 +324,36 @@ def _why_md(view: StudyView, choice: Choice, overrides: dict, lines: list[str]) 
     peak = r["peak_memory_gb"]
     if choice.device_gb is not None:
         free = choice.device_gb - peak
-        out.append(f"Peak {peak:.2f} GB leaves {free:.2f} GB ({free / choice.device_gb:.0%}) of the {choice.device_label} free.")
+        out.append(
+            f"Peak {peak:.2f} GB leaves {free:.2f} GB ({free / choice.device_gb:.0%}) "
+            f"of the {choice.device_label} free."
+        )
     near = nearest_oom(view, choice.chosen)
     if near is None:
         out.append("No trial ran out of memory: the boundary was not reached by the search.")
     else:
         n, diff = near
         o = _row(view, n)
-        how = "ran out of memory" if o["status"] == Status.OOM else f"was inferred to run out of memory (from #{o['inferred_from']})"
+        how = (
+            "ran out of memory"
+            if o["status"] == Status.OOM
+            else f"was inferred to run out of memory (from #{o['inferred_from']})"
+        )
         out.append(f"The nearest out-of-memory config is trial #{n}, which {how}; it differs in {len(diff)} knob(s):")
         out += ["", "| knob | chosen | OOM trial |", "|---|---|---|"]
         out += [f"| `{k}` | `{a}` | `{b}` |" for k, a, b in diff]
-    out += ["", "## Files", "",
-            "- `best_config.yaml`: `ppotune train best_config.yaml --nproc N`",
-            "- `verl_command.sh` / `verl_overrides.txt`: append your verl run's own settings (model, data, batch sizes).",
-            "", "```", *lines, "```", ""]
+    out += [
+        "",
+        "## Files",
+        "",
+        "- `best_config.yaml`: `ppotune train best_config.yaml --nproc N`",
+        "- `verl_command.sh` / `verl_overrides.txt`: append your verl run's own settings (model, data, batch sizes).",
+        "",
+        "```",
+        *lines,
+        "```",
+        "",
+    ]
     return "\n".join(out)
 
 
@@ -319,8 +362,11 @@ def _param_diff(a: dict, b: dict) -> list[tuple[str, Any, Any]]:
 
 
 def _metrics_table(view: StudyView, numbers: list[int]) -> list[str]:
-    out = ["| trial | status | throughput (tokens/s/GPU) | CV | peak memory (GB) | external | allocated | reserved | RSS | step (s) |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+    out = [
+        "| trial | status | throughput (tokens/s/GPU) | CV | peak memory (GB) "
+        "| external | allocated | reserved | RSS | step (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for n in dict.fromkeys(numbers):
         r = _row(view, n)
         tag = " (baseline)" if r["baseline"] else ""
@@ -328,25 +374,36 @@ def _metrics_table(view: StudyView, numbers: list[int]) -> list[str]:
         out.append(
             f"| #{n}{tag} | {r['status']} | {_fmt(r['throughput'], '.1f')} | {_fmt(r['throughput_cv'], '.1%')} | "
             f"{_fmt(r['peak_memory_gb'], '.2f')} | {ext} | {_fmt(r['mem.allocated_peak_gb'], '.2f')} | "
-            f"{_fmt(r['mem.reserved_peak_gb'], '.2f')} | {_fmt(r['mem.rss_peak_gb'], '.2f')} | {_fmt(r['step_s'], '.3f')} |"
+            f"{_fmt(r['mem.reserved_peak_gb'], '.2f')} | {_fmt(r['mem.rss_peak_gb'], '.2f')} | "
+            f"{_fmt(r['step_s'], '.3f')} |"
         )
     return out
 
 
 def _verl_command(view: StudyView, choice: Choice, lines: list[str]) -> str:
     base = flatten(view.attrs.get("base_config") or {})
-    assumed = [f"{k}={hydra_value(base[k])}" for k in (
-        "data.train_batch_size", "data.max_prompt_length", "data.max_response_length",
-        "actor_rollout_ref.actor.ppo_mini_batch_size", "actor_rollout_ref.rollout.n",
-    ) if k in base]
+    assumed = [
+        f"{k}={hydra_value(base[k])}"
+        for k in (
+            "data.train_batch_size",
+            "data.max_prompt_length",
+            "data.max_response_length",
+            "actor_rollout_ref.actor.ppo_mini_batch_size",
+            "actor_rollout_ref.rollout.n",
+        )
+        if k in base
+    ]
     nproc = view.attrs.get("nproc")
     out = [
         "#!/usr/bin/env bash",
-        f"# ppotune export: study {view.name}, trial #{choice.chosen} ({choice.pick}, headroom {_pct(choice.headroom)}).",
+        f"# ppotune export: study {view.name}, trial #{choice.chosen} "
+        f"({choice.pick}, headroom {_pct(choice.headroom)}).",
         "# The knobs below are per-GPU; they were measured with"
-        + (f" {nproc} GPUs per node and" if nproc else "") + ":",
+        + (f" {nproc} GPUs per node and" if nproc else "")
+        + ":",
         "#   " + " ".join(assumed),
-        "# Append your run's own settings (model path, data files, batch sizes) as arguments: ./verl_command.sh data.train_files=...",
+        "# Append your run's own settings (model path, data files, batch sizes) as arguments: "
+        "./verl_command.sh data.train_files=...",
         "set -euo pipefail",
         "exec python -m verl.trainer.main_ppo \\",
     ]
@@ -405,13 +462,27 @@ def write_export(
 # --------------------------------------------------------------------------- CLI
 def add_arguments(parser) -> None:
     add_study_arguments(parser)
-    parser.add_argument("--pick", choices=PICKS, default="max-throughput",
-                        help="which Pareto config: the fastest, the smallest, or the knee (default: max-throughput)")
-    parser.add_argument("--memory-headroom", type=float, default=DEFAULT_HEADROOM, metavar="F",
-                        help=f"keep this fraction of device memory free: peak <= (1-F) x device memory (default {DEFAULT_HEADROOM:.2f})")
+    parser.add_argument(
+        "--pick",
+        choices=PICKS,
+        default="max-throughput",
+        help="which Pareto config: the fastest, the smallest, or the knee (default: max-throughput)",
+    )
+    parser.add_argument(
+        "--memory-headroom",
+        type=float,
+        default=DEFAULT_HEADROOM,
+        metavar="F",
+        help=(
+            f"keep this fraction of device memory free: peak <= (1-F) x device memory (default {DEFAULT_HEADROOM:.2f})"
+        ),
+    )
     parser.add_argument("--to", metavar="DIR", help="where to write (default: the --out dir, else the current dir)")
-    parser.add_argument("--validate-verl", action="store_true",
-                        help="compose verl's own ppo_trainer config with the overrides; fail on an unknown or mistyped key")
+    parser.add_argument(
+        "--validate-verl",
+        action="store_true",
+        help="compose verl's own ppo_trainer config with the overrides; fail on an unknown or mistyped key",
+    )
 
 
 def _fail(message: str) -> int:
@@ -437,8 +508,7 @@ def run(args) -> int:
     try:
         view = view_from_args(args)
         to = args.to or args.out or "."
-        result = write_export(view, to, pick=args.pick, headroom=args.memory_headroom,
-                              validate_verl=args.validate_verl)
+        result = write_export(view, to, pick=args.pick, headroom=args.memory_headroom, validate_verl=args.validate_verl)
     except (StorageError, VerlNotInstalled) as e:
         return _fail(str(e))
     except VerlOverrideError as e:

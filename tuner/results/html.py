@@ -1,5 +1,6 @@
 """The report's two documents: ``report.html`` (self-contained: inline CSS, base64 PNG
 images, no links out) and ``summary.md`` (the same findings as text)."""
+
 from __future__ import annotations
 
 import base64
@@ -52,12 +53,14 @@ def _knob_value_table(view: StudyView, numbers: list[int]) -> str:
 def _pareto_table(view: StudyView, numbers: list[int]) -> str:
     df = view.trials.set_index("number")
     phase_head = "".join(f"<th>{p}</th>" for p in PHASES)
-    head = ("<tr><th rowspan=2>trial</th><th rowspan=2>throughput<br>tokens/s/GPU</th><th rowspan=2>CV</th>"
-            "<th rowspan=2>peak memory<br>GB (objective)</th><th colspan=2>external sampler</th>"
-            "<th colspan=3>in-process</th><th rowspan=2>step s</th>"
-            f"<th colspan={len(PHASES)}>median seconds per phase</th></tr>"
-            "<tr><th>peak GB</th><th>source</th><th>allocated</th><th>reserved</th><th>RSS</th>"
-            f"{phase_head}</tr>")
+    head = (
+        "<tr><th rowspan=2>trial</th><th rowspan=2>throughput<br>tokens/s/GPU</th><th rowspan=2>CV</th>"
+        "<th rowspan=2>peak memory<br>GB (objective)</th><th colspan=2>external sampler</th>"
+        "<th colspan=3>in-process</th><th rowspan=2>step s</th>"
+        f"<th colspan={len(PHASES)}>median seconds per phase</th></tr>"
+        "<tr><th>peak GB</th><th>source</th><th>allocated</th><th>reserved</th><th>RSS</th>"
+        f"{phase_head}</tr>"
+    )
     rows = []
     for n in numbers:
         r = df.loc[n]
@@ -83,7 +86,11 @@ def _all_trials_table(view: StudyView) -> str:
     for _, r in df.iterrows():
         n = int(r["number"])
         p = view.trial(n).params
-        diff = ", ".join(f"{short_knob(k)}={v}" for k, v in sorted(p.items()) if base_p.get(k) != v) if n not in base_n else "(base config)"
+        diff = (
+            ", ".join(f"{short_knob(k)}={v}" for k, v in sorted(p.items()) if base_p.get(k) != v)
+            if n not in base_n
+            else "(base config)"
+        )
         label, color, _ = STATUS_STYLE.get(r["status"], (r["status"], "#444444", "o"))
         extra = []
         if not pd.isna(r["inferred_from"]):
@@ -101,21 +108,28 @@ def _all_trials_table(view: StudyView) -> str:
             extra.append(r["notes"])
         flags = (" ★" if r["baseline"] else "") + (" ◆" if r["pareto"] else "")
         rows.append(
-            f'<tr id="t{n}"><td>#{n}{flags}</td><td><span class="st" style="background:{color}">{_e(label)}</span></td>'
-            f"<td>{_f(r['throughput'], '.1f')}</td><td>{_f(r['peak_memory_gb'])}</td><td>{_e(r['memory_source'] or '–')}</td>"
-            f"<td>{_dur(r['duration_s'])}</td><td class=\"small\">{_e(diff)}</td><td class=\"small\">{_e('; '.join(extra))}</td></tr>"
+            f'<tr id="t{n}"><td>#{n}{flags}</td>'
+            f'<td><span class="st" style="background:{color}">{_e(label)}</span></td>'
+            f"<td>{_f(r['throughput'], '.1f')}</td><td>{_f(r['peak_memory_gb'])}</td>"
+            f"<td>{_e(r['memory_source'] or '–')}</td>"
+            f'<td>{_dur(r["duration_s"])}</td><td class="small">{_e(diff)}</td>'
+            f'<td class="small">{_e("; ".join(extra))}</td></tr>'
         )
-    return ('<table class="t"><tr><th>trial</th><th>status</th><th>throughput</th><th>peak GB</th><th>mem source</th>'
-            f'<th>cost</th><th>knobs (vs baseline)</th><th>notes / error</th></tr>{"".join(rows)}</table>')
+    return (
+        '<table class="t"><tr><th>trial</th><th>status</th><th>throughput</th><th>peak GB</th><th>mem source</th>'
+        f"<th>cost</th><th>knobs (vs baseline)</th><th>notes / error</th></tr>{''.join(rows)}</table>"
+    )
 
 
 _CSS = """
-body{font-family:-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:24px auto;max-width:1180px;color:#222;padding:0 16px}
+body{font-family:-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:24px auto;max-width:1180px;\
+color:#222;padding:0 16px}
 h1{font-size:22px;margin-bottom:2px}h2{font-size:17px;margin-top:30px;border-bottom:1px solid #ddd;padding-bottom:4px}
 .sub{color:#666;font-size:13px}.cards{display:flex;gap:12px;flex-wrap:wrap;margin:14px 0}
 .card{border:1px solid #ddd;border-radius:6px;padding:10px 14px;min-width:170px;background:#fafafa}
 .card .v{font-size:20px;font-weight:600}.card .k{font-size:12px;color:#666}
-table.t{border-collapse:collapse;font-size:12px;margin:8px 0}table.t td,table.t th{border:1px solid #ddd;padding:3px 7px;text-align:right}
+table.t{border-collapse:collapse;font-size:12px;margin:8px 0}\
+table.t td,table.t th{border:1px solid #ddd;padding:3px 7px;text-align:right}
 table.t th{background:#f3f3f3}table.t th.knob,table.t td.small{text-align:left}td.small{font-size:11px;max-width:420px}
 td.diff{background:#fff3cd;font-weight:600}.st{color:#fff;border-radius:3px;padding:1px 6px;font-size:11px}
 img{max-width:100%}.warn{background:#fff3cd;border:1px solid #e0c36b;padding:6px 10px;border-radius:4px}
@@ -137,8 +151,10 @@ def report_html(data: ReportData, images: dict[str, bytes]) -> str:
     cost = data.cost
     img = {k: "data:image/png;base64," + base64.b64encode(v).decode() for k, v in images.items()}
 
-    parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>ppotune report: {_e(view.name)}</title>"
-             f"<style>{_CSS}</style></head><body>"]
+    parts = [
+        f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>ppotune report: {_e(view.name)}</title>"
+        f"<style>{_CSS}</style></head><body>"
+    ]
     parts.append(f"<h1>ppotune report: study <code>{_e(view.name)}</code></h1>")
     parts.append(
         f"<div class='sub'>{len(df)} trials · device {_e(device.get('name') or device.get('kind') or 'unknown')}"
@@ -148,24 +164,39 @@ def report_html(data: ReportData, images: dict[str, bytes]) -> str:
         f"{_dt.datetime.now().strftime('%Y-%m-%d %H:%M')}</div>"
     )
     if running:
-        parts.append(f"<p class='warn'>The study is still running: {running} trial(s) in progress; this is a snapshot.</p>")
+        parts.append(
+            f"<p class='warn'>The study is still running: {running} trial(s) in progress; this is a snapshot.</p>"
+        )
     if dev is None:
-        parts.append("<p class='warn'>Device memory unknown: no headroom line, and export applies no headroom filter.</p>")
+        parts.append(
+            "<p class='warn'>Device memory unknown: no headroom line, and export applies no headroom filter.</p>"
+        )
 
     # cards
     cards = [("trials", f"{len(df)}", " · ".join(f"{n} {STATUS_STYLE.get(s, (s,))[0]}" for s, n in counts.items()))]
     if bvb.best is not None:
         best = bvb.best
-        cards.append(("best under headroom", f"#{int(best['number'])}",
-                      f"{best['throughput']:.1f} tokens/s/GPU · {best['peak_memory_gb']:.2f} GB"))
+        cards.append(
+            (
+                "best under headroom",
+                f"#{int(best['number'])}",
+                f"{best['throughput']:.1f} tokens/s/GPU · {best['peak_memory_gb']:.2f} GB",
+            )
+        )
     if bvb.thr_ratio is not None:
         cards.append(("best vs baseline", f"{bvb.thr_ratio:.2f}x", f"throughput; memory {bvb.mem_ratio:.2f}x"))
     cards.append(("search cost", _dur(cost.trial_s), f"trial time; OOM {_dur(cost.by_status.get(Status.OOM, 0.0))}"))
     if cost.inferred:
         cards.append(("saved by OOM inference", f"≈{_dur(cost.saved_s)}", f"{cost.inferred} trials skipped"))
-    parts.append("<div class='cards'>" + "".join(
-        f"<div class='card'><div class='k'>{_e(k)}</div><div class='v'>{_e(v)}</div><div class='k'>{_e(s)}</div></div>"
-        for k, v, s in cards) + "</div>")
+    parts.append(
+        "<div class='cards'>"
+        + "".join(
+            f"<div class='card'><div class='k'>{_e(k)}</div><div class='v'>{_e(v)}</div>"
+            f"<div class='k'>{_e(s)}</div></div>"
+            for k, v, s in cards
+        )
+        + "</div>"
+    )
 
     # pareto
     parts.append("<h2>Pareto front: throughput vs peak memory</h2>")
@@ -175,7 +206,8 @@ def report_html(data: ReportData, images: dict[str, bytes]) -> str:
         "feasible trials. The red line is the memory a config must fit (the cap the search ran under, else the "
         f"device's), the dashed line keeps {data.headroom:.0%} of it free. Failed trials have no real throughput "
         "(Optuna records a penalized 0), so they sit on the strip below: at the peak the memory sampler saw when "
-        "there is one, else at their penalized memory value (hollow), else listed as 'no measurement'.</p>")
+        "there is one, else at their penalized memory value (hollow), else listed as 'no measurement'.</p>"
+    )
 
     # baseline vs best
     parts.append("<h2>Baseline vs best</h2>")
@@ -187,20 +219,28 @@ def report_html(data: ReportData, images: dict[str, bytes]) -> str:
     elif best is not None:
         if bvb.thr_ratio is not None:
             parts.append(
-                f"<p>The fastest config keeping {data.headroom:.0%} of memory free, trial #{int(best['number'])}, runs at "
+                f"<p>The fastest config keeping {data.headroom:.0%} of memory free, "
+                f"trial #{int(best['number'])}, runs at "
                 f"<b>{best['throughput']:.1f}</b> tokens/s/GPU against the base config's {b['throughput']:.1f} "
                 f"(trial #{int(b['number'])}): <b>{bvb.thr_ratio:.2f}x</b> throughput at "
-                f"{bvb.mem_ratio:.2f}x the peak memory ({best['peak_memory_gb']:.2f} vs {b['peak_memory_gb']:.2f} GB).</p>")
+                f"{bvb.mem_ratio:.2f}x the peak memory "
+                f"({best['peak_memory_gb']:.2f} vs {b['peak_memory_gb']:.2f} GB).</p>"
+            )
         else:
-            parts.append(f"<p>The base config (trial #{int(b['number'])}) ended <b>{_e(b['status'])}</b>; "
-                         f"the fastest config that fits is trial #{int(best['number'])} at {best['throughput']:.1f} tokens/s/GPU.</p>")
+            parts.append(
+                f"<p>The base config (trial #{int(b['number'])}) ended <b>{_e(b['status'])}</b>; "
+                f"the fastest config that fits is trial #{int(best['number'])} "
+                f"at {best['throughput']:.1f} tokens/s/GPU.</p>"
+            )
 
     # pareto configs
     parts.append("<h2>Pareto configs</h2>")
     if front:
-        parts.append("<p class='sub'>Peak memory by source: the objective is the larger of the tuner's external sampler "
-                     "(NVML on GPU: includes NCCL buffers and the CUDA context; psutil RSS of the process tree on CPU) "
-                     "and the trial's own in-process peaks (torch allocator allocated/reserved, or RSS). ★ baseline.</p>")
+        parts.append(
+            "<p class='sub'>Peak memory by source: the objective is the larger of the tuner's external sampler "
+            "(NVML on GPU: includes NCCL buffers and the CUDA context; psutil RSS of the process tree on CPU) "
+            "and the trial's own in-process peaks (torch allocator allocated/reserved, or RSS). ★ baseline.</p>"
+        )
         parts.append(_pareto_table(view, front))
         parts.append("<p class='sub'>Knob values (highlighted where they differ from the baseline):</p>")
         parts.append(_knob_value_table(view, front))
@@ -211,42 +251,59 @@ def report_html(data: ReportData, images: dict[str, bytes]) -> str:
     # importances
     parts.append("<h2>Which knobs matter</h2>")
     imp = data.importances
-    parts.append(f"<p class='sub'>{_e(imp.message)}. Importance is computed on feasible trials only, separately "
-                 "for throughput and for peak memory.</p>")
+    parts.append(
+        f"<p class='sub'>{_e(imp.message)}. Importance is computed on feasible trials only, separately "
+        "for throughput and for peak memory.</p>"
+    )
     parts.append(f"<img alt='importances' src='{img['importances']}'>")
     if imp.throughput:
         rows = "".join(
             f"<tr><th class='knob' title='{_e(k)}'>{_e(short_knob(k))}</th><td>{imp.throughput.get(k, 0):.2f}</td>"
             f"<td>{imp.memory.get(k, 0):.2f}</td></tr>"
-            for k in sorted(imp.throughput, key=lambda k: -imp.throughput[k]))
+            for k in sorted(imp.throughput, key=lambda k: -imp.throughput[k])
+        )
         parts.append(f"<table class='t'><tr><th>knob</th><th>throughput</th><th>memory</th></tr>{rows}</table>")
     eff_rows = "".join(
         f"<tr><th class='knob' title='{_e(e.knob)}'>{_e(short_knob(e.knob))}</th>"
-        f"<td class='small'><span class='{'noeffect' if e.verdict == 'no effect' else 'muted' if e.verdict == 'not isolated' else ''}'>"
-        f"{_e(e.verdict)}</span></td><td class='small'>{_e(e.evidence)}</td></tr>" for e in data.effects)
+        f"<td class='small'>"
+        f"<span class='{'noeffect' if e.verdict == 'no effect' else 'muted' if e.verdict == 'not isolated' else ''}'>"
+        f"{_e(e.verdict)}</span></td><td class='small'>{_e(e.evidence)}</td></tr>"
+        for e in data.effects
+    )
     parts.append("<h2>Knobs that changed nothing measurable</h2>")
-    parts.append("<p class='sub'>'no effect': every pair of ok trials differing in this knob alone moved throughput "
-                 f"by less than max({THROUGHPUT_REL_TOL:.0%}, 2×CV) and memory by less than "
-                 f"max({MEMORY_REL_TOL:.0%}, {MEMORY_ABS_TOL_GB} GB), or the trainer noted the knob is a no-op here. "
-                 "Drop such knobs from the space: they only cost trials.</p>")
+    parts.append(
+        "<p class='sub'>'no effect': every pair of ok trials differing in this knob alone moved throughput "
+        f"by less than max({THROUGHPUT_REL_TOL:.0%}, 2×CV) and memory by less than "
+        f"max({MEMORY_REL_TOL:.0%}, {MEMORY_ABS_TOL_GB} GB), or the trainer noted the knob is a no-op here. "
+        "Drop such knobs from the space: they only cost trials.</p>"
+    )
     parts.append(f"<table class='t'><tr><th>knob</th><th>verdict</th><th>evidence</th></tr>{eff_rows}</table>")
 
     # cost
     parts.append("<h2>What the search cost</h2>")
     by = cost.by_status
-    cost_rows = "".join(f"<tr><th class='knob'>{_e(STATUS_STYLE.get(s, (s,))[0])}</th><td>{counts.get(s, 0)}</td>"
-                        f"<td>{_dur(v)}</td></tr>" for s, v in sorted(by.items(), key=lambda kv: -kv[1]))
-    parts.append(f"<table class='t'><tr><th>status</th><th>trials</th><th>trial time</th></tr>{cost_rows}"
-                 f"<tr><th class='knob'>total</th><td>{len(df)}</td><td><b>{_dur(cost.trial_s)}</b></td></tr></table>")
-    parts.append(f"<p>Wall clock {_dur(cost.wall_s)}. OOM inference skipped {cost.inferred} trial(s), saving "
-                 f"≈{_dur(cost.saved_s)} ({_e(cost.saved_basis)} × {cost.inferred}).</p>")
+    cost_rows = "".join(
+        f"<tr><th class='knob'>{_e(STATUS_STYLE.get(s, (s,))[0])}</th><td>{counts.get(s, 0)}</td>"
+        f"<td>{_dur(v)}</td></tr>"
+        for s, v in sorted(by.items(), key=lambda kv: -kv[1])
+    )
+    parts.append(
+        f"<table class='t'><tr><th>status</th><th>trials</th><th>trial time</th></tr>{cost_rows}"
+        f"<tr><th class='knob'>total</th><td>{len(df)}</td><td><b>{_dur(cost.trial_s)}</b></td></tr></table>"
+    )
+    parts.append(
+        f"<p>Wall clock {_dur(cost.wall_s)}. OOM inference skipped {cost.inferred} trial(s), saving "
+        f"≈{_dur(cost.saved_s)} ({_e(cost.saved_basis)} × {cost.inferred}).</p>"
+    )
 
     # every trial
     parts.append("<h2>All trials</h2>")
     parts.append("<p class='sub'>★ baseline · ◆ Pareto front. Knobs are shown where they differ from the baseline.</p>")
     parts.append(_all_trials_table(view))
-    parts.append(f"<p class='sub'>Storage: <code>{_e(view.storage.display)}</code>. Open it live with "
-                 f"<code>optuna-dashboard {_e(view.storage.display)}</code>.</p>")
+    parts.append(
+        f"<p class='sub'>Storage: <code>{_e(view.storage.display)}</code>. Open it live with "
+        f"<code>optuna-dashboard {_e(view.storage.display)}</code>.</p>"
+    )
     parts.append("</body></html>")
     return "\n".join(parts)
 
@@ -258,36 +315,52 @@ def summary_md(data: ReportData) -> str:
     dev, dev_label = view.device_memory
     counts = df["status"].value_counts().to_dict() if not df.empty else {}
     bvb = data.baseline_vs_best
-    out = [f"# ppotune report: study `{view.name}`", "",
-           f"- trials: {len(df)} ({', '.join(f'{n} {s}' for s, n in counts.items())})",
-           f"- memory: {dev_label}; headroom {data.headroom:.0%}"]
+    out = [
+        f"# ppotune report: study `{view.name}`",
+        "",
+        f"- trials: {len(df)} ({', '.join(f'{n} {s}' for s, n in counts.items())})",
+        f"- memory: {dev_label}; headroom {data.headroom:.0%}",
+    ]
     if bvb.best is not None:
         best = bvb.best
-        out.append(f"- best under headroom: trial #{int(best['number'])}, {best['throughput']:.1f} tokens/s/GPU, "
-                   f"peak {best['peak_memory_gb']:.2f} GB")
+        out.append(
+            f"- best under headroom: trial #{int(best['number'])}, {best['throughput']:.1f} tokens/s/GPU, "
+            f"peak {best['peak_memory_gb']:.2f} GB"
+        )
     if bvb.thr_ratio is not None:
-        out.append(f"- vs baseline #{int(bvb.baseline['number'])}: {bvb.thr_ratio:.2f}x throughput, "
-                   f"{bvb.mem_ratio:.2f}x peak memory")
+        out.append(
+            f"- vs baseline #{int(bvb.baseline['number'])}: {bvb.thr_ratio:.2f}x throughput, "
+            f"{bvb.mem_ratio:.2f}x peak memory"
+        )
     if data.pick_error:
         out.append(f"- export: {data.pick_error}")
     c = data.cost
-    out.append(f"- cost: {_dur(c.trial_s)} of trials (OOM {_dur(c.by_status.get(Status.OOM, 0.0))}, "
-               f"hang {_dur(c.by_status.get(Status.HANG, 0.0))}); {c.inferred} inferred OOM(s) saved ≈{_dur(c.saved_s)}")
-    out += ["", "## Pareto front", "", "| trial | throughput (tokens/s/GPU) | peak memory (GB) | source | step (s) |",
-            "|---|---|---|---|---|"]
+    out.append(
+        f"- cost: {_dur(c.trial_s)} of trials (OOM {_dur(c.by_status.get(Status.OOM, 0.0))}, "
+        f"hang {_dur(c.by_status.get(Status.HANG, 0.0))}); {c.inferred} inferred OOM(s) saved ≈{_dur(c.saved_s)}"
+    )
+    out += [
+        "",
+        "## Pareto front",
+        "",
+        "| trial | throughput (tokens/s/GPU) | peak memory (GB) | source | step (s) |",
+        "|---|---|---|---|---|",
+    ]
     for _, r in df.loc[df["pareto"]].sort_values("throughput", ascending=False).iterrows() if not df.empty else []:
-        out.append(f"| #{int(r['number'])}{' (baseline)' if r['baseline'] else ''} | {r['throughput']:.1f} | "
-                   f"{r['peak_memory_gb']:.2f} | {r['memory_source'] or '–'} | {_f(r['step_s'], '.3f')} |")
+        out.append(
+            f"| #{int(r['number'])}{' (baseline)' if r['baseline'] else ''} | {r['throughput']:.1f} | "
+            f"{r['peak_memory_gb']:.2f} | {r['memory_source'] or '–'} | {_f(r['step_s'], '.3f')} |"
+        )
     imp = data.importances
     out += ["", "## Knob importances", "", imp.message + "."]
     if imp.throughput:
         out += ["", "| knob | throughput | memory |", "|---|---|---|"]
-        out += [f"| `{k}` | {imp.throughput.get(k, 0):.2f} | {imp.memory.get(k, 0):.2f} |"
-                for k in sorted(imp.throughput, key=lambda k: -imp.throughput[k])]
+        out += [
+            f"| `{k}` | {imp.throughput.get(k, 0):.2f} | {imp.memory.get(k, 0):.2f} |"
+            for k in sorted(imp.throughput, key=lambda k: -imp.throughput[k])
+        ]
     no = [e for e in data.effects if e.verdict == "no effect"]
     out += ["", "## No measurable effect", ""]
     out += [f"- `{e.knob}`: {e.evidence}" for e in no] or ["- none found"]
     out += ["", "Plots: pareto.png, importances.png, phases.png. Every trial: trials.csv. The page: report.html.", ""]
     return "\n".join(out)
-
-

@@ -4,6 +4,7 @@ Each function returns a matplotlib :class:`~matplotlib.figure.Figure`; :func:`fi
 turns one into PNG bytes. Figure objects, not pyplot: no global backend or figure registry
 (Agg renders the PNGs; a notebook keeps its own backend).
 """
+
 from __future__ import annotations
 
 import io
@@ -37,7 +38,13 @@ STRIP_ROWS = (Status.OOM, Status.INFERRED_OOM, Status.HANG, Status.CRASH, Status
 
 def _memory_x(r: pd.Series) -> tuple[Optional[float], bool]:
     """Where a trial sits on the memory axis: (GB, penalized?). Measured beats penalized."""
-    for col in ("peak_memory_gb", "mem.external_peak_gb", "mem.device_used_peak_gb", "mem.reserved_peak_gb", "mem.rss_peak_gb"):
+    for col in (
+        "peak_memory_gb",
+        "mem.external_peak_gb",
+        "mem.device_used_peak_gb",
+        "mem.reserved_peak_gb",
+        "mem.rss_peak_gb",
+    ):
         v = r.get(col)
         if v is not None and not pd.isna(v) and r["status"] != Status.INFERRED_OOM:
             return float(v), False
@@ -79,19 +86,52 @@ def plot_pareto(view: StudyView, *, headroom: float = DEFAULT_HEADROOM, chosen: 
     if len(ok):
         front = ok.loc[ok["pareto"]].sort_values("peak_memory_gb")
         rest = ok.loc[~ok["pareto"]]
-        ax.scatter(rest["peak_memory_gb"], rest["throughput"], s=36, c="#9ecae1", edgecolors="#3182bd",
-                   linewidths=0.6, label="ok (dominated)", zorder=3)
+        ax.scatter(
+            rest["peak_memory_gb"],
+            rest["throughput"],
+            s=36,
+            c="#9ecae1",
+            edgecolors="#3182bd",
+            linewidths=0.6,
+            label="ok (dominated)",
+            zorder=3,
+        )
         ax.step(front["peak_memory_gb"], front["throughput"], where="post", color="#08519c", lw=1.4, zorder=2)
-        ax.scatter(front["peak_memory_gb"], front["throughput"], s=64, c="#08519c", edgecolors="white",
-                   linewidths=0.8, label="Pareto front", zorder=4)
+        ax.scatter(
+            front["peak_memory_gb"],
+            front["throughput"],
+            s=64,
+            c="#08519c",
+            edgecolors="white",
+            linewidths=0.8,
+            label="Pareto front",
+            zorder=4,
+        )
         base = ok.loc[ok["baseline"]]
         if len(base):
-            ax.scatter(base["peak_memory_gb"], base["throughput"], s=260, marker="*", facecolors="none",
-                       edgecolors="black", linewidths=1.2, label="baseline (base config)", zorder=5)
+            ax.scatter(
+                base["peak_memory_gb"],
+                base["throughput"],
+                s=260,
+                marker="*",
+                facecolors="none",
+                edgecolors="black",
+                linewidths=1.2,
+                label="baseline (base config)",
+                zorder=5,
+            )
         if chosen is not None and (ok["number"] == chosen).any():
             c = ok.loc[ok["number"] == chosen].iloc[0]
-            ax.scatter([c["peak_memory_gb"]], [c["throughput"]], s=240, facecolors="none", edgecolors="#2ca02c",
-                       linewidths=2.2, label=f"export pick #{chosen}", zorder=6)
+            ax.scatter(
+                [c["peak_memory_gb"]],
+                [c["throughput"]],
+                s=240,
+                facecolors="none",
+                edgecolors="#2ca02c",
+                linewidths=2.2,
+                label=f"export pick #{chosen}",
+                zorder=6,
+            )
         label_all = len(ok) <= 60
         dups: dict[int, list[int]] = {}
         for _, r in df.loc[df["duplicate_of"].notna()].iterrows():
@@ -100,8 +140,14 @@ def plot_pareto(view: StudyView, *, headroom: float = DEFAULT_HEADROOM, chosen: 
             if label_all or r["pareto"] or r["baseline"]:
                 k = len(dups.get(int(r["number"]), []))
                 same = f" (+{k} re-sampled)" if k else ""
-                ax.annotate(f"#{int(r['number'])}{same}", (r["peak_memory_gb"], r["throughput"]), xytext=(4, 4),
-                            textcoords="offset points", fontsize=7, color="#333333")
+                ax.annotate(
+                    f"#{int(r['number'])}{same}",
+                    (r["peak_memory_gb"], r["throughput"]),
+                    xytext=(4, 4),
+                    textcoords="offset points",
+                    fontsize=7,
+                    color="#333333",
+                )
         ax.set_ylim(0, ok["throughput"].max() * 1.15)
     else:
         ax.text(0.5, 0.5, "no feasible trial yet", transform=ax.transAxes, ha="center", va="center", color="#888888")
@@ -117,13 +163,29 @@ def plot_pareto(view: StudyView, *, headroom: float = DEFAULT_HEADROOM, chosen: 
             a.axvline((1 - headroom) * dev, color="#d62728", lw=1.0, ls="--")
             a.axvspan((1 - headroom) * dev, xmax, color="#d62728", alpha=0.06)
     if dev and not show_device:
-        ax.text(0.99, 0.02, f"off scale \u2192 {dev_label}; keep {headroom:.0%} free: {(1 - headroom) * dev:.1f} GB",
-                transform=ax.transAxes, ha="right", va="bottom", fontsize=8, color="#d62728")
+        ax.text(
+            0.99,
+            0.02,
+            f"off scale \u2192 {dev_label}; keep {headroom:.0%} free: {(1 - headroom) * dev:.1f} GB",
+            transform=ax.transAxes,
+            ha="right",
+            va="bottom",
+            fontsize=8,
+            color="#d62728",
+        )
     if show_device:
         top = ax.get_ylim()[1]
         ax.text(dev, top * 0.98, f"{dev_label} ", color="#d62728", fontsize=8, ha="right", va="top", rotation=90)
-        ax.text((1 - headroom) * dev, top * 0.98, f"keep {headroom:.0%} free: {(1 - headroom) * dev:.1f} GB ",
-                color="#d62728", fontsize=8, ha="right", va="top", rotation=90)
+        ax.text(
+            (1 - headroom) * dev,
+            top * 0.98,
+            f"keep {headroom:.0%} free: {(1 - headroom) * dev:.1f} GB ",
+            color="#d62728",
+            fontsize=8,
+            ha="right",
+            va="top",
+            rotation=90,
+        )
 
     # the strip: failed trials have no real throughput (Optuna holds a penalized 0)
     rows = [s for s in STRIP_ROWS if any(p[0] == s for p in strip_pts) or s in unplaced] or list(STRIP_ROWS[:2])
@@ -134,38 +196,86 @@ def plot_pareto(view: StudyView, *, headroom: float = DEFAULT_HEADROOM, chosen: 
         real = [p for p in pts if not p[2]]
         pen = [p for p in pts if p[2]]
         if real:
-            strip.scatter([min(p[1], xmax * 0.995) for p in real], [ypos[status]] * len(real), marker=marker, s=55,
-                          c=color, label=f"{label}: measured peak", zorder=3)
+            strip.scatter(
+                [min(p[1], xmax * 0.995) for p in real],
+                [ypos[status]] * len(real),
+                marker=marker,
+                s=55,
+                c=color,
+                label=f"{label}: measured peak",
+                zorder=3,
+            )
         if pen:
-            strip.scatter([min(p[1], xmax * 0.995) for p in pen], [ypos[status]] * len(pen), marker=marker, s=55,
-                          **({"c": color} if marker in ("x", "+") else {"facecolors": "none", "edgecolors": color}),
-                          alpha=0.6, label=f"{label}: penalized value", zorder=3)
+            strip.scatter(
+                [min(p[1], xmax * 0.995) for p in pen],
+                [ypos[status]] * len(pen),
+                marker=marker,
+                s=55,
+                **({"c": color} if marker in ("x", "+") else {"facecolors": "none", "edgecolors": color}),
+                alpha=0.6,
+                label=f"{label}: penalized value",
+                zorder=3,
+            )
         pinned: dict[float, list[int]] = {}  # penalties far off the scale: pinned to the edge, named once
         for _, x, penalized, n in pts:
             if x > xmax * 0.995:
                 pinned.setdefault(round(x, 1), []).append(n)
             else:
-                strip.annotate(f"#{n}", (x, ypos[status]), xytext=(0, 6), textcoords="offset points",
-                               fontsize=7, ha="center", color=color)
+                strip.annotate(
+                    f"#{n}",
+                    (x, ypos[status]),
+                    xytext=(0, 6),
+                    textcoords="offset points",
+                    fontsize=7,
+                    ha="center",
+                    color=color,
+                )
         for x, ns in pinned.items():
             names = ", ".join(f"#{n}" for n in ns[:10]) + (" ..." if len(ns) > 10 else "")
-            strip.annotate(f"{names} at {x:g} GB \u2192", (xmax * 0.995, ypos[status]), xytext=(-8, 0),
-                           textcoords="offset points", fontsize=7, ha="right", va="center", color=color)
+            strip.annotate(
+                f"{names} at {x:g} GB \u2192",
+                (xmax * 0.995, ypos[status]),
+                xytext=(-8, 0),
+                textcoords="offset points",
+                fontsize=7,
+                ha="right",
+                va="center",
+                color=color,
+            )
         if status in unplaced:
             names = ", ".join(f"#{n}" for n in unplaced[status][:12]) + (" ..." if len(unplaced[status]) > 12 else "")
-            strip.text(xmin + (xmax - xmin) * 0.01, ypos[status], f"no measurement: {names}", fontsize=7,
-                       va="center", ha="left", color=color)
+            strip.text(
+                xmin + (xmax - xmin) * 0.01,
+                ypos[status],
+                f"no measurement: {names}",
+                fontsize=7,
+                va="center",
+                ha="left",
+                color=color,
+            )
     if not strip_pts and not unplaced:
-        strip.text(0.5, 0.5, "no failed or skipped trial", transform=strip.transAxes, ha="center", va="center",
-                   fontsize=9, color="#888888")
+        strip.text(
+            0.5,
+            0.5,
+            "no failed or skipped trial",
+            transform=strip.transAxes,
+            ha="center",
+            va="center",
+            fontsize=9,
+            color="#888888",
+        )
     strip.set_yticks(list(ypos.values()))
     strip.set_yticklabels([STATUS_STYLE[s][0] for s in ypos], fontsize=8)
     strip.set_ylim(-0.7, len(rows) - 0.3)
     strip.set_xlim(xmin, xmax)
     strip.set_xlabel("peak memory per GPU (GB)  —  external sampler and in-process peak, whichever is larger")
     strip.grid(True, axis="x", alpha=0.3)
-    strip.set_title("no throughput (failed or skipped): placed at measured peak, else at the penalized value",
-                    fontsize=8, loc="left", color="#555555")
+    strip.set_title(
+        "no throughput (failed or skipped): placed at measured peak, else at the penalized value",
+        fontsize=8,
+        loc="left",
+        color="#555555",
+    )
     handles, labels = ax.get_legend_handles_labels()
     h2, l2 = strip.get_legend_handles_labels()
     fig.legend(handles + h2, labels + l2, fontsize=7, loc="upper left", bbox_to_anchor=(0.905, 0.88), framealpha=0.9)
@@ -173,15 +283,27 @@ def plot_pareto(view: StudyView, *, headroom: float = DEFAULT_HEADROOM, chosen: 
 
 
 def plot_importances(imp: Importances) -> Figure:
-    knobs = sorted(set(imp.throughput) | set(imp.memory), key=lambda k: -(imp.throughput.get(k, 0) + imp.memory.get(k, 0)))
+    knobs = sorted(
+        set(imp.throughput) | set(imp.memory), key=lambda k: -(imp.throughput.get(k, 0) + imp.memory.get(k, 0))
+    )
     fig = Figure(figsize=(10, max(2.4, 0.42 * len(knobs) + 1.2)))
     axes = fig.subplots(1, 2, sharey=True)
-    for a, (title, vals, color) in zip(axes, (("throughput", imp.throughput, "#1f77b4"),
-                                              ("peak memory", imp.memory, "#d62728"))):
+    for a, (title, vals, color) in zip(
+        axes, (("throughput", imp.throughput, "#1f77b4"), ("peak memory", imp.memory, "#d62728"))
+    ):
         a.set_title(f"importance for {title}", fontsize=10)
         if not knobs:
-            a.text(0.5, 0.5, imp.message, ha="center", va="center", wrap=True, fontsize=9, color="#666666",
-                   transform=a.transAxes)
+            a.text(
+                0.5,
+                0.5,
+                imp.message,
+                ha="center",
+                va="center",
+                wrap=True,
+                fontsize=9,
+                color="#666666",
+                transform=a.transAxes,
+            )
             a.set_xticks([])
             a.set_yticks([])
             continue
@@ -244,4 +366,3 @@ def figure_png(fig: Figure, path: Optional[Path] = None, dpi: int = 110) -> byte
     if path is not None:
         path.write_bytes(data)
     return data
-

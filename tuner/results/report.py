@@ -12,6 +12,7 @@ is still going. Writes into ``--to``:
 The findings are computed in :mod:`~tuner.results.analysis`, drawn by
 :mod:`~tuner.results.plots` and written out by :mod:`~tuner.results.html`.
 """
+
 from __future__ import annotations
 
 import sys
@@ -30,8 +31,13 @@ __all__ = ["REPORT_FILES", "write_report", "write_view_report", "add_arguments",
 REPORT_FILES = ("pareto.png", "importances.png", "phases.png", "trials.csv", "summary.md")
 
 
-def write_report(storage: str | StorageSpec, study_name: Optional[str], out_dir: str | Path, *,
-                 memory_headroom: float = DEFAULT_HEADROOM) -> Path:
+def write_report(
+    storage: str | StorageSpec,
+    study_name: Optional[str],
+    out_dir: str | Path,
+    *,
+    memory_headroom: float = DEFAULT_HEADROOM,
+) -> Path:
     """Write report.html, pareto.png, importances.png, phases.png, trials.csv and summary.md.
 
     ``storage``: a :class:`StorageSpec`, or any ``--storage`` spelling (an Optuna URL,
@@ -71,9 +77,16 @@ def write_view_report(view: StudyView, out_dir: str | Path, *, memory_headroom: 
 # --------------------------------------------------------------------------- CLI
 def add_arguments(parser) -> None:
     add_study_arguments(parser)
-    parser.add_argument("--to", metavar="DIR", help="where to write (default: DIR/report with --out, else ./ppotune_report)")
-    parser.add_argument("--memory-headroom", type=float, default=DEFAULT_HEADROOM, metavar="F",
-                        help=f"fraction of device memory to keep free, drawn on the plot (default {DEFAULT_HEADROOM:.2f})")
+    parser.add_argument(
+        "--to", metavar="DIR", help="where to write (default: DIR/report with --out, else ./ppotune_report)"
+    )
+    parser.add_argument(
+        "--memory-headroom",
+        type=float,
+        default=DEFAULT_HEADROOM,
+        metavar="F",
+        help=f"fraction of device memory to keep free, drawn on the plot (default {DEFAULT_HEADROOM:.2f})",
+    )
 
 
 def run(args) -> int:

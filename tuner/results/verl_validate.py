@@ -10,6 +10,7 @@ node instantiates (its ``_target_``, read statically from verl's source — impo
 
 No Ray, no GPU, no import of ``verl`` itself: only its config files are read.
 """
+
 from __future__ import annotations
 
 import ast
@@ -209,9 +210,18 @@ def _annotation(target: str, field: str) -> Optional[set]:
 
 
 _NAMES = {
-    "bool": bool, "int": int, "float": float, "str": str,
-    "list": list, "List": list, "tuple": list, "Tuple": list, "Sequence": list,
-    "dict": dict, "Dict": dict, "Mapping": dict,
+    "bool": bool,
+    "int": int,
+    "float": float,
+    "str": str,
+    "list": list,
+    "List": list,
+    "tuple": list,
+    "Tuple": list,
+    "Sequence": list,
+    "dict": dict,
+    "Dict": dict,
+    "Mapping": dict,
 }
 
 

@@ -9,6 +9,7 @@ grammar (:func:`trainer.contracts.parse_storage`) and opened read-only by
 The Pareto front (max throughput, min peak memory over measured feasible trials) is defined
 once, by :func:`pareto_mask`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -137,7 +138,7 @@ def device_memory_gb(study_attrs: dict) -> tuple[Optional[float], str]:
 
 def knob_columns(df: pd.DataFrame) -> list[str]:
     """The knob names (dotted config keys) present in a :func:`trials_frame`."""
-    return [c[len(PARAM_PREFIX):] for c in df.columns if c.startswith(PARAM_PREFIX)]
+    return [c[len(PARAM_PREFIX) :] for c in df.columns if c.startswith(PARAM_PREFIX)]
 
 
 def _num(v: Any) -> Optional[float]:
@@ -189,7 +190,8 @@ def trials_frame(study: optuna.Study) -> pd.DataFrame:
         values = t.values if t.values is not None and len(t.values) >= 2 else (None, None)
         feasible = (
             t.state == optuna.trial.TrialState.COMPLETE
-            and rec.status is not None and rec.status.feasible
+            and rec.status is not None
+            and rec.status.feasible
             and all(c <= 0.0 for c in t.constraints.values())
         )
         throughput = _num(rec.throughput)
@@ -250,8 +252,12 @@ def measured_feasible(df: pd.DataFrame) -> pd.Series:
     """Feasible trials with both objectives measured, each config once (duplicates left out)."""
     if df.empty:
         return pd.Series(dtype=bool)
-    return (df["feasible"].astype(bool) & df["throughput"].notna() & df["peak_memory_gb"].notna()
-            & df["duplicate_of"].isna())
+    return (
+        df["feasible"].astype(bool)
+        & df["throughput"].notna()
+        & df["peak_memory_gb"].notna()
+        & df["duplicate_of"].isna()
+    )
 
 
 def pareto_mask(df: pd.DataFrame, among: Optional[pd.Series] = None) -> pd.Series:
@@ -287,9 +293,12 @@ def pareto_front(df: pd.DataFrame) -> list[int]:
 def add_study_arguments(parser) -> None:
     """``--storage URL --study NAME`` or ``--out DIR`` (a ``ppotune search`` output dir)."""
     g = parser.add_argument_group("which study")
-    g.add_argument("--storage", metavar="URL",
-                   help="Optuna storage: sqlite:///study.db, journal:PATH, a .db/.log file, postgresql://..., "
-                        "or a search output dir")
+    g.add_argument(
+        "--storage",
+        metavar="URL",
+        help="Optuna storage: sqlite:///study.db, journal:PATH, a .db/.log file, postgresql://..., "
+        "or a search output dir",
+    )
     g.add_argument("--study", metavar="NAME", help="study name (default: the only study in the storage)")
     g.add_argument("--out", metavar="DIR", help="a `ppotune search` output dir (DIR/study.db or DIR/study.log)")
 
