@@ -13,3 +13,17 @@ status() {  # status PART ok|"unavailable: why"
 
 # 1. verl's config files in this environment, for `ppotune export --validate-verl` (no verl imports needed).
 if pip install -q --no-deps verl==0.9.1; then status verl-configs ok; else status verl-configs "unavailable: pip install --no-deps verl==0.9.1 failed"; fi
+
+# 2. verl 0.9.1 in its own venv (.venv-verl) for the verl-engine tests (tests/e2e/test_verl.py run it for real):
+#    verl pins transformers<5.11, which cannot share our venv. The CPU build of torch comes from local disk.
+verl_ok() { .venv-verl/bin/python -c "import verl, ray, transformers, tensordict, hydra" >/dev/null 2>&1; }
+if verl_ok; then
+  status verl-venv ok
+elif python -m venv .venv-verl \
+    && .venv-verl/bin/pip install -q torch==2.13.0 \
+    && .venv-verl/bin/pip install -q -c scripts/verl_env_constraints.txt verl==0.9.1 cachetools uvicorn fastapi \
+    && verl_ok; then
+  status verl-venv ok
+else
+  status verl-venv "unavailable: creating .venv-verl with verl==0.9.1 failed (see the pip output above)"
+fi

@@ -60,6 +60,10 @@ def add_arguments(p) -> None:
         help="save the final actor and critic in HF format here (trainer.default_local_dir)",
     )
     p.add_argument("--wandb", action="store_true", help="log each step to wandb (offline without credentials)")
+    p.add_argument("--engine", choices=["ppotune", "verl"], default="ppotune",
+                   help="ppotune's own FSDP trainer, or verl's main_ppo (CONFIG is then a verl run file)")
+    p.add_argument("--engine-python", default=None, metavar="PY",
+                   help="--engine verl: the interpreter of the verl environment (default: this one)")
 
 
 def _overrides(args) -> list[str]:
@@ -155,6 +159,10 @@ def build_result(
 
 
 def run(args) -> int:
+    if args.engine == "verl":
+        from .verl_engine import run as run_verl
+
+        return run_verl(args)
     t0 = time.time()
     result_path = Path(args.result) if args.result else None
     try:

@@ -228,6 +228,17 @@ def make_verl_preset(
         f"data.max_response_length={max_response_length}",
         f"reward.custom_reward_function.path={out / 'reward.py'}",
         f"reward.custom_reward_function.name={REWARD_FN_NAME}",
+        # a CPU-sized PPO job on one rank (verl's defaults are sized for a GPU node: 1024 prompts a step)
+        "algorithm.adv_estimator=gae",
+        "data.train_batch_size=8",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
+        "critic.ppo_mini_batch_size=4",
+        "critic.ppo_micro_batch_size_per_gpu=2",
+        "trainer.n_gpus_per_node=1",
+        "trainer.nnodes=1",
     ]
     header = (
         "# verl Hydra overrides that point verl at this preset (written by `ppotune make-preset verl`).\n"

@@ -135,9 +135,10 @@ def _train(cfg, rank: int, rank_file: Path, state: dict) -> None:
     from .batching import rank_rows
     from .config import config_to_dict, world_size
     from .data import PromptDataset, PromptLoader, left_pad, load_rows
-    from .metrics import PhaseMeter, actor_mfu, peak_flops, summarize_steps
+    from .metrics import PhaseMeter, actor_mfu, peak_flops
     from .models import load_tokenizer
     from .step import ppo_step
+    from .summary import summarize_steps
     from .tracking import StepLogger
 
     notes: list[str] = state["notes"]

@@ -53,10 +53,14 @@ class TrialRun:
     leftover_pids: list = field(default_factory=list)  # processes still alive after cleanup (should be [])
 
 
-def train_command(config_path: str | Path, *, result_path: str | Path, python: str = sys.executable) -> list[str]:
+def train_command(
+    config_path: str | Path, *, result_path: str | Path, engine: str = "ppotune", python: str = sys.executable
+) -> list[str]:
     """``ppotune train CONFIG --result FILE`` through ``python -m tuner.cli`` (works without the console
-    script). The config file is complete (world size, steps, warm-up, memory cap): no flag repeats it."""
-    return [python, "-m", "tuner.cli", "train", str(config_path), "--result", str(result_path)]
+    script). The config file is complete (world size, steps, warm-up, memory cap): no flag repeats it.
+    ``engine="verl"``: CONFIG is a verl run file (trainer.verl_engine)."""
+    cmd = [python, "-m", "tuner.cli", "train", str(config_path), "--result", str(result_path)]
+    return cmd if engine == "ppotune" else [*cmd, "--engine", engine]
 
 
 def log_tail(path: str | Path, *, lines: int = 40, max_chars: int = 4000) -> Optional[str]:

@@ -42,6 +42,7 @@ class TrialRequest:
     identity: tuple  # the config's identity in its space (see Space.identity)
     trial_dir: Path  # where the trial's files go
     slot: int = 0  # which of the --parallel slots runs it (its GPU slice)
+    overrides: dict = field(default_factory=dict)  # what the trial sets on top of the base: knobs + derived keys
 
 
 @dataclass
@@ -61,24 +62,55 @@ class TrialRunner(Protocol):
 
 
 # --------------------------------------------------------------------------- the real thing
+@dataclass(frozen=True)
+class VerlEngine:
+    """How a verl trial runs: the user's verl environment and base overrides (trainer.verl_engine)."""
+
+    python: str  # the verl environment's interpreter
+    base_overrides: tuple  # the user's verl config as Hydra overrides (world size included)
+    steps: int
+    warmup: int
+    memory_limit_gb: Optional[float] = None
+
+    def run_file(self, overrides: dict) -> dict:
+        """The trial's verl run file: the base, then the trial's knobs (verl keys, Hydra spelling)."""
+        from tuner.results.export import hydra_value
+
+        knobs = [f"{k}={hydra_value(v)}" for k, v in overrides.items()]
+        opts = {
+            "python": self.python,
+            "steps": self.steps,
+            "warmup": self.warmup,
+            "memory_limit_gb": self.memory_limit_gb,
+        }
+        return {"overrides": [*self.base_overrides, *knobs], "ppotune": opts}
+
+
 @dataclass
 class SubprocessRunner:
-    """``ppotune train`` in its own process group (tuner.launch): the trial engine ``ppotune``."""
+    """``ppotune train`` in its own process group (tuner.launch): the trial engine ``ppotune`` (our FSDP
+    trainer), or ``verl`` (verl's own main_ppo, run by ``ppotune train --engine verl``) when ``verl`` is set."""
 
     device_kind: str  # cpu | cuda
     nproc: int
     timeout_s: Optional[float] = 600.0
     grace_s: float = 10.0
+    verl: Optional[VerlEngine] = None
     name: str = "ppotune"
+
+    def __post_init__(self) -> None:
+        if self.verl is not None:
+            self.name = "verl"
 
     def run(self, request: TrialRequest, stop: threading.Event) -> TrialOutcome:
         d = request.trial_dir
         d.mkdir(parents=True, exist_ok=True)
         config_path, result_path = d / "config.yaml", d / "result.json"
-        config_path.write_text(yaml.safe_dump(request.config, sort_keys=False))
+        config = request.config if self.verl is None else self.verl.run_file(request.overrides)
+        config_path.write_text(yaml.safe_dump(config, sort_keys=False))
         gpus = self._gpu_slice(request.slot)
         run = launch_trial(
-            train_command(config_path, result_path=result_path),
+            train_command(config_path, result_path=result_path, engine=self.name),
             trial_dir=d,
             result_path=result_path,
             timeout_s=self.timeout_s,

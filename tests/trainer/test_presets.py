@@ -71,6 +71,17 @@ def test_files_and_overrides(preset, overrides):
         "data.max_response_length": "32",
         "reward.custom_reward_function.path": str(preset / "reward.py"),
         "reward.custom_reward_function.name": "compute_score",
+        # a CPU-sized job on one rank: per-GPU mini-batch 4 x n 1 / 1 = 4, divided by micro-batch 2
+        "algorithm.adv_estimator": "gae",
+        "data.train_batch_size": "8",
+        "actor_rollout_ref.actor.ppo_mini_batch_size": "4",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "2",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": "2",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": "2",
+        "critic.ppo_mini_batch_size": "4",
+        "critic.ppo_micro_batch_size_per_gpu": "2",
+        "trainer.n_gpus_per_node": "1",
+        "trainer.nnodes": "1",
     }
     assert int(overrides["data.max_prompt_length"]) % 8 == 0
 

@@ -380,7 +380,23 @@ def _metrics_table(view: StudyView, numbers: list[int]) -> list[str]:
     return out
 
 
-def _verl_command(view: StudyView, choice: Choice, lines: list[str]) -> str:
+def verl_engine_of(view: StudyView):
+    """How the study's verl trials ran (``--engine verl``), or None for ppotune's own trainer."""
+    a = view.attrs
+    if a.get("engine") != "verl":
+        return None
+    from tuner.runners import VerlEngine
+
+    return VerlEngine(
+        python=a["engine_python"],
+        base_overrides=tuple(a["engine_overrides"] or ()),
+        steps=a["steps"],
+        warmup=a["warmup"],
+        memory_limit_gb=a.get("memory_limit_gb"),
+    )
+
+
+def _verl_command(view: StudyView, choice: Choice, lines: list[str], python: str = "python") -> str:
     base = flatten(view.attrs.get("base_config") or {})
     assumed = [
         f"{k}={hydra_value(base[k])}"
@@ -405,7 +421,7 @@ def _verl_command(view: StudyView, choice: Choice, lines: list[str]) -> str:
         "# Append your run's own settings (model path, data files, batch sizes) as arguments: "
         "./verl_command.sh data.train_files=...",
         "set -euo pipefail",
-        "exec python -m verl.trainer.main_ppo \\",
+        f"exec {shlex.quote(python)} -m verl.trainer.main_ppo \\",
     ]
     out += [f"    {shlex.quote(line)} \\" for line in lines]
     out.append('    "$@"')
@@ -431,8 +447,15 @@ def write_export(
     (and verl_validate's errors with ``validate_verl``) before writing anything."""
     choice = choose(view, pick=pick, headroom=headroom)
     overrides = chosen_overrides(view, choice.chosen)
-    config = best_config(view, choice.chosen)
-    lines = verl_overrides(overrides)
+    verl = verl_engine_of(view)
+    if verl is None:
+        config = best_config(view, choice.chosen)
+        lines = verl_overrides(overrides)
+        run_hint = f"ppotune train best_config.yaml --nproc {view.attrs.get('nproc') or 'N'}"
+    else:  # exactly what the trial ran, less what a trial adds for itself (trainer.verl_engine.run_overrides)
+        config = verl.run_file(overrides)
+        lines = config["overrides"]
+        run_hint = f"ppotune train --engine verl best_config.yaml --engine-python {verl.python}"
     if validate_verl:
         from tuner.results.verl_validate import validate_overrides
 
@@ -449,11 +472,11 @@ def write_export(
     header = (
         f"# ppotune export: study {view.name}, trial #{choice.chosen} ({choice.pick}, headroom {_pct(headroom)}):\n"
         f"# {r['throughput']:.1f} tokens/s/GPU, peak {r['peak_memory_gb']:.2f} GB. See why.md.\n"
-        f"# Run it: ppotune train {files['best_config'].name} --nproc N\n"
+        f"# Run it: {run_hint}\n"
     )
     files["best_config"].write_text(header + yaml.safe_dump(config, sort_keys=False, default_flow_style=False))
     files["verl_overrides"].write_text("".join(line + "\n" for line in lines))
-    files["verl_command"].write_text(_verl_command(view, choice, lines))
+    files["verl_command"].write_text(_verl_command(view, choice, lines, python=verl.python if verl else "python"))
     os.chmod(files["verl_command"], 0o755)
     files["why"].write_text(_why_md(view, choice, overrides, lines))
     return ExportResult(choice=choice, files=files, overrides=lines)

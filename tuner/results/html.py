@@ -137,6 +137,13 @@ img{max-width:100%}.warn{background:#fff3cd;border:1px solid #e0c36b;padding:6px
 """
 
 
+def _engine_label(attrs: dict) -> str:
+    """What ran the trials: ppotune's own FSDP trainer, or verl's main_ppo (in which environment)."""
+    if attrs.get("engine") == "verl":
+        return f"verl's main_ppo (--engine verl, {attrs.get('engine_python')})"
+    return "ppotune's FSDP trainer (--engine ppotune)"
+
+
 def report_html(data: ReportData, images: dict[str, bytes]) -> str:
     """``report.html``: ``images`` maps pareto/importances/phases to PNG bytes, embedded inline."""
     view = data.view
@@ -157,7 +164,8 @@ def report_html(data: ReportData, images: dict[str, bytes]) -> str:
     ]
     parts.append(f"<h1>ppotune report: study <code>{_e(view.name)}</code></h1>")
     parts.append(
-        f"<div class='sub'>{len(df)} trials · device {_e(device.get('name') or device.get('kind') or 'unknown')}"
+        f"<div class='sub'>{len(df)} trials · measured by {_e(_engine_label(attrs))}"
+        f" · device {_e(device.get('name') or device.get('kind') or 'unknown')}"
         f" · {_e(dev_label)} · {attrs.get('nproc', '?')} processes · {attrs.get('steps', '?')} steps"
         f" ({attrs.get('warmup', '?')} warm-up) per trial · space {_e(attrs.get('space_path', '?'))}"
         f" · base config {_e(attrs.get('base_config_path', '?'))} · generated "
@@ -319,6 +327,7 @@ def summary_md(data: ReportData) -> str:
         f"# ppotune report: study `{view.name}`",
         "",
         f"- trials: {len(df)} ({', '.join(f'{n} {s}' for s, n in counts.items())})",
+        f"- measured by: {_engine_label(view.attrs)}",
         f"- memory: {dev_label}; headroom {data.headroom:.0%}",
     ]
     if bvb.best is not None:

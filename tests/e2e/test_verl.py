@@ -1,0 +1,203 @@
+"""verl itself as the trial engine (`--engine verl`): real verl 0.9.1 on CPU, in its own venv (.venv-verl,
+made by scripts/install_test_deps.sh), through the CPU shim (trainer/verl_cpu)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+from pathlib import Path
+
+import jsonschema
+import optuna
+import psutil
+import pytest
+import yaml
+
+from support import REPO, wait_until
+from trainer.contracts import PHASES, Status, TrialRecord
+from trainer.verl_engine import SUPPORTED_VERL, override_key
+from tuner.launch import launch_trial, train_command
+
+pytestmark = pytest.mark.slow
+VERL_PY = REPO / ".venv-verl" / "bin" / "python"
+SCHEMA = json.loads((REPO / "trainer" / "result_schema.json").read_text())
+MICRO = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"
+
+
+def ray_processes() -> list[str]:
+    """Ray's daemons and workers still alive anywhere on the machine (CI runs no other Ray)."""
+    out = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        try:
+            cmd = " ".join(p.info["cmdline"] or [])
+            if p.info["status"] != psutil.STATUS_ZOMBIE and any(
+                m in cmd for m in ("raylet", "gcs_server", "default_worker.py", "ray::", "dashboard/agent.py")
+            ):
+                out.append(f"{p.pid} {cmd[:120]}")
+        except psutil.Error:
+            pass
+    return out
+
+
+@pytest.fixture(scope="session")
+def verl_python() -> Path:
+    if not VERL_PY.is_file():
+        status = REPO / ".test_deps" / "verl-venv.status"
+        why = status.read_text().strip() if status.is_file() else "scripts/install_test_deps.sh was not run"
+        pytest.skip(f"verl venv not installed (.venv-verl): {why}")
+    return VERL_PY
+
+
+@pytest.fixture(scope="session")
+def verl_run_file(tmp_path_factory, verl_python, cli) -> Path:
+    """The tiny verl preset (`ppotune make-preset verl`: sized for a 1-rank CPU run) as a run file."""
+    d = tmp_path_factory.mktemp("verl_preset")
+    r = cli("make-preset", "verl", d / "preset", timeout=300)
+    assert r.returncode == 0, r.stderr
+    overrides = yaml.safe_load((d / "preset" / "preset.yaml").read_text())["overrides"]
+    run = d / "run.yaml"
+    run.write_text(yaml.safe_dump({"overrides": overrides, "ppotune": {"python": str(verl_python)}}))
+    return run
+
+
+def _train(cli, run_file: Path, result: Path, *extra) -> subprocess.CompletedProcess:
+    return cli(
+        "train",
+        "--engine",
+        "verl",
+        run_file,
+        "--steps",
+        3,
+        "--warmup",
+        1,
+        "--nproc",
+        1,
+        "--result",
+        result,
+        *extra,
+        timeout=600,
+    )
+
+
+def test_one_verl_trial_is_measured_from_verls_own_metrics(cli, verl_run_file, tmp_path):
+    r = _train(cli, verl_run_file, tmp_path / "r.json")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    res = json.loads((tmp_path / "r.json").read_text())
+    jsonschema.validate(res, SCHEMA)
+    assert res["status"] == "ok" and res["environment"]["verl"] == SUPPORTED_VERL
+    steps = res["steps"]
+    assert [s["step"] for s in steps] == [1, 2, 3] and [s["warmup"] for s in steps] == [True, False, False]
+    s = res["summary"]
+    assert s["num_measured_steps"] == 2
+    # verl's perf/throughput (all tokens / (step time x GPUs)), the median over the measured steps
+    assert s["throughput"] == pytest.approx(statistics.median(x["perf/throughput"] for x in steps[1:]))
+    assert set(s["timing_s"]) >= {
+        "gen",
+        "old_log_prob",
+        "values",
+        "adv",
+        "update_critic",
+        "update_actor",
+        "update_weights",
+        "step",
+    }
+    assert set(s["timing_s"]) - {"update_weights", "step", "reward", "ref"} <= set(PHASES)
+    # the HF rollout's log-probs agree with the actor's recomputed ones: the weights were pushed
+    assert all(x["training/rollout_probs_diff_max"] < 1e-2 for x in steps)
+    assert any("verl CPU shim loaded" in n for n in res["notes"])
+    assert res["config"]["command"][1:3] == ["-m", "verl.trainer.main_ppo"]
+    assert wait_until(lambda: not ray_processes(), 20), ray_processes()
+
+
+def test_verl_search_report_and_export(cli, verl_run_file, tmp_path):
+    space = tmp_path / "space.yaml"
+    space.write_text(f"knobs:\n  {MICRO}: {{type: pow2, low: 1, high: 4, memory: increasing}}\n")
+    out = tmp_path / "out"
+    r = cli(
+        "search",
+        verl_run_file,
+        "--engine",
+        "verl",
+        "--engine-python",
+        VERL_PY,
+        "--space",
+        space,
+        "--trials",
+        3,
+        "--sampler",
+        "grid",
+        "--steps",
+        2,
+        "--warmup",
+        1,
+        "--nproc",
+        1,
+        "--out",
+        out,
+        "--report",
+        "--trial-timeout",
+        300,
+        timeout=1200,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    study = optuna.load_study(study_name="run--space", storage=f"sqlite:///{out / 'study.db'}")
+    recs = {t.number: TrialRecord.from_user_attrs(t.user_attrs) for t in study.get_trials()}
+    ok = {n: rec for n, rec in recs.items() if rec.status == Status.OK}
+    assert len(ok) == 3 and all(rec.engine == "verl" and rec.throughput > 0 for rec in ok.values())
+    assert study.user_attrs["engine"] == "verl"
+    assert (out / "report" / "report.html").is_file()
+
+    r = cli("export", "--out", out, "--to", tmp_path / "e")
+    assert r.returncode == 0, r.stderr
+    chosen = max(ok, key=lambda n: ok[n].throughput)
+    ran = json.loads(Path(ok[chosen].result_path).read_text())["config"]
+    exported = (tmp_path / "e" / "verl_overrides.txt").read_text().splitlines()
+    # the exported verl command is what the winning trial ran, less what a trial adds for itself
+    assert exported == ran["overrides"]
+    added = ran["command"][3 + len(exported) :]
+    assert ran["command"][3 : 3 + len(exported)] == exported and all(o.startswith("++") for o in added)
+    assert {override_key(o) for o in added} >= {"trainer.total_training_steps", "trainer.logger"}
+    assert f"{MICRO}={ok[chosen].overrides[MICRO]}" in exported
+    script = (tmp_path / "e" / "verl_command.sh").read_text()
+    assert str(VERL_PY) in script and all(line in script for line in exported[-2:])
+    assert wait_until(lambda: not ray_processes(), 20), ray_processes()
+
+
+def test_verl_oom_under_a_memory_cap(cli, verl_run_file, tmp_path):
+    r = _train(cli, verl_run_file, tmp_path / "r.json", "--memory-limit-gb", 0.05)
+    res = json.loads((tmp_path / "r.json").read_text())
+    assert r.returncode == 3 and res["status"] == "oom", (res["status"], res["error"])
+    assert "MemoryError" in res["error"] or "allocate" in res["error"]
+    assert wait_until(lambda: not ray_processes(), 20), ray_processes()
+
+
+def test_verl_hang_is_killed_with_no_ray_process_left(verl_run_file, tmp_path):
+    """Too few logical CPUs for verl's placement bundles: it waits forever, with no error."""
+    run = yaml.safe_load(verl_run_file.read_text())
+    run["overrides"].append("++ray_kwargs.ray_init.num_cpus=1")
+    hang = tmp_path / "hang.yaml"
+    hang.write_text(yaml.safe_dump(run))
+    cmd = train_command(hang, result_path=tmp_path / "r.json", engine="verl") + ["--nproc", "1", "--steps", "2"]
+    r = launch_trial(cmd, trial_dir=tmp_path, result_path=tmp_path / "r.json", timeout_s=45, grace_s=5)
+    assert r.status == Status.HANG and r.leftover_pids == []
+    assert wait_until(lambda: not ray_processes(), 20), ray_processes()
+
+
+def test_bad_engine_python_is_one_line_exit_2(cli, tmp_path):
+    run = tmp_path / "run.yaml"
+    run.write_text("overrides: [trainer.nnodes=1]\n")
+    r = cli(
+        "train",
+        "--engine",
+        "verl",
+        run,
+        "--engine-python",
+        tmp_path / "nope" / "python",
+        "--result",
+        tmp_path / "r.json",
+    )
+    assert r.returncode == 2
+    (line,) = r.stderr.strip().splitlines()
+    assert "ppotune.python" in line and str(run) in line
+    assert json.loads((tmp_path / "r.json").read_text())["status"] == "error"

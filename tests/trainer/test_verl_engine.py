@@ -1,0 +1,134 @@
+"""The verl engine's own logic, without verl: run files, the overrides a trial adds, verl's metrics
+lines -> our step rows, failure classification (tests/e2e/test_verl.py runs real verl)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainer.config import ConfigError
+from trainer.verl_engine import (
+    CPU_KEYS,
+    TRIAL_KEYS,
+    classify_failure,
+    load_run,
+    override_key,
+    run_overrides,
+    steps_from_jsonl,
+    verl_env,
+)
+
+
+def _run_file(tmp_path: Path, body: str) -> Path:
+    p = tmp_path / "run.yaml"
+    p.write_text(body)
+    return p
+
+
+def test_run_file_forms_and_flags(tmp_path):
+    lst = load_run(
+        _run_file(tmp_path, "overrides: [trainer.nnodes=1, data.train_batch_size=8]\n"),
+        ["a.b=2"],
+        steps=4,
+        warmup=1,
+        nproc=2,
+    )
+    assert lst.overrides == ["trainer.nnodes=1", "data.train_batch_size=8", "a.b=2", "trainer.n_gpus_per_node=2"]
+    assert (lst.steps, lst.warmup, lst.nproc, lst.python) == (4, 1, 2, sys.executable)
+    nested = load_run(_run_file(tmp_path, "trainer: {nnodes: 1}\nppotune: {steps: 5, warmup: 2}\n"))
+    assert nested.overrides == ["trainer.nnodes=1"] and (nested.steps, nested.warmup) == (5, 2)
+    assert lst.get("data.train_batch_size") == "8" and override_key("++a.b=1") == "a.b"
+
+
+@pytest.mark.parametrize(
+    "body,flags,key",
+    [
+        ("overrides: [nonsense]\n", {}, "overrides"),
+        ("ppotune: {stepz: 3}\n", {}, "ppotune.stepz"),
+        ("overrides: []\n", {"python": "/no/such/python"}, "ppotune.python"),
+        ("overrides: []\n", {"steps": 2, "warmup": 2}, "ppotune.warmup"),
+        ("overrides: []\n", {"memory_limit_gb": -1.0}, "ppotune.memory_limit_gb"),
+        ("- a list\n", {}, "<root>"),
+    ],
+)
+def test_bad_run_files_name_the_key(tmp_path, body, flags, key):
+    with pytest.raises(ConfigError) as e:
+        load_run(_run_file(tmp_path, body), **flags)
+    assert e.value.key == key and str(tmp_path) in str(e.value)
+
+
+def test_what_a_trial_adds(tmp_path):
+    spec = load_run(
+        _run_file(tmp_path, "overrides: [trainer.nnodes=1, actor_rollout_ref.rollout.name=vllm]\n"), steps=3, nproc=2
+    )
+    gpu = run_overrides(spec, device="cuda", workdir=tmp_path)
+    added = gpu[len(spec.overrides) :]
+    assert {override_key(o) for o in added} == set(TRIAL_KEYS) and all(o.startswith("++") for o in added)
+    assert "++trainer.total_training_steps=3" in added
+    cpu = run_overrides(spec, device="cpu", workdir=tmp_path)
+    keys = {override_key(o) for o in cpu[len(spec.overrides) :]}
+    assert keys >= set(CPU_KEYS) and "++actor_rollout_ref.actor.strategy=fsdp2" in cpu
+    assert "++ray_kwargs.ray_init.num_gpus=2" in cpu
+    assert any("rollout.name=vllm: no effect on CPU" in n for n in spec.notes)
+    # a value the user set wins (e.g. too few CPUs on purpose)
+    own = load_run(_run_file(tmp_path, "overrides: ['++ray_kwargs.ray_init.num_cpus=1']\n"))
+    assert not any(
+        o.startswith("++ray_kwargs.ray_init.num_cpus=8") for o in run_overrides(own, device="cpu", workdir=tmp_path)
+    )
+    fsdp1 = load_run(_run_file(tmp_path, "overrides: [critic.strategy=fsdp]\n"))
+    with pytest.raises(ConfigError, match="critic.strategy"):
+        run_overrides(fsdp1, device="cpu", workdir=tmp_path)
+
+
+def test_environment_loads_the_shim_only_on_cpu(tmp_path):
+    spec = load_run(_run_file(tmp_path, "overrides: []\n"), memory_limit_gb=1.0)
+    cpu = verl_env(spec, device="cpu", metrics_path=tmp_path / "m.jsonl")
+    assert cpu["VERL_PLATFORM"] == "cpu" and cpu["VERL_USE_EXTERNAL_MODULES"] == "trainer.verl_cpu,trainer.verl_cap"
+    assert cpu["VERL_FILE_LOGGER_PATH"] == str(tmp_path / "m.jsonl") and cpu["PPOTUNE_MEMORY_LIMIT_GB"] == "1.0"
+    gpu = verl_env(load_run(_run_file(tmp_path, "overrides: []\n")), device="cuda", metrics_path=tmp_path / "m")
+    assert "VERL_PLATFORM" not in gpu and "trainer.verl_cpu" not in gpu.get("VERL_USE_EXTERNAL_MODULES", "")
+
+
+def _line(step: int, **data) -> str:
+    base = {
+        "timing_s/step": 1.0,
+        "perf/throughput": 100.0 * step,
+        "perf/total_num_tokens": 480,
+        "timing_s/gen": 0.5,
+        "timing_s/update_actor": 0.2,
+        "timing_s/agent_loop/generate_sequences/max": 0.3,
+        "actor/perf/max_memory_allocated_gb": 3.0,
+        "critic/perf/max_memory_allocated_gb": 5.0,
+        "response_length/mean": 30.0,
+        "some/text": "x",
+    }
+    return json.dumps({"step": step, "data": {**base, **data}})
+
+
+def test_verl_metrics_lines_become_our_step_rows():
+    text = "\n".join([_line(1), "not json", json.dumps({"step": 1, "data": {"val/score": 1.0}}), _line(2)])
+    rows = steps_from_jsonl(text, warmup=1, device="cuda")
+    assert [(r["step"], r["warmup"]) for r in rows] == [(1, True), (2, False)]
+    r = rows[1]
+    assert r["perf/throughput"] == 200.0 and r["perf/total_num_tokens"] == 480 and r["timing_s/gen"] == 0.5
+    assert "timing_s/agent_loop/generate_sequences/max" not in r and "some/text" not in r
+    assert r["perf/max_memory_allocated_gb"] == 5.0  # verl logs per role; the max of actor and critic
+    assert "perf/max_memory_allocated_gb" not in steps_from_jsonl(_line(1), warmup=0, device="cpu")[0]
+
+
+@pytest.mark.parametrize(
+    "tail,status",
+    [
+        ("(WorkerDict pid=1) torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB", "oom"),
+        ("RuntimeError: DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes", "oom"),
+        ("(TemporaryActor pid=2) MemoryError", "oom"),
+        ("ray.exceptions.RayTaskError(ValueError): bad config", "error"),
+        ("", "error"),
+    ],
+)
+def test_failures_are_classified_from_the_log(tail, status):
+    got, error = classify_failure(1, "line\n" + tail)
+    assert got == status and error
