@@ -97,3 +97,62 @@ def real_search(tmp_path_factory, cli) -> Path:
     )
     assert r.returncode == 0, f"search failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     return out
+
+
+# --------------------------------------------------------------------------- a real PostgreSQL server
+@pytest.fixture(scope="session")
+def postgres():
+    """A throwaway PostgreSQL server for the session (tests/pg.py); skips, saying why, without one."""
+    from pg import PostgresUnavailable, ThrowawayPostgres
+
+    try:
+        import psycopg  # noqa: F401 - the driver SQLAlchemy uses for postgresql:// URLs
+
+        server = ThrowawayPostgres().start()
+    except (PostgresUnavailable, ImportError) as e:
+        pytest.skip(f"no PostgreSQL for this test: {e}")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def pg_url(postgres) -> str:
+    """A fresh database on the session's server: its URL (with the password)."""
+    return postgres.url(postgres.create_database())
+
+
+@pytest.fixture
+def storage_proxy():
+    """``storage_proxy(url) -> "grpc://127.0.0.1:PORT"``: ``ppotune storage-proxy`` in front of ``url``,
+    stopped (SIGTERM) at the end of the test."""
+    import socket
+
+    procs = []
+
+    def start(url: str) -> str:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        p = subprocess.Popen(
+            [sys.executable, "-m", "tuner.cli", "storage-proxy", "--storage", url, "--port", str(port)]
+            + ["--host", "127.0.0.1"],
+            cwd=REPO,
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        procs.append(p)
+        line = p.stdout.readline()
+        assert "serving" in line, line + (p.stdout.read() if p.poll() is not None else "")
+        return f"grpc://127.0.0.1:{port}"
+
+    start.procs = procs  # type: ignore[attr-defined]
+    yield start
+    for p in procs:
+        p.terminate()
+        try:
+            p.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

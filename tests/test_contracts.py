@@ -120,7 +120,7 @@ def test_status_sets():
     complete = {s for s in Status if s.complete}
     assert complete == {Status.OK, Status.OOM, Status.INFERRED_OOM, Status.HANG}
     assert {s for s in Status if s.feasible} == {Status.OK}
-    assert {s for s in Status if not s.counted} == {Status.INTERRUPTED, Status.DUPLICATE}
+    assert {s for s in Status if not s.counted} == {Status.INTERRUPTED, Status.DUPLICATE, Status.OVER_BUDGET}
     assert {s for s in Status if s.measured} == {Status.OK, Status.OOM, Status.HANG}
     assert not Status.INFERRED_OOM.launched and not Status.DUPLICATE.launched and not Status.INVALID.launched
     assert Status.OK == "ok" and f"{Status.INFERRED_OOM}" == "inferred_oom" and json.dumps(Status.HANG) == '"hang"'

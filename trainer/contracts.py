@@ -87,6 +87,7 @@ class Status(str, enum.Enum):
     INVALID = "invalid"  # refused before launch (space constraint, config validation) or exit 2
     INTERRUPTED = "interrupted"  # the tuner stopped or died while it ran: enqueued again
     DUPLICATE = "duplicate"  # the sampler proposed a config already in the study: not run
+    OVER_BUDGET = "over_budget"  # asked in a race with another worker that filled --trials: not run
 
     def __str__(self) -> str:  # "ok", not "Status.OK", in f-strings on every Python version
         return self.value
@@ -104,7 +105,7 @@ class Status(str, enum.Enum):
     @property
     def counted(self) -> bool:
         """Counts toward ``--trials`` (an interrupted trial's retry counts instead; a duplicate was never run)."""
-        return self not in (Status.INTERRUPTED, Status.DUPLICATE)
+        return self not in (Status.INTERRUPTED, Status.DUPLICATE, Status.OVER_BUDGET)
 
     @property
     def measured(self) -> bool:

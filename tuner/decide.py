@@ -9,7 +9,9 @@ sampler: :mod:`tuner.loop` does that and calls these.
 * :func:`judge` -- launch it, or record it at zero cost as ``invalid`` (space constraint or
   config validation), ``duplicate`` (already measured) or ``inferred_oom`` (at least as
   memory-hungry as a known OOM on every monotone knob);
-* :func:`stop_reason` -- the budget: when a search process stops asking.
+* :func:`stop_reason` -- the budget: when a search process stops asking;
+* :func:`over_budget` -- after an ``ask()`` taken without a cross-process lock: was the
+  trial asked past the budget by a race with another worker?
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from trainer.config import ConfigError, apply_overrides, config_from_dict, confi
 from trainer.contracts import Status, TrialRecord
 from tuner.space import Candidate, Space
 
-__all__ = ["Verdict", "known_configs", "judge", "counted", "count_progress", "stop_reason"]
+__all__ = ["Verdict", "known_configs", "judge", "counted", "count_progress", "stop_reason", "over_budget"]
 
 _IN_STUDY = (TrialState.COMPLETE, TrialState.FAIL, TrialState.RUNNING)
 
@@ -70,6 +72,27 @@ def stop_reason(
     if free_in_a_row >= max_free_in_a_row:
         return f"the sampler proposed {max_free_in_a_row} already-measured configs in a row"
     return None
+
+
+def over_budget(trials: Iterable[FrozenTrial], number: int, *, budget: int) -> bool:
+    """Was trial ``number`` (just asked, RUNNING) asked past ``budget`` by a race with another worker?
+
+    For storages with no cross-process lock (the gRPC proxy, MySQL). The storage numbers trials
+    in creation order under its own lock (a row lock on the study in an RDB), so the trials
+    numbered below ours existed when ours was made. Ours is over the budget when ``budget`` of
+    them count or may still count: counted ones (running or finished) and waiting ones that
+    will count once popped (an enqueued retry holds its slot). A trial that was uncounted at
+    the check (interrupted, duplicate, over budget, a ``--confirm`` re-run) never counts later;
+    a waiting one does, and it is included. So every counted trial saw fewer than ``budget``
+    counted-or-reserved trials below it: the counted total never exceeds ``budget``.
+    """
+    below = 0
+    for t in trials:
+        if t.number >= number:
+            continue
+        if counted(t) or (t.state == TrialState.WAITING and TrialRecord.from_user_attrs(t.user_attrs).counted):
+            below += 1
+    return below >= budget
 
 
 # --------------------------------------------------------------------------- the study's configs

@@ -14,6 +14,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Protocol
@@ -28,12 +29,13 @@ from tuner.runners import TrialOutcome, TrialRequest, TrialRunner
 from tuner.space import Candidate, Space
 from tuner.storage import trial_id
 
-__all__ = ["SearchOptions", "SearchObserver", "TrialEvent", "Search", "build_sampler", "SAMPLERS"]
+__all__ = ["SearchOptions", "SearchObserver", "TrialEvent", "Search", "build_sampler", "SAMPLERS", "WAIT"]
 
 SAMPLERS = ("tpe", "nsga2", "random", "grid")
 MAX_CONSECUTIVE_FREE = 100  # duplicate proposals in a row before this process gives up
 EXPLORE_AFTER_DUPLICATES = 3  # then the next trial is an unmeasured config picked at random
-SWEEP_EVERY_S = 30.0
+SWEEP_EVERY_S = 30.0  # at most this long between two stale-trial sweeps (less with a shorter heartbeat)
+WAIT_POLL_S = 2.0  # a worker waiting for other workers' last trials looks again after this long
 ENUMERATE_BELOW = 100_000  # spaces up to this size are explored by enumeration, larger ones by sampling
 
 
@@ -47,6 +49,8 @@ class SearchOptions:
     timeout_s: Optional[float] = None  # start no new trial after this long
     parallel: int = 1  # trials at once in this process
     confirm: int = 0  # after the search, re-run the K fastest Pareto configs
+    heartbeat_s: float = st.HEARTBEAT_S  # how often a RUNNING trial's heartbeat is written
+    grace_s: float = st.STALE_AFTER_S  # another host's RUNNING trial with no heartbeat for this long is stale
 
     def __post_init__(self) -> None:
         if self.trials < 1:
@@ -57,6 +61,8 @@ class SearchOptions:
             raise ValueError(f"--sampler must be one of {list(SAMPLERS)}, got {self.sampler!r}")
         if self.confirm < 0:
             raise ValueError("--confirm must be >= 0")
+        if self.heartbeat_s <= 0 or self.grace_s <= self.heartbeat_s:
+            raise ValueError("--heartbeat must be > 0 and --grace longer than --heartbeat")
 
 
 def build_sampler(name: str, *, seed: Optional[int], n_trials: int) -> optuna.samplers.BaseSampler:
@@ -96,6 +102,15 @@ class SearchObserver(Protocol):
     def trial_done(self, event: TrialEvent) -> None: ...
 
     def message(self, text: str) -> None: ...
+
+
+class _Wait:
+    def __repr__(self) -> str:
+        return "WAIT"
+
+
+#: what :meth:`Search.ask` returns when the budget is taken but other workers' trials still run
+WAIT = _Wait()
 
 
 @dataclass
@@ -171,6 +186,9 @@ class Search:
             prop = self.ask()
             if prop is None:
                 return
+            if prop is WAIT:
+                self.stop_event.wait(min(WAIT_POLL_S, self.options.heartbeat_s))
+                continue
             try:
                 self.process(prop, slot)
             except Exception as e:  # a bug here must not leave the trial RUNNING forever
@@ -178,23 +196,28 @@ class Search:
                 raise
 
     # ---- asking (under the lock)
-    def ask(self) -> Optional[Proposal]:
+    def ask(self) -> "Proposal | _Wait | None":
+        """The next proposal; ``None``: stop; :data:`WAIT`: the budget is taken, but trials of
+        other workers still run (one may die and be re-enqueued): ask again a little later."""
         with self.lock():
-            if time.monotonic() - self._last_sweep > SWEEP_EVERY_S:
+            if time.monotonic() - self._last_sweep > min(SWEEP_EVERY_S, self.options.heartbeat_s):
                 self.sweep()
             trials = self.study.get_trials(deepcopy=False)
+            elapsed = time.monotonic() - self._started
             reason = (
                 "interrupted"
                 if self.stop_event.is_set()
                 else decide.stop_reason(
                     trials,
                     budget=self.options.trials,
-                    elapsed_s=time.monotonic() - self._started,
+                    elapsed_s=elapsed,
                     timeout_s=self.options.timeout_s,
                     free_in_a_row=self._free_in_a_row,
                     max_free_in_a_row=MAX_CONSECUTIVE_FREE,
                 )
             )
+            if reason and self._others_still_running(trials, elapsed):
+                return WAIT
             if reason:
                 self.stopped_reason = self.stopped_reason or reason
                 return None
@@ -216,7 +239,11 @@ class Search:
                         return None
                     self.study.enqueue_trial(point.params, skip_if_exists=False)
                     self._dup_in_a_row = 0
-            trial = self.study.ask()
+            with warnings.catch_warnings():  # "Heartbeat ... supposed to be used with optimize": we beat ourselves
+                warnings.simplefilter("ignore", UserWarning)
+                trial = self.study.ask()
+            if self._asked_over_budget(trial):
+                return WAIT
             try:
                 return self._propose(trial, known)
             except Exception as e:  # noqa: BLE001 - e.g. enqueued params outside the space
@@ -226,6 +253,34 @@ class Search:
                     cand,
                     decide.Verdict(Status.INVALID, f"tuner: could not prepare the trial: {type(e).__name__}: {e}"),
                 )
+
+    def _others_still_running(self, trials: list, elapsed_s: float) -> bool:
+        """The budget is reached counting trials other workers still run: wait for them (if one's
+        worker dies, its trial is swept and re-enqueued, and this worker runs the retry)."""
+        if self.stop_event.is_set() or decide.count_progress(trials) < self.options.trials:
+            return False
+        if self.options.timeout_s is not None and elapsed_s > self.options.timeout_s:
+            return False
+        return any(t.state == TrialState.RUNNING and decide.counted(t) and not st.owned_here(t) for t in trials)
+
+    def _asked_over_budget(self, trial: optuna.trial.Trial) -> bool:
+        """Record ``trial`` as ``over_budget`` if another worker took the budget's last slot in the
+        same moment (possible only without a cross-process lock: the gRPC proxy, MySQL; checked
+        always, so workers on one study may mix storages)."""
+        if not TrialRecord.from_user_attrs(trial.user_attrs).counted:
+            return False  # a --confirm re-run: outside the budget
+        if not decide.over_budget(self.study.get_trials(deepcopy=False), trial.number, budget=self.options.trials):
+            return False
+        record = TrialRecord(
+            status=Status.OVER_BUDGET,
+            error=f"over budget: the study's {self.options.trials} trials were taken by other workers as this one "
+            "was asked; not run",
+            duration_s=0.0,
+        )
+        st.finish(self.study, trial, record)
+        if self.observer:
+            self.observer.message(f"trial {trial.number:4d} over_budget (another worker took the last slot; not run)")
+        return True
 
     def _propose(self, trial: optuna.trial.Trial, known: dict) -> Proposal:
         asked = TrialRecord.from_user_attrs(trial.user_attrs)  # what was enqueued with it
@@ -280,7 +335,7 @@ class Search:
 
     def sweep(self) -> None:
         self._last_sweep = time.monotonic()
-        swept = st.sweep_stale(self.study, self.storage)
+        swept = st.sweep_stale(self.study, self.storage, stale_after_s=self.options.grace_s)
         if swept and self.observer:
             self.observer.message(
                 f"ppotune search: trial(s) {swept} were left RUNNING by a dead tuner: "
@@ -302,6 +357,7 @@ class Search:
                     identity=self.space.identity(prop.cand.effective),
                     trial_dir=(self.trials_dir or Path("trials")) / str(trial.number),
                     slot=slot,
+                    overrides=dict(prop.cand.overrides),
                 ),
                 self.stop_event,
             )

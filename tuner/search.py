@@ -34,6 +34,7 @@ from tuner.memory import gpu_info, nvml_available, visible_gpus
 from tuner.progress import Display, trial_line
 from tuner.runners import SubprocessRunner
 from tuner.space import Space, base_flat_config, load_space
+from tuner.storage import close_storage
 
 __all__ = ["add_arguments", "run", "options_from_args"]
 
@@ -54,6 +55,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="Optuna storage URL; journal:PATH or *.log for a journal file (default sqlite:///<out>/study.db)",
     )
     p.add_argument("--study", default=None, help="study name (default: <base>--<space>)")
+    p.add_argument(
+        "--heartbeat",
+        type=float,
+        default=st.HEARTBEAT_S,
+        metavar="S",
+        help=f"write a running trial's heartbeat every S seconds (default {st.HEARTBEAT_S:g})",
+    )
+    p.add_argument(
+        "--grace",
+        type=float,
+        default=st.STALE_AFTER_S,
+        metavar="S",
+        help="a trial of another host with no heartbeat for S seconds is interrupted and re-enqueued "
+        f"(default {st.STALE_AFTER_S:g})",
+    )
     p.add_argument(
         "--out", default="ppotune_out", help="output dir: trials/, the default storage (default ppotune_out)"
     )
@@ -133,6 +149,8 @@ def options_from_args(args: argparse.Namespace, *, seed: Optional[int] = None) -
         timeout_s=args.timeout,
         parallel=args.parallel,
         confirm=args.confirm,
+        heartbeat_s=args.heartbeat,
+        grace_s=args.grace,
     )
 
 
@@ -270,6 +288,8 @@ def run(args: argparse.Namespace) -> int:
             lock,
             sampler=build_sampler(options.sampler, seed=options.seed, n_trials=options.trials),
             setup=setup,
+            heartbeat_s=options.heartbeat_s,
+            grace_s=options.grace_s,
         )
     except StorageError as e:
         return _fail(str(e))
@@ -286,7 +306,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"ppotune search: study {name!r} in {spec.display} ({'new' if created else 'resumed'}, "
         f"{done}/{options.trials} trials done) | space {args.space} ({space.size(trial_flat):,} configs) | "
-        f"{device['kind']} x{nproc} per trial | sampler {options.sampler} | out {out_dir}",
+        f"{device['kind']} x{nproc} per trial | sampler {options.sampler} | lock {lock.kind} | out {out_dir}",
         flush=True,
     )
     display = Display(options.trials, done=min(done, options.trials), parallel=options.parallel)
@@ -311,7 +331,7 @@ def run(args: argparse.Namespace) -> int:
         penalty_gb=penalty,
         trials_dir=out_dir / "trials",
         observer=ConsoleObserver(display, tracker),
-        heartbeat=st.Heartbeat(storage),
+        heartbeat=st.Heartbeat(storage, interval_s=options.heartbeat_s),
     )
     search.heartbeat.start()
 
@@ -330,6 +350,7 @@ def run(args: argparse.Namespace) -> int:
         for s, h in old.items():
             signal.signal(s, h)
     _summary(study, search)
+    close_storage(storage)  # the database connections go back to the server now, not at exit
     if got:
         print(
             f"ppotune search: stopped by {signal.Signals(got[0]).name}; the interrupted trial(s) will run "

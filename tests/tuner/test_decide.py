@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import textwrap
+import time
 
 import optuna
 import pytest
@@ -14,7 +15,7 @@ from trainer.config import apply_overrides, config_from_dict, config_to_dict, fl
 from trainer.contracts import DIRECTIONS, Status, TrialRecord
 from tuner import decide
 from tuner import study as st
-from tuner.loop import Search, SearchOptions, build_sampler
+from tuner.loop import WAIT, Search, SearchOptions, build_sampler
 from tuner.runners import Recorded, ReplayRunner
 from tuner.space import base_flat_config, space_from_dict
 
@@ -169,3 +170,94 @@ def test_search_loop_over_a_replay_runner(setup):
     assert (
         len({space.identity({**flat, **r.overrides}) for r, t in zip(recs, trials) if decide.counted(t)}) == 5
     )  # five distinct configs
+
+
+# --------------------------------------------------------------------------- the budget across workers
+def _t(number, state, **ua):
+    t = create_trial(state=state, values=[1.0, 1.0] if state == TrialState.COMPLETE else None, user_attrs=ua)
+    t.number = number
+    return t
+
+
+def test_over_budget_counts_what_is_below_and_may_still_count():
+    R, C, W, F = TrialState.RUNNING, TrialState.COMPLETE, TrialState.WAITING, TrialState.FAIL
+    two_done = [_t(0, C, status="ok"), _t(1, C, status="ok")]
+    assert not decide.over_budget([*two_done, _t(2, R)], 2, budget=3)
+    # another worker's trial numbered below ours took the last slot in the same moment
+    assert decide.over_budget([*two_done, _t(2, R), _t(3, R)], 3, budget=3)
+    # ...but not one numbered above ours: that one is the one over the budget
+    assert not decide.over_budget([*two_done, _t(2, R), _t(3, R)], 2, budget=3)
+    # an enqueued retry below ours holds its slot: it counts once popped
+    assert decide.over_budget([*two_done, _t(2, W, retry_of=0), _t(3, R)], 3, budget=3)
+    # what can never count again does not hold a slot
+    for gone in (
+        _t(2, F, status="interrupted"),
+        _t(2, F, status="duplicate", duplicate_of=0),
+        _t(2, F, status="over_budget"),
+        _t(2, C, status="ok", confirm_of=0),
+        _t(2, W, confirm_of=0),
+    ):
+        assert not decide.over_budget([*two_done, gone, _t(3, R)], 3, budget=3), gone.user_attrs
+
+
+def _worker(setup, study, storage, trials: int):
+    space, trial_base, flat = setup
+    return Search(
+        options=SearchOptions(trials=trials, sampler="random", seed=0, heartbeat_s=0.2, grace_s=1.0),
+        study=study,
+        storage=storage,
+        lock=st.StudyLock(None),  # no cross-process lock: the gRPC proxy's case
+        space=space,
+        trial_base=trial_base,
+        trial_flat=flat,
+        runner=ReplayRunner(_replay_table(space, flat), rng=random.Random(0)),
+        penalty_gb=64.0,
+    )
+
+
+def test_a_trial_asked_past_the_budget_is_recorded_over_budget_and_not_run(setup):
+    storage = optuna.storages.InMemoryStorage()
+    study = optuna.create_study(storage=storage, directions=list(DIRECTIONS))
+    search = _worker(setup, study, storage, trials=2)
+    first = study.ask()  # another worker's RUNNING trial...
+    first.set_user_attr("owner", {"host": "elsewhere", "pid": 1, "started": 1.0})
+    first.set_user_attr("heartbeat", 1e12)
+    second = study.ask()  # ...and another: the budget of 2 is taken below ours
+    second.set_user_attr("owner", {"host": "elsewhere", "pid": 2, "started": 1.0})
+    second.set_user_attr("heartbeat", 1e12)
+    mine = study.ask()
+    assert search._asked_over_budget(mine)
+    rec = TrialRecord.from_user_attrs(study.get_trials()[mine.number].user_attrs)
+    assert rec.status == Status.OVER_BUDGET and study.get_trials()[mine.number].state == TrialState.FAIL
+    assert decide.count_progress(study.get_trials()) == 2
+    # the budget is taken by trials that still run elsewhere: this worker waits instead of leaving
+    assert search.ask() is WAIT
+    for t in (first, second):
+        study.tell(t, state=TrialState.FAIL)  # (no status: counted, as a crash would be)
+    assert search.ask() is None and "holds 2 counted" in search.stopped_reason
+
+
+def test_a_waiting_worker_runs_the_retry_of_a_dead_workers_trial(setup):
+    """The budget is reached counting a trial of another host; that host stops beating: after the
+    grace period the waiting worker sweeps it, and runs its retry. The total stays exact."""
+    storage = optuna.storages.InMemoryStorage()
+    study = optuna.create_study(storage=storage, directions=list(DIRECTIONS))
+    space, _, flat = setup
+    search = _worker(setup, study, storage, trials=2)
+    done = study.ask()
+    space.suggest(done, flat)
+    study.tell(done, [1.0, 1.0])
+    dead = study.ask()
+    space.suggest(dead, flat)
+    dead.set_user_attr("owner", {"host": "elsewhere", "pid": 1, "started": 1.0})
+    dead.set_user_attr("heartbeat", time.time())  # fresh now, then never again
+    assert search.ask() is WAIT
+    t0 = time.monotonic()
+    search.run()  # waits, sweeps the dead trial after grace_s, runs its retry, stops
+    assert 0.8 <= time.monotonic() - t0 < 10
+    trials = study.get_trials()
+    recs = {t.number: TrialRecord.from_user_attrs(t.user_attrs) for t in trials}
+    assert recs[dead.number].status == Status.INTERRUPTED
+    (retry,) = [n for n, r in recs.items() if r.retry_of == dead.number]
+    assert recs[retry].status == Status.OK and trials[retry].params == dead.params
+    assert decide.count_progress(trials) == 2

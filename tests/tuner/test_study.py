@@ -1,4 +1,7 @@
-"""Study bookkeeping on real Optuna storages (SQLite file and journal file, same suite)."""
+"""Study bookkeeping on real Optuna storages, one suite for every storage we support (optuna's
+``pytest_storages`` pattern): SQLite file, journal file, a real PostgreSQL server (tests/pg.py:
+the session's throwaway cluster, a fresh database per test) and Optuna's gRPC proxy in front of
+it (``ppotune storage-proxy``). Without a PostgreSQL server the last two skip, saying why."""
 
 from __future__ import annotations
 
@@ -6,28 +9,41 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import optuna
 import pytest
 from optuna.trial import TrialState
 
 from support import REPO
-from trainer.contracts import CONSTRAINT_KEY, STUDY_SCHEMA_VERSION, Status, StorageSpec, TrialRecord, parse_storage
+from trainer.contracts import (
+    CONSTRAINT_KEY,
+    STUDY_SCHEMA_VERSION,
+    Status,
+    StorageError,
+    StorageSpec,
+    TrialRecord,
+    parse_storage,
+)
+from tuner import storage as st_storage
 from tuner import study as st
 from tuner.decide import count_progress, counted
-from tuner.storage import trial_id
+from tuner.storage import close_storage, open_storage, trial_id
 
-STORAGE_KINDS = ["sqlite", "journal"]
+STORAGE_KINDS = ["sqlite", "journal", "postgresql", "grpc"]
 P = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"
 
 
-def spec_for(kind: str, tmp_path: Path) -> StorageSpec:
-    return parse_storage(str(tmp_path / ("study.db" if kind == "sqlite" else "study.log")))
+@pytest.fixture(params=STORAGE_KINDS)
+def spec(request, tmp_path) -> StorageSpec:
+    """Where this test's study lives (a fresh file, database or proxy per test)."""
+    kind = request.param
+    if kind in ("sqlite", "journal"):
+        return parse_storage(str(tmp_path / ("study.db" if kind == "sqlite" else "study.log")))
+    url = request.getfixturevalue("pg_url")
+    return parse_storage(url if kind == "postgresql" else request.getfixturevalue("storage_proxy")(url))
 
 
-def new_study(kind: str, tmp_path: Path, name: str = "s"):
-    spec = spec_for(kind, tmp_path)
+def new_study(spec: StorageSpec, name: str = "s"):
     lock = st.StudyLock(spec.lock_path)
 
     def setup(study):
@@ -51,26 +67,24 @@ def test_default_study_name():
 
 
 # --------------------------------------------------------------------------- creation
-@pytest.mark.parametrize("kind", STORAGE_KINDS)
-def test_open_study_sets_up_once(kind, tmp_path):
-    study, _, created = new_study(kind, tmp_path)
+def test_open_study_sets_up_once(spec):
+    study, _, created = new_study(spec)
     assert created and study.user_attrs[st.SCHEMA_ATTR] == STUDY_SCHEMA_VERSION
-    again, _, created2 = new_study(kind, tmp_path)
+    again, _, created2 = new_study(spec)
     assert not created2
     waiting = again.get_trials(states=(TrialState.WAITING,))
     assert len(waiting) == 1 and waiting[0].user_attrs["baseline"] is True
     assert [d.name for d in again.directions] == ["MAXIMIZE", "MINIMIZE"]
 
 
-@pytest.mark.parametrize("kind", STORAGE_KINDS)
-def test_two_processes_creating_one_fresh_study_do_not_race(kind, tmp_path):
+def test_two_processes_creating_one_fresh_study_do_not_race(spec):
     code = textwrap.dedent(f"""
         import sys, time
         sys.path.insert(0, {str(REPO)!r})
         import optuna
         from tuner import study as st
         from trainer.contracts import STUDY_SCHEMA_VERSION, parse_storage
-        spec = parse_storage({str(tmp_path / ("study.db" if kind == "sqlite" else "study.log"))!r})
+        spec = parse_storage({spec.url!r})
 
         def setup(study):
             study.enqueue_trial({{{P!r}: 2}}, user_attrs={{"baseline": True}})
@@ -86,14 +100,13 @@ def test_two_processes_creating_one_fresh_study_do_not_race(kind, tmp_path):
     ]
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
-    study, _, _ = new_study(kind, tmp_path)
+    study, _, _ = new_study(spec)
     assert len(study.get_trials(states=(TrialState.WAITING,))) == 1  # one baseline, enqueued once
 
 
 # --------------------------------------------------------------------------- counting, telling
-@pytest.mark.parametrize("kind", STORAGE_KINDS)
-def test_finish_records_constraints_values_and_states(kind, tmp_path):
-    study, _, _ = new_study(kind, tmp_path)
+def test_finish_records_constraints_values_and_states(spec):
+    study, _, _ = new_study(spec)
     statuses = [s for s in Status if s != Status.INTERRUPTED]
     for i, status in enumerate(statuses):
         trial = study.ask()
@@ -106,11 +119,12 @@ def test_finish_records_constraints_values_and_states(kind, tmp_path):
         assert trials[s].state == TrialState.COMPLETE
         assert trials[s].constraints == {CONSTRAINT_KEY: 1.0}
         assert trials[s].values == [0.0, 64.0]
-    for s in ("crash", "invalid", "duplicate"):
+    for s in ("crash", "invalid", "duplicate", "over_budget"):
         assert trials[s].state == TrialState.FAIL
     # the Pareto front holds only the feasible trial
     assert [t.user_attrs["status"] for t in study.best_trials] == ["ok"]
-    assert count_progress(study.get_trials()) == len(statuses) - 1  # the duplicate is not counted
+    # the duplicate and the over-budget ask are not counted
+    assert count_progress(study.get_trials()) == len(statuses) - 2
 
 
 def test_counted():
@@ -129,9 +143,8 @@ def test_counted():
 
 
 # --------------------------------------------------------------------------- resume
-@pytest.mark.parametrize("kind", STORAGE_KINDS)
-def test_stale_sweep_interrupts_and_reenqueues(kind, tmp_path):
-    study, storage, _ = new_study(kind, tmp_path)
+def test_stale_sweep_interrupts_and_reenqueues(spec):
+    study, storage, _ = new_study(spec)
     dead = study.ask()  # pops the enqueued baseline
     dead.suggest_categorical(P, [1, 2, 4])
     dead.set_user_attr("owner", {"host": st.owner_info()["host"], "pid": dead_pid(), "started": 1.0})
@@ -164,10 +177,9 @@ def test_stale_sweep_interrupts_and_reenqueues(kind, tmp_path):
     assert t.suggest_categorical(P, [1, 2, 4]) == dead.params[P]
 
 
-@pytest.mark.parametrize("kind", STORAGE_KINDS)
-def test_concurrent_sweepers_enqueue_one_retry(kind, tmp_path):
-    study_a, storage_a, _ = new_study(kind, tmp_path)
-    study_b, storage_b, _ = new_study(kind, tmp_path)  # a second process's view (own storage object)
+def test_concurrent_sweepers_enqueue_one_retry(spec):
+    study_a, storage_a, _ = new_study(spec)
+    study_b, storage_b, _ = new_study(spec)  # a second process's view (own storage object)
     t = study_a.ask()
     t.suggest_categorical(P, [1, 2, 4])
     t.set_user_attr("owner", {"host": st.owner_info()["host"], "pid": dead_pid(), "started": 1.0})
@@ -179,9 +191,8 @@ def test_concurrent_sweepers_enqueue_one_retry(kind, tmp_path):
     assert [r.user_attrs.get("retry_of") for r in retries] == [t.number]
 
 
-@pytest.mark.parametrize("kind", STORAGE_KINDS)
-def test_heartbeat_thread(kind, tmp_path):
-    study, storage, _ = new_study(kind, tmp_path)
+def test_heartbeat_thread(spec):
+    study, storage, _ = new_study(spec)
     t = study.ask()
     hb = st.Heartbeat(storage, interval_s=0.2)
     hb.add(trial_id(storage, study, t.number))
@@ -200,7 +211,7 @@ def test_study_lock_excludes_other_processes(tmp_path):
         from pathlib import Path
         from tuner.study import StudyLock
         t = time.monotonic()
-        with StudyLock(Path({str(tmp_path / "x.lock")!r}))():
+        with StudyLock(__import__("pathlib").Path({str(tmp_path / "x.lock")!r}))():
             print(round(time.monotonic() - t, 2))
     """)
     with lock():
@@ -210,9 +221,8 @@ def test_study_lock_excludes_other_processes(tmp_path):
     assert waited >= 0.5  # it blocked until we released
 
 
-@pytest.mark.parametrize("kind", STORAGE_KINDS)
-def test_interrupt_keeps_what_was_measured_and_what_was_asked(kind, tmp_path):
-    study, storage, _ = new_study(kind, tmp_path)
+def test_interrupt_keeps_what_was_measured_and_what_was_asked(spec):
+    study, storage, _ = new_study(spec)
     t = study.ask()  # the enqueued baseline
     t.suggest_categorical(P, [1, 2, 4])
     t.set_user_attr("baseline", True)
@@ -224,3 +234,118 @@ def test_interrupt_keeps_what_was_measured_and_what_was_asked(kind, tmp_path):
     assert after.duration_s == 3.5 and after.log_path == "x/train.log" and after.baseline is True
     (retry,) = study.get_trials(states=(TrialState.WAITING,))
     assert TrialRecord.from_user_attrs(retry.user_attrs).baseline is True
+
+
+# --------------------------------------------------------------------------- database servers
+def test_lock_kind_per_storage(spec):
+    _, storage, _ = new_study(spec)
+    lock = st.StudyLock(spec.lock_path).bind(storage, "s")
+    expected = {"sqlite": "file", "journal": "file", "rdb": "postgresql-advisory", "grpc": "none"}[spec.kind]
+    assert lock.kind == expected and lock.exact == (expected != "none")
+    close_storage(storage)
+
+
+def test_postgres_advisory_lock_excludes_other_processes(pg_url):
+    """The budget lock on PostgreSQL lives in the database: another process (another node) waits for it."""
+    spec = parse_storage(pg_url)
+    _, storage, _ = new_study(spec)
+    lock = st.StudyLock(None).bind(storage, "s")
+    code = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(REPO)!r})
+        from trainer.contracts import parse_storage
+        from tuner.storage import open_storage
+        from tuner.study import StudyLock
+        storage = open_storage(parse_storage({pg_url!r}))
+        lock = StudyLock(None).bind(storage, "s")
+        assert lock.kind == "postgresql-advisory", lock.kind
+        print("ready", flush=True)
+        t = time.monotonic()
+        with lock():
+            print(round(time.monotonic() - t, 2), flush=True)
+    """)
+    with lock():
+        p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        assert p.stdout.readline().strip() == "ready"
+        time.sleep(1.5)
+    waited = float(p.communicate(timeout=60)[0])
+    assert p.returncode == 0 and waited >= 1.0  # it blocked until we released
+    close_storage(storage)
+
+
+def test_a_killed_lock_holder_releases_the_lock(pg_url):
+    """A worker SIGKILLed inside the lock: the server drops its connection, and with it the lock."""
+    spec = parse_storage(pg_url)
+    _, storage, _ = new_study(spec)
+    code = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(REPO)!r})
+        from trainer.contracts import parse_storage
+        from tuner.storage import open_storage
+        from tuner.study import StudyLock
+        lock = StudyLock(None).bind(open_storage(parse_storage({pg_url!r})), "s")
+        with lock():
+            print("holding", flush=True)
+            time.sleep(600)
+    """)
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "holding"
+    p.kill()
+    p.wait()
+    lock = st.StudyLock(None).bind(storage, "s")
+    t = time.monotonic()
+    with lock():
+        waited = time.monotonic() - t
+    assert waited < 10
+    close_storage(storage)
+
+
+def test_connections_are_pooled_and_closed(postgres):
+    db = postgres.create_database()
+    spec = parse_storage(postgres.url(db))
+    study, storage, _ = new_study(spec)
+    hb = st.Heartbeat(storage, interval_s=0.1)
+    hb.start()
+    for _ in range(20):  # threads and repeated calls reuse the pool
+        t = study.ask()
+        hb.add(trial_id(storage, study, t.number))
+        st.finish(study, t, TrialRecord(status=Status.CRASH, duration_s=0.0))
+    assert 0 < postgres.connections(db) <= st_storage.POOL_SIZE + st_storage.POOL_MAX_OVERFLOW
+    hb.stop()
+    close_storage(storage)
+    assert postgres.wait_connections(db, at_most=0) == 0
+
+
+def test_optuna_heartbeat_is_recorded_on_a_database_server(postgres):
+    db = postgres.create_database()
+    spec = parse_storage(postgres.url(db))
+    lock = st.StudyLock(None)
+    study, storage, _ = st.open_study(
+        spec, "s", lock, sampler=optuna.samplers.RandomSampler(), setup=_plain_setup, heartbeat_s=1, grace_s=3
+    )
+    assert storage.get_heartbeat_interval() == 1
+    t = study.ask()
+    hb = st.Heartbeat(storage, interval_s=1)
+    hb.add(trial_id(storage, study, t.number))
+    rows = postgres.sql("SELECT count(*) FROM trial_heartbeats", database=db)
+    assert rows[0][0] == 1  # Optuna's own heartbeat row (database clock), as optimize() would keep it
+    close_storage(storage)
+
+
+def _plain_setup(study):
+    study.set_user_attr(st.SCHEMA_ATTR, STUDY_SCHEMA_VERSION)
+
+
+def test_wrong_password_is_one_line_naming_the_storage_masked(postgres):
+    url = postgres.url("postgres", password="not-the-password")
+    with pytest.raises(StorageError) as e:
+        open_storage(parse_storage(url))
+    msg = str(e.value)
+    assert "\n" not in msg and "not-the-password" not in msg and postgres.password not in msg
+    assert f"postgresql://ppotune:***@127.0.0.1:{postgres.port}/postgres" in msg
+    assert "password authentication failed" in msg
+
+
+def test_no_proxy_answering_is_one_line():
+    with pytest.raises(StorageError, match=r"grpc://127\.0\.0\.1:1: no storage proxy answered"):
+        open_storage(parse_storage("grpc://127.0.0.1:1"))

@@ -30,6 +30,7 @@ STATUS_STYLE = {
     Status.INVALID: ("invalid config", "#bcbd22", "D"),
     Status.DUPLICATE: ("duplicate (not run)", "#c7c7c7", "o"),  # the tuner's dedupe: same config as an earlier trial
     Status.INTERRUPTED: ("interrupted (re-queued)", "#9467bd", "o"),  # the tuner stopped or died mid-trial
+    Status.OVER_BUDGET: ("over budget (not run)", "#dbdb8d", "o"),  # asked in a race for the last --trials slot
     "running": ("running", "#17becf", "o"),
 }
 #: the statuses on the strip under the Pareto plot: no throughput, maybe a memory peak
