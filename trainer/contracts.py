@@ -159,7 +159,7 @@ class TrialRecord:
     returncode: Optional[int] = None
     oom_phase: Optional[str] = None
     gpus: Optional[list] = None  # the CUDA slice of a --parallel trial
-    engine: Optional[str] = None  # what measured it: "ppotune" (a real trial) or "replay"
+    engine: Optional[str] = None  # what measured it: "ppotune" or "verl" (real trials), "replay" (a recording)
     inferred_from: Optional[int] = None  # inferred_oom: the OOM trial it follows from
     duplicate_of: Optional[int] = None  # duplicate: the trial that holds the measurement
     confirm_of: Optional[int] = None  # a --confirm re-run of this trial

@@ -1,16 +1,18 @@
-"""``--memory-limit-gb`` for verl's processes, loaded by verl's plugin hook (``VERL_USE_EXTERNAL_MODULES``).
+"""``--memory-limit-gb`` for verl's trainer ranks, loaded by verl's plugin hook (``VERL_USE_EXTERNAL_MODULES``).
 
-Every Ray worker process of the run (trainer ranks, rollout, agent and reward workers) gets the cap
-``PPOTUNE_MEMORY_LIMIT_GB``, as ``ppotune train``'s ranks do: on a GPU the CUDA allocator's per-process
-fraction; on a CPU an ``RLIMIT_DATA`` of that many GiB of private writable memory above what the process
-holds once verl is imported. The driver and Ray's own daemons are not capped.
+Each of verl's FSDP worker processes gets the cap ``PPOTUNE_MEMORY_LIMIT_GB`` when it joins the process
+group (``torch.distributed.init_process_group``: only trainer ranks do), as ``ppotune train``'s ranks do:
+on a GPU the CUDA allocator's per-process fraction; on a CPU an ``RLIMIT_DATA`` of that many GiB of
+private writable memory above what the process holds at that moment, so the models, optimizer states and
+activations it builds afterwards are what the cap bounds. Ray's own processes, the driver and the
+rollout, agent and reward workers are not capped (a cap under Ray's C++ core makes it abort in a loop).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import resource
-import sys
 
 GIB = 1 << 30
 
@@ -24,19 +26,30 @@ def _data_bytes() -> int:
     return 0
 
 
-def _apply() -> None:
-    cap = float(os.environ["PPOTUNE_MEMORY_LIMIT_GB"])
-    if not sys.argv or not sys.argv[0].endswith("default_worker.py"):  # only Ray's worker processes
-        return
+def _cap(limit_gb: float) -> None:
     import torch
 
     if torch.cuda.is_available():
-        total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, cap * GIB / total))
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, limit_gb * GIB / total))
     else:
-        limit = _data_bytes() + int(cap * GIB)
+        limit = _data_bytes() + int(limit_gb * GIB)
         resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
 
 
+def _install(limit_gb: float) -> None:
+    import torch.distributed as dist
+
+    original = dist.init_process_group
+
+    @functools.wraps(original)
+    def init_process_group(*args, **kwargs):
+        out = original(*args, **kwargs)
+        _cap(limit_gb)
+        return out
+
+    dist.init_process_group = init_process_group
+
+
 if os.environ.get("PPOTUNE_MEMORY_LIMIT_GB"):
-    _apply()
+    _install(float(os.environ["PPOTUNE_MEMORY_LIMIT_GB"]))

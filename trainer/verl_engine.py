@@ -35,6 +35,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,6 +94,7 @@ _OOM = re.compile(
     r"std::bad_alloc|running low on memory"
 )
 _TAIL_LINES = 80
+OOM_GRACE_S = 30.0  # after an OOM line, how long verl gets to end by itself before it is ended
 
 
 # --------------------------------------------------------------------------- the run file
@@ -481,6 +483,11 @@ def run_verl(spec: RunSpec, *, result_path: Optional[Path]) -> int:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
 
+    # A Ray worker that ran out of memory does not always end the run: verl may wait on it forever.
+    # Once an OOM is in the log, give the run OOM_GRACE_S to end by itself, then end it (status oom).
+    watchdog = threading.Timer(OOM_GRACE_S, forward, args=(signal.SIGTERM, None))
+    watchdog.daemon = True
+
     old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         assert proc.stdout is not None
@@ -489,8 +496,10 @@ def run_verl(spec: RunSpec, *, result_path: Optional[Path]) -> int:
             tail.append(line.rstrip("\n"))
             if not oom_line and _OOM.search(line):
                 oom_line.append(line.strip())
+                watchdog.start()
         returncode = proc.wait()
     finally:
+        watchdog.cancel()
         for s, h in old.items():
             signal.signal(s, h)
         _kill_descendants()
@@ -499,9 +508,7 @@ def run_verl(spec: RunSpec, *, result_path: Optional[Path]) -> int:
     measured = [r for r in rows if not r["warmup"]]
     if returncode == 0 and len(rows) >= spec.steps and measured:
         return finish("ok", None, rows, None, ExitCode.OK)
-    if oom_line:
-        return finish("oom", oom_line[0][-300:], rows, text, ExitCode.OOM)
-    status, error = classify_failure(returncode, text)
+    status, error = classify_failure(returncode, "\n".join([*oom_line, text]))  # an OOM line from anywhere in the log
     if returncode == 0 and status == "error":
         error = f"verl exited 0 after {len(rows)} of {spec.steps} steps"
     return finish(status, error, rows, text, ExitCode.OOM if status == "oom" else ExitCode.ERROR)

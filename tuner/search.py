@@ -32,7 +32,7 @@ from tuner.decide import count_progress
 from tuner.loop import SAMPLERS, Search, SearchOptions, TrialEvent, build_sampler
 from tuner.memory import gpu_info, nvml_available, visible_gpus
 from tuner.progress import Display, trial_line
-from tuner.runners import SubprocessRunner
+from tuner.runners import SubprocessRunner, VerlEngine
 from tuner.space import Space, base_flat_config, load_space
 from tuner.storage import close_storage
 
@@ -110,6 +110,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--wandb", action="store_true", help="one wandb run per trial, grouped by study (offline without credentials)"
     )
     p.add_argument("--report", action="store_true", help="write the report (DIR/report/report.html) when done")
+    p.add_argument(
+        "--engine",
+        choices=["ppotune", "verl"],
+        default="ppotune",
+        help="what runs a trial: ppotune's FSDP trainer, or verl's own main_ppo (BASE_CONFIG is then a verl "
+        "run file: overrides: [key=value, ...]); default ppotune",
+    )
+    p.add_argument(
+        "--engine-python",
+        default=None,
+        metavar="PY",
+        help="--engine verl: the interpreter of your verl environment (default: this one)",
+    )
     p.add_argument("--kill-grace", type=float, default=10.0, metavar="S", help=argparse.SUPPRESS)
 
 
@@ -202,8 +215,30 @@ def _fail(msg: str) -> int:
     return ExitCode.USAGE
 
 
-def _study_attrs(args, space: Space, base_nested: dict, device: dict, penalty_gb: float) -> dict:
+def _base_config(args: argparse.Namespace) -> tuple[dict, Optional[VerlEngine]]:
+    """The decision base (ppotune's typed config) and, for ``--engine verl``, how verl trials run.
+
+    verl: the base is verl's own config (composed by Hydra in the user's verl environment, with the
+    overrides a trial on this device adds) read into ppotune's typed config for every key both have."""
+    if args.engine == "ppotune":
+        return base_flat_config(args.base_config, nproc=args.nproc)[0], None
+    from trainer import verl_engine
+
+    run_spec = verl_engine.load_run(args.base_config, python=args.engine_python or sys.executable,
+                                    nproc=args.nproc, steps=args.steps, warmup=args.warmup,
+                                    memory_limit_gb=args.memory_limit_gb)
+    nested = verl_engine.decision_base(run_spec, device="cuda" if nvml_available() else "cpu")
+    engine = VerlEngine(python=run_spec.python, base_overrides=tuple(run_spec.overrides), steps=args.steps,
+                        warmup=args.warmup, memory_limit_gb=args.memory_limit_gb)
+    return nested, engine
+
+
+def _study_attrs(args, space: Space, base_nested: dict, device: dict, penalty_gb: float,
+                 verl: Optional[VerlEngine] = None) -> dict:
     return {
+        "engine": args.engine,
+        "engine_python": verl.python if verl else None,
+        "engine_overrides": list(verl.base_overrides) if verl else None,
         "base_config": base_nested,
         "base_config_path": str(Path(args.base_config).resolve()),
         "space_path": str(Path(args.space).resolve()),
@@ -219,7 +254,7 @@ def _study_attrs(args, space: Space, base_nested: dict, device: dict, penalty_gb
     }
 
 
-_COMPAT_KEYS = ("nproc", "steps", "warmup", "memory_limit_gb", "space", "base_config")
+_COMPAT_KEYS = ("engine", "nproc", "steps", "warmup", "memory_limit_gb", "space", "base_config")
 
 
 def _incompatible(study: optuna.Study, attrs: dict) -> Optional[str]:
@@ -238,7 +273,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         options = options_from_args(args)
         space = load_space(args.space)
-        base_nested, base_flat = base_flat_config(args.base_config, nproc=args.nproc)
+        base_nested, verl = _base_config(args)
         # One complete trial config: the trial command carries only its path and --result.
         trial_extra = {
             "trainer.total_training_steps": args.steps,
@@ -269,7 +304,7 @@ def run(args: argparse.Namespace) -> int:
         penalty = args.memory_limit_gb or device["memory_total_gb"] or 80.0
     else:
         penalty = device["memory_total_gb"]
-    attrs = _study_attrs(args, space, base_nested, device, penalty)
+    attrs = _study_attrs(args, space, base_nested, device, penalty, verl)
     name = args.study or st.default_study_name(args.base_config, args.space)
     lock = st.StudyLock(spec.lock_path)
 
@@ -317,7 +352,7 @@ def run(args: argparse.Namespace) -> int:
 
         tracker = TrialTracker(project="ppotune", group=name, out_dir=out_dir)
     runner = SubprocessRunner(
-        device_kind=device["kind"], nproc=nproc, timeout_s=args.trial_timeout, grace_s=args.kill_grace
+        device_kind=device["kind"], nproc=nproc, timeout_s=args.trial_timeout, grace_s=args.kill_grace, verl=verl
     )
     search = Search(
         options=options,
