@@ -60,10 +60,18 @@ def add_arguments(p) -> None:
         help="save the final actor and critic in HF format here (trainer.default_local_dir)",
     )
     p.add_argument("--wandb", action="store_true", help="log each step to wandb (offline without credentials)")
-    p.add_argument("--engine", choices=["ppotune", "verl"], default="ppotune",
-                   help="ppotune's own FSDP trainer, or verl's main_ppo (CONFIG is then a verl run file)")
-    p.add_argument("--engine-python", default=None, metavar="PY",
-                   help="--engine verl: the interpreter of the verl environment (default: this one)")
+    p.add_argument(
+        "--engine",
+        choices=["ppotune", "verl"],
+        default="ppotune",
+        help="ppotune's own FSDP trainer, or verl's main_ppo (CONFIG is then a verl run file)",
+    )
+    p.add_argument(
+        "--engine-python",
+        default=None,
+        metavar="PY",
+        help="--engine verl: the interpreter of the verl environment (default: this one)",
+    )
 
 
 def _overrides(args) -> list[str]:

@@ -129,5 +129,3 @@ class PhaseMeter:
     def reset(self) -> None:
         self.timing, self.memory = {}, {}
         self.allocated_peak = self.reserved_peak = 0.0
-
-

@@ -1,4 +1,5 @@
 """A run's summary from its per-step rows (torch-free: both trial engines use it)."""
+
 from __future__ import annotations
 
 import statistics

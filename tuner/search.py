@@ -224,17 +224,28 @@ def _base_config(args: argparse.Namespace) -> tuple[dict, Optional[VerlEngine]]:
         return base_flat_config(args.base_config, nproc=args.nproc)[0], None
     from trainer import verl_engine
 
-    run_spec = verl_engine.load_run(args.base_config, python=args.engine_python or sys.executable,
-                                    nproc=args.nproc, steps=args.steps, warmup=args.warmup,
-                                    memory_limit_gb=args.memory_limit_gb)
+    run_spec = verl_engine.load_run(
+        args.base_config,
+        python=args.engine_python or sys.executable,
+        nproc=args.nproc,
+        steps=args.steps,
+        warmup=args.warmup,
+        memory_limit_gb=args.memory_limit_gb,
+    )
     nested = verl_engine.decision_base(run_spec, device="cuda" if nvml_available() else "cpu")
-    engine = VerlEngine(python=run_spec.python, base_overrides=tuple(run_spec.overrides), steps=args.steps,
-                        warmup=args.warmup, memory_limit_gb=args.memory_limit_gb)
+    engine = VerlEngine(
+        python=run_spec.python,
+        base_overrides=tuple(run_spec.overrides),
+        steps=args.steps,
+        warmup=args.warmup,
+        memory_limit_gb=args.memory_limit_gb,
+    )
     return nested, engine
 
 
-def _study_attrs(args, space: Space, base_nested: dict, device: dict, penalty_gb: float,
-                 verl: Optional[VerlEngine] = None) -> dict:
+def _study_attrs(
+    args, space: Space, base_nested: dict, device: dict, penalty_gb: float, verl: Optional[VerlEngine] = None
+) -> dict:
     return {
         "engine": args.engine,
         "engine_python": verl.python if verl else None,
