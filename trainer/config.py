@@ -35,6 +35,7 @@ __all__ = [
     "resolve_follows",
     "effective_config",
     "validate_config",
+    "read_yaml_mapping",
 ]
 
 
@@ -372,6 +373,23 @@ def config_from_dict(data: dict, *, source: Optional[str] = None, validate: bool
     return cfg
 
 
+def read_yaml_mapping(path: str | Path, *, what: str = "the config") -> dict:
+    """A YAML file that must hold a mapping; ConfigError (naming the file) when missing or malformed."""
+    source = str(path)
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError("config", "file not found", source=source)
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}" if mark is not None else "?"
+        raise ConfigError("config", f"malformed YAML at {where}", source=source) from None
+    if not isinstance(data, dict):
+        raise ConfigError("<root>", f"{what} must be a mapping", source=source)
+    return data
+
+
 def load_config(
     path: Optional[str | Path] = None,
     overrides: Optional[list[str] | dict] = None,
@@ -380,19 +398,7 @@ def load_config(
 ) -> PPOConfig:
     """YAML file (optional) + dotted overrides -> a validated :class:`PPOConfig`."""
     source = str(path) if path is not None else None
-    data: dict = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError("config", "file not found", source=source)
-        try:
-            data = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f"line {mark.line + 1}" if mark is not None else "?"
-            raise ConfigError("config", f"malformed YAML at {where}", source=source) from None
-        if not isinstance(data, dict):
-            raise ConfigError("<root>", "the config must be a mapping", source=source)
+    data = read_yaml_mapping(path) if path is not None else {}
     if overrides:
         if isinstance(overrides, dict):
             flat = dict(overrides)

@@ -7,7 +7,14 @@ import json
 import os
 from pathlib import Path
 
-__all__ = ["prctl", "die_with_parent", "write_json_atomic", "PR_SET_PDEATHSIG", "PR_SET_CHILD_SUBREAPER"]
+__all__ = [
+    "prctl",
+    "kill_descendants",
+    "die_with_parent",
+    "write_json_atomic",
+    "PR_SET_PDEATHSIG",
+    "PR_SET_CHILD_SUBREAPER",
+]
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
@@ -32,3 +39,54 @@ def write_json_atomic(path: Path, data: dict) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(data, indent=1, default=str))
     os.replace(tmp, path)
+
+
+def kill_descendants(grace_s: float = 5.0) -> None:
+    """SIGTERM every process below this one, wait up to ``grace_s``, SIGKILL the rest; reap as we go.
+
+    With ``PR_SET_CHILD_SUBREAPER`` set, that includes orphans whose parent died first (a rank whose
+    torchrun died, Ray's daemons after its driver): they are re-parented to us, not to init."""
+    import signal
+    import time
+
+    import psutil
+
+    def live() -> list:
+        try:
+            procs = psutil.Process().children(recursive=True)
+        except psutil.Error:
+            return []
+        out = []
+        for p in procs:
+            try:
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    out.append(p)
+            except psutil.Error:
+                pass
+        return out
+
+    def reap() -> None:
+        while True:
+            try:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        procs = live()
+        if not procs:
+            break
+        for p in procs:
+            try:
+                p.send_signal(sig)
+            except psutil.Error:
+                pass
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            reap()
+            if not live():
+                break
+            time.sleep(0.05)
+    reap()

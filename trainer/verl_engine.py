@@ -41,11 +41,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-import yaml
-
-from .config import ConfigError, flatten
+from .config import ConfigError, flatten, read_yaml_mapping
 from .contracts import RESULT_SCHEMA_VERSION, ExitCode
-from .proc import PR_SET_CHILD_SUBREAPER, die_with_parent, prctl, write_json_atomic
+from .proc import PR_SET_CHILD_SUBREAPER, die_with_parent, kill_descendants, prctl, write_json_atomic
 from .summary import summarize_steps
 
 __all__ = [
@@ -143,17 +141,7 @@ def load_run(path: Optional[str | Path], extra: list[str] = (), **flags: Any) ->
     """Run file + ``key=value`` overrides + flags (``python``, ``steps``, ``warmup``, ``memory_limit_gb``,
     ``device``, ``nproc``; None = not given) -> a checked :class:`RunSpec`."""
     source = str(path) if path is not None else None
-    data: dict = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError("config", "file not found", source=source)
-        try:
-            data = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError:
-            raise ConfigError("config", "malformed YAML", source=source) from None
-        if not isinstance(data, dict):
-            raise ConfigError("<root>", "a run file is a mapping (overrides: [...], ppotune: {...})", source=source)
+    data = read_yaml_mapping(path, what="a run file (overrides: [...], ppotune: {...})") if path is not None else {}
     run_opts = data.pop("ppotune", None) or {}
     if not isinstance(run_opts, dict):
         raise ConfigError("ppotune", "must be a mapping", source=source)
@@ -387,30 +375,6 @@ def classify_failure(returncode: int, log_tail: str) -> tuple[str, str]:
 
 
 # --------------------------------------------------------------------------- the run
-def _kill_descendants(grace_s: float = 5.0) -> list[int]:
-    """Every process below us (Ray's gcs, raylet and workers re-parent to us: we are a subreaper)."""
-    import psutil
-
-    me = psutil.Process()
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-        procs = [p for p in me.children(recursive=True) if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-        if not procs:
-            break
-        for p in procs:
-            try:
-                p.send_signal(sig)
-            except psutil.Error:
-                pass
-        psutil.wait_procs(procs, timeout=wait)
-    while True:  # reap adopted orphans
-        try:
-            if os.waitpid(-1, os.WNOHANG)[0] == 0:
-                break
-        except ChildProcessError:
-            break
-    return [p.pid for p in me.children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
-
-
 def run_verl(spec: RunSpec, *, result_path: Optional[Path]) -> int:
     """Run verl for ``spec.steps`` steps, write the result JSON, return the exit code (ExitCode)."""
     t0 = time.time()
@@ -502,7 +466,7 @@ def run_verl(spec: RunSpec, *, result_path: Optional[Path]) -> int:
         watchdog.cancel()
         for s, h in old.items():
             signal.signal(s, h)
-        _kill_descendants()
+        kill_descendants()
     rows = steps_from_jsonl(metrics.read_text() if metrics.is_file() else "", warmup=spec.warmup, device=device)
     text = "\n".join(tail)
     measured = [r for r in rows if not r["warmup"]]

@@ -31,7 +31,7 @@ from typing import Optional, Sequence
 import psutil
 
 from trainer.contracts import ExitCode, Status
-from trainer.proc import PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, prctl
+from trainer.proc import PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, kill_descendants, prctl
 from tuner.memory import MemoryPeaks, MemorySampler
 
 __all__ = ["TrialRun", "train_command", "launch_trial", "classify", "log_tail", "REPO_ROOT"]
@@ -345,7 +345,7 @@ def _reap_main(argv: list[str]) -> int:
         if pid == 0:
             stop.wait(0.05)
     # Whatever is still below us now is either being stopped or an orphan of a finished trial.
-    _kill_tree(me, grace if stop.is_set() else 2.0)
+    kill_descendants(grace if stop.is_set() else 2.0)
     if rc is None:
         return 128 + signal.SIGTERM
     if rc < 0:  # re-raise the child's signal so the tuner sees it
@@ -356,50 +356,6 @@ def _reap_main(argv: list[str]) -> int:
         os.kill(me, -rc)
         time.sleep(1)
     return rc
-
-
-def _kill_tree(me: int, grace_s: float) -> None:
-    """SIGTERM every descendant, wait up to ``grace_s``, SIGKILL the rest; reap as we go."""
-
-    def live() -> list[psutil.Process]:
-        out = []
-        try:
-            procs = psutil.Process(me).children(recursive=True)
-        except psutil.Error:
-            return out
-        for p in procs:
-            try:
-                if p.status() != psutil.STATUS_ZOMBIE:
-                    out.append(p)
-            except psutil.Error:
-                pass
-        return out
-
-    def reap() -> None:
-        while True:
-            try:
-                pid, _ = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
-
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-        procs = live()
-        if not procs:
-            break
-        for p in procs:
-            try:
-                p.send_signal(sig)
-            except psutil.Error:
-                pass
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            reap()
-            if not live():
-                break
-            time.sleep(0.05)
-    reap()
 
 
 if __name__ == "__main__":
