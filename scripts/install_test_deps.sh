@@ -27,3 +27,15 @@ elif python -m venv .venv-verl \
 else
   status verl-venv "unavailable: creating .venv-verl with verl==0.9.1 failed (see the pip output above)"
 fi
+
+# 3. PostgreSQL's server binaries (initdb, pg_ctl) for the storage tests: tests/pg.py starts a throwaway cluster
+#    in a temp dir on a loopback port. Debian's package puts them in /usr/lib/postgresql/<major>/bin.
+pg_ok() { ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || command -v initdb >/dev/null 2>&1; }
+if pg_ok; then
+  status postgres ok
+elif [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+    && apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null && pg_ok; then
+  status postgres ok
+else
+  status postgres "unavailable: no initdb/pg_ctl, and apt-get install postgresql failed (needs root on Debian/Ubuntu)"
+fi

@@ -34,6 +34,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=16, help="gRPC worker threads (default 16)")
 
 
+def _port_taken(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be served (gRPC only logs a bind failure once it is serving), or None."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     import optuna
 
@@ -51,6 +64,11 @@ def run(args: argparse.Namespace) -> int:
     except StorageError as e:
         print(f"ppotune storage-proxy: {e}", file=sys.stderr)
         return ExitCode.USAGE
+    taken = _port_taken(args.host, args.port)
+    if taken:
+        close_storage(storage)
+        print(f"ppotune storage-proxy: cannot serve on {args.host}:{args.port}: {taken}", file=sys.stderr)
+        return ExitCode.ERROR
 
     # SIGTERM (Slurm, Kubernetes) ends the proxy like Ctrl-C: connections closed, exit code said
     stopping = threading.Event()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -207,6 +208,12 @@ def test_a_bad_database_is_one_line_exit_2(tmp_path, postgres, cli):
         assert "wrong-pw" not in r.stdout + r.stderr and postgres.password not in r.stdout + r.stderr
     r = cli("storage-proxy", "--storage", str(tmp_path / "x.db"), "--port", 1)
     assert r.returncode == 2 and "database server" in r.stderr
+    with socket.socket() as s:  # a port somebody else serves
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = cli("storage-proxy", "--storage", postgres.url("postgres"), "--host", "127.0.0.1", "--port", port)
+    assert r.returncode == 1 and "Address already in use" in r.stderr and "serving" not in r.stdout
 
 
 # --------------------------------------------------------------------------- the load test, small

@@ -316,6 +316,7 @@ def test_connections_are_pooled_and_closed(postgres):
     assert postgres.wait_connections(db, at_most=0) == 0
 
 
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage is supposed to be used with Study.optimize")
 def test_optuna_heartbeat_is_recorded_on_a_database_server(postgres):
     db = postgres.create_database()
     spec = parse_storage(postgres.url(db))
@@ -346,6 +347,7 @@ def test_wrong_password_is_one_line_naming_the_storage_masked(postgres):
     assert "password authentication failed" in msg
 
 
-def test_no_proxy_answering_is_one_line():
+def test_no_proxy_answering_is_one_line(monkeypatch):
+    monkeypatch.setattr(st_storage, "CONNECT_TIMEOUT_S", 1)
     with pytest.raises(StorageError, match=r"grpc://127\.0\.0\.1:1: no storage proxy answered"):
         open_storage(parse_storage("grpc://127.0.0.1:1"))
