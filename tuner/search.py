@@ -34,7 +34,7 @@ from tuner.memory import gpu_info, nvml_available, visible_gpus
 from tuner.progress import Display, trial_line
 from tuner.runners import SubprocessRunner, VerlEngine
 from tuner.space import Space, base_flat_config, load_space
-from tuner.storage import close_storage
+from tuner.storage import close_storage, network_filesystem
 
 __all__ = ["add_arguments", "run", "options_from_args"]
 
@@ -304,6 +304,14 @@ def run(args: argparse.Namespace) -> int:
         spec = parse_storage(args.storage, default_dir=out_dir)
     except StorageError as e:
         return _fail(str(e))
+    shared_fs = network_filesystem(spec.path) if spec.path is not None else None
+    if shared_fs:
+        print(
+            f"ppotune search: warning: {spec.path} is on {shared_fs}: a {spec.kind} file shared by several hosts "
+            "gets corrupted or locked; workers on several hosts need PostgreSQL (README: Tuning on a cluster)",
+            file=sys.stderr,
+            flush=True,
+        )
     device = _device(trial_flat)
     nproc = trial_flat["trainer.n_gpus_per_node"]
     if device["kind"] == "cuda" and options.parallel * nproc > len(visible_gpus()):

@@ -26,7 +26,15 @@ from optuna.storages import BaseStorage
 
 from trainer.contracts import StorageError, StorageSpec, parse_storage, storage_in_out_dir
 
-__all__ = ["open_storage", "close_storage", "storage_engine", "resolve_read_spec", "load_study", "trial_id"]
+__all__ = [
+    "open_storage",
+    "close_storage",
+    "storage_engine",
+    "network_filesystem",
+    "resolve_read_spec",
+    "load_study",
+    "trial_id",
+]
 
 CONNECT_TIMEOUT_S = 10  # a database server or storage proxy that does not answer within this is an error
 POOL_SIZE = 4  # connections a process keeps open to a database server (more are opened under load, then closed)
@@ -187,6 +195,41 @@ def close_storage(storage: Optional[BaseStorage]) -> None:
             storage.close()
     except Exception:  # noqa: BLE001 - closing is best effort: the process is about to exit
         pass
+
+
+# file systems shared between hosts, where SQLite's locking does not hold ("database disk image is malformed")
+NETWORK_FILESYSTEMS = (
+    "nfs",
+    "nfs4",
+    "cifs",
+    "smb3",
+    "lustre",
+    "gpfs",
+    "beegfs",
+    "glusterfs",
+    "ceph",
+    "9p",
+    "fuse.sshfs",
+)
+
+
+def network_filesystem(path: Path, *, mounts: str = "/proc/self/mounts") -> Optional[str]:
+    """The type of the network file system ``path`` lives on (``nfs``, ``lustre``, ...), or None."""
+    try:
+        lines = Path(mounts).read_text().splitlines()
+    except OSError:
+        return None
+    target = str(Path(path).resolve())
+    best: tuple[int, str] = (-1, "")
+    for line in lines:
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        point = parts[1].replace("\\040", " ")
+        inside = target == point or target.startswith(point.rstrip("/") + "/")
+        if inside and len(point) > best[0]:
+            best = (len(point), parts[2])
+    return best[1] if best[1] in NETWORK_FILESYSTEMS else None
 
 
 def resolve_read_spec(*, storage: Optional[str] = None, out: Optional[str | Path] = None) -> StorageSpec:

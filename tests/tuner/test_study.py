@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import optuna
 import pytest
@@ -351,3 +352,18 @@ def test_no_proxy_answering_is_one_line(monkeypatch):
     monkeypatch.setattr(st_storage, "CONNECT_TIMEOUT_S", 1)
     with pytest.raises(StorageError, match=r"grpc://127\.0\.0\.1:1: no storage proxy answered"):
         open_storage(parse_storage("grpc://127.0.0.1:1"))
+
+
+def test_a_storage_file_on_a_network_file_system_is_recognised(tmp_path):
+    mounts = tmp_path / "mounts"
+    mounts.write_text(
+        "/dev/sda1 / ext4 rw 0 0\n"
+        "server:/export /shared nfs4 rw,relatime 0 0\n"
+        "/dev/sdb1 /shared/local ext4 rw 0 0\n"
+        "lfs@o2ib:/scratch /scratch lustre rw 0 0\n"
+    )
+    assert st_storage.network_filesystem(Path("/shared/run/study.db"), mounts=str(mounts)) == "nfs4"
+    assert st_storage.network_filesystem(Path("/scratch/study.log"), mounts=str(mounts)) == "lustre"
+    assert st_storage.network_filesystem(Path("/shared/local/study.db"), mounts=str(mounts)) is None  # deepest wins
+    assert st_storage.network_filesystem(Path("/home/study.db"), mounts=str(mounts)) is None
+    assert st_storage.network_filesystem(tmp_path / "study.db") is None  # this machine's /tmp
