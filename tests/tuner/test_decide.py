@@ -244,6 +244,8 @@ def test_a_waiting_worker_runs_the_retry_of_a_dead_workers_trial(setup):
     study = optuna.create_study(storage=storage, directions=list(DIRECTIONS))
     space, _, flat = setup
     search = _worker(setup, study, storage, trials=2)
+    study.enqueue_trial({MICRO: 1, GC: False})
+    study.enqueue_trial({MICRO: 2, GC: False})  # runs ok in the replay table (micro-batch 4 would OOM)
     done = study.ask()
     space.suggest(done, flat)
     study.tell(done, [1.0, 1.0])
