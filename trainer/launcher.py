@@ -24,8 +24,9 @@ import yaml
 from .config import ConfigError, config_to_dict, load_config
 from .contracts import RESULT_SCHEMA_VERSION, ExitCode
 from .proc import die_with_parent, write_json_atomic
+from .summary import summarize_steps
 
-__all__ = ["add_arguments", "run", "build_result"]
+__all__ = ["add_arguments", "run", "build_result", "error_result"]
 
 _TAIL_LINES = 60
 
@@ -89,9 +90,7 @@ def _overrides(args) -> list[str]:
     return out
 
 
-def _error_result(
-    message: str, *, config: dict | None = None, wall_s: float = 0.0, log_tail: str | None = None
-) -> dict:
+def error_result(message: str, *, config: dict | None = None, wall_s: float = 0.0, log_tail: str | None = None) -> dict:
     return {
         "schema_version": RESULT_SCHEMA_VERSION,
         "status": "error",
@@ -100,24 +99,11 @@ def _error_result(
         "oom_phase": None,
         "config": config or {},
         "steps": [],
-        "summary": _empty_summary(),
+        "summary": summarize_steps([], device_type="cpu"),
         "environment": {"device": "cpu", "world_size": 0, "backend": "gloo"},
         "notes": [],
         "log_tail": log_tail,
         "wall_s": wall_s,
-    }
-
-
-def _empty_summary() -> dict:
-    return {
-        "num_measured_steps": 0,
-        "throughput": None,
-        "throughput_cv": None,
-        "step_s": None,
-        "step_s_cv": None,
-        "timing_s": {},
-        "peak_memory_gb": None,
-        "memory_source": "rss",
     }
 
 
@@ -158,7 +144,7 @@ def build_result(
         "oom_phase": rank_files[ooms[0]].get("phase") if ooms else None,
         "config": config,
         "steps": lead.get("steps", []),
-        "summary": lead.get("summary") or _empty_summary(),
+        "summary": lead.get("summary") or summarize_steps([], device_type="cpu"),
         "environment": env or {"device": "cpu", "world_size": nproc, "backend": "gloo"},
         "notes": notes,
         "log_tail": None if status == "ok" else log_tail,
@@ -183,7 +169,7 @@ def run(args) -> int:
     except ConfigError as e:
         print(f"ppotune train: error: {e}", file=sys.stderr)
         if result_path:
-            write_json_atomic(result_path, _error_result(f"config: {e}"))
+            write_json_atomic(result_path, error_result(f"config: {e}"))
         return ExitCode.USAGE
     config = config_to_dict(cfg)
     nproc = cfg.trainer.n_gpus_per_node

@@ -495,20 +495,9 @@ def run(args: Any) -> int:
     except ConfigError as e:
         print(f"ppotune train: error: {e}", file=sys.stderr)
         if result_path:
-            write_json_atomic(
-                result_path,
-                {
-                    "schema_version": RESULT_SCHEMA_VERSION,
-                    "status": "error",
-                    "error": f"config: {e}",
-                    "config": {},
-                    "steps": [],
-                    "summary": summarize_steps([], device_type="cpu"),
-                    "environment": {"device": "cpu", "world_size": 0, "backend": "gloo"},
-                    "notes": [],
-                    "wall_s": 0.0,
-                },
-            )
+            from .launcher import error_result
+
+            write_json_atomic(result_path, error_result(f"config: {e}"))
         return ExitCode.USAGE
     code = run_verl(spec, result_path=result_path)
     print(f"ppotune train: verl run finished with exit code {int(code)}", flush=True)
