@@ -13,6 +13,8 @@ import torch
 
 __all__ = [
     "rank_rows",
+    "mini_batch_group",
+    "pad_packed",
     "fixed_micro_batches",
     "min_num_micro_batches",
     "token_budget_micro_batches",
@@ -35,6 +37,16 @@ def rank_rows(num_rows: int, mini_batch_rows: int, world_size: int, rank: int) -
     per = mini_batch_rows // world_size
     assert per * world_size == mini_batch_rows and num_rows % mini_batch_rows == 0
     return [m + rank * per + i for m in range(0, num_rows, mini_batch_rows) for i in range(per)]
+
+
+def mini_batch_group(*mini_batch_rows: int) -> int:
+    """The block :func:`rank_rows` splits across ranks when several updates slice the same batch.
+
+    The actor's and the critic's mini-batches (in rows) can differ; splitting blocks of their gcd
+    keeps every global mini-batch of either one a whole number of blocks, so each rank's local
+    mini-batches of ``size / world`` rows are exactly its parts of the global ones, for both.
+    """
+    return math.gcd(*mini_batch_rows)
 
 
 def _lpt(lengths: list[int], num_bins: int, max_tokens: int) -> list[list[int]] | None:
@@ -104,6 +116,19 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: to
     ids = input_ids.reshape(-1)[flat_idx].unsqueeze(0)
     pos = position_ids.reshape(-1)[flat_idx].unsqueeze(0)
     return ids, pos, flat_idx
+
+
+def pad_packed(ids: torch.Tensor, pos: torch.Tensor, multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """verl's ``pad_to_length``: a packed (1, T) row padded at its tail to a multiple of ``multiple``.
+
+    The padding is one extra sequence (positions restart at 0), so no real token attends to it; its
+    outputs are never read, so its token ids do not matter (0).
+    """
+    extra = -ids.shape[1] % multiple
+    if extra == 0:
+        return ids, pos
+    tail = torch.arange(extra, dtype=pos.dtype, device=pos.device).unsqueeze(0)
+    return torch.cat([ids, torch.zeros_like(tail, dtype=ids.dtype)], dim=1), torch.cat([pos, tail], dim=1)
 
 
 def response_positions(attention_mask: torch.Tensor, response_mask: torch.Tensor, prompt_width: int):

@@ -36,6 +36,9 @@ __all__ = [
     "effective_config",
     "validate_config",
     "read_yaml_mapping",
+    "FSDP_SECTIONS",
+    "PRECISIONS",
+    "verl_override_key",
 ]
 
 
@@ -57,16 +60,36 @@ class WrapPolicyConfig:
 
 
 @dataclass
+class MixedPrecisionConfig:
+    """verl ``fsdp_config.mixed_precision``: not in verl's YAML (``+key=`` adds it); these are the
+    defaults verl's FSDP engine uses when it is absent. Spellings as verl's PrecisionType: bf16 | fp32."""
+
+    param_dtype: str = "bf16"  # the compute dtype: parameters are cast to it for forward and backward
+    reduce_dtype: str = "fp32"  # gradient reduce-scatter / all-reduce dtype
+    buffer_dtype: str = "fp32"  # FSDP1 only (FSDP2's MixedPrecisionPolicy has no buffer dtype)
+
+
+@dataclass
 class FSDPConfig:
     """verl ``*.fsdp_config`` (actor, ref) and ``critic.fsdp``: the per-GPU FSDP knobs."""
 
+    # Between phases the FSDP module's parameter shards live in host memory; they are moved to the
+    # GPU before a phase uses them and back after (verl's load/offload_fsdp_model_to_gpu/cpu).
     param_offload: bool = False
+    # Optimizer state (Adam moments) in host memory between updates; on the GPU for the update.
     optimizer_offload: bool = False
-    offload_policy: bool = False  # FSDP2 only: CPUOffloadPolicy for params+grads+optimizer step
-    reshard_after_forward: bool = True
+    # FSDP2 only: CPUOffloadPolicy, compute-time offload (parameters, gradients and the optimizer
+    # step stay on the CPU; each block is copied in for its forward/backward).
+    offload_policy: bool = False
+    reshard_after_forward: bool = True  # False: ZeRO-2 (FSDP1 SHARD_GRAD_OP; FSDP2 keeps params gathered)
     forward_prefetch: bool = False
-    dtype: str = "float32"  # compute (param) dtype of mixed precision: float32 | bfloat16
-    model_dtype: str = "fp32"  # master weights; only fp32 is supported (optimizer states stay fp32)
+    fsdp_size: int = -1  # ranks per shard group; -1 = all ranks; a divisor of the world size = hybrid (HSDP)
+    model_dtype: str = "fp32"  # master weights: fp32 | bf16
+    mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
+    # Skip the gradient reduce-scatter on all but the last micro-batch of a mini-batch (unsharded
+    # gradients are kept meanwhile: fewer collectives, more memory).
+    use_no_sync_for_gradient_accumulation: bool = False
+    pad_to_length_bucket: int = 1024  # with actor.pad_to_length: packed micro-batches padded to a multiple
     wrap_policy: WrapPolicyConfig = field(default_factory=WrapPolicyConfig)
 
 
@@ -105,6 +128,15 @@ class ActorConfig:
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
     grad_clip: float = 1.0
+    # verl computes the entropy for the actor/entropy metric in the old-log-prob pass (no autograd);
+    # the update computes it under autograd only when entropy_coeff != 0 or calculate_entropy.
+    calculate_entropy: bool = False
+    entropy_from_logits_with_chunking: bool = False  # entropy over chunks of tokens: lower peak memory
+    entropy_from_logits_chunk_size: int = 2048
+    entropy_checkpointing: bool = False  # recompute the entropy's softmax in backward instead of keeping it
+    use_torch_compile: bool = True  # torch.compile the entropy function (verl's default)
+    ulysses_sequence_parallel_size: int = 1
+    pad_to_length: bool = False  # pad each packed micro-batch to a multiple of fsdp_config.pad_to_length_bucket
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 
@@ -128,7 +160,6 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
-    enforce_eager: bool = True
     log_prob_micro_batch_size_per_gpu: Optional[int] = 4
     log_prob_use_dynamic_bsz: Optional[bool] = None
     log_prob_max_token_len_per_gpu: Optional[int] = None
@@ -324,7 +355,7 @@ def _build(cls: type, data: Any, prefix: str, source: Optional[str]) -> Any:
     names = {f.name for f in dataclasses.fields(cls)}
     for k in data:
         if k not in names:
-            raise ConfigError(f"{prefix}{k}", "unknown key", source=source)
+            raise ConfigError(f"{prefix}{k}", RETIRED.get(k, "unknown key"), source=source)
     kwargs = {}
     for f in dataclasses.fields(cls):
         if f.name not in data:
@@ -422,15 +453,36 @@ _CHOICES = {
     "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
     "algorithm.adv_estimator": ("gae",),
     "actor_rollout_ref.rollout.name": ("hf", "vllm"),
-    "actor_rollout_ref.actor.fsdp_config.dtype": ("float32", "bfloat16"),
-    "actor_rollout_ref.ref.fsdp_config.dtype": ("float32", "bfloat16"),
-    "critic.fsdp.dtype": ("float32", "bfloat16"),
-    "actor_rollout_ref.actor.fsdp_config.model_dtype": ("fp32",),
-    "actor_rollout_ref.ref.fsdp_config.model_dtype": ("fp32",),
-    "critic.fsdp.model_dtype": ("fp32",),
     "data.truncation": ("error", "left", "right"),
     "ppotune.device": ("auto", "cpu", "cuda"),
     "ppotune.fault": ("none", "hang", "crash"),
+}
+
+#: The FSDP sections (verl's spelling): the actor's, the reference model's and the critic's.
+FSDP_SECTIONS = ("actor_rollout_ref.actor.fsdp_config", "actor_rollout_ref.ref.fsdp_config", "critic.fsdp")
+_DTYPE_KEYS = (
+    "model_dtype",
+    "mixed_precision.param_dtype",
+    "mixed_precision.reduce_dtype",
+    "mixed_precision.buffer_dtype",
+)
+
+#: verl's precision spellings (PrecisionType) that the ppotune engine runs -> torch dtype name.
+PRECISIONS = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32"}
+
+#: Sections verl's FSDP engine reads but its YAML does not declare: Hydra adds them with ``+key=value``.
+VERL_UNDECLARED = ("mixed_precision",)
+
+
+def verl_override_key(key: str) -> str:
+    """``key`` as a verl Hydra override spells it: ``+`` in front of a key verl's YAML does not declare."""
+    return ("+" + key) if any(part in VERL_UNDECLARED for part in key.split(".")) else key
+
+
+#: Keys that are gone, with what to use instead (an old config gets this line, not "unknown key").
+RETIRED = {
+    "dtype": "verl's FSDP engine computes in fsdp_config.mixed_precision.param_dtype (bf16 | fp32); set that",
+    "enforce_eager": "a vLLM engine option; the ppotune engine has no vLLM rollout yet, so it would not act",
 }
 
 _POSITIVE_INTS = [
@@ -452,6 +504,8 @@ _POSITIVE_INTS = [
     "ppotune.tiny.intermediate_size",
     "ppotune.synthetic.num_prompts",
     "ppotune.synthetic.min_terms",
+    "actor_rollout_ref.actor.entropy_from_logits_chunk_size",
+    *(f"{section}.pad_to_length_bucket" for section in FSDP_SECTIONS),
 ]
 
 
@@ -620,10 +674,13 @@ def validate_config(cfg: PPOConfig, *, source: Optional[str] = None) -> None:
         fail("ppotune.synthetic.max_terms", f"must be >= min_terms={s.min_terms}")
     if s.length_alpha <= 0:
         fail("ppotune.synthetic.length_alpha", "must be > 0")
-    for key in ("actor_rollout_ref.actor.fsdp_config", "actor_rollout_ref.ref.fsdp_config", "critic.fsdp"):
-        strategy = get("critic.strategy") if key.startswith("critic") else a.strategy
-        if flat[f"{key}.offload_policy"] and strategy != "fsdp2":
-            fail(f"{key}.offload_policy", "offload_policy is an FSDP2 option; set the strategy to fsdp2")
+    for section in FSDP_SECTIONS:
+        _check_fsdp_section(flat, section, get("critic.strategy") if section == "critic.fsdp" else a.strategy, ws, fail)
+    if a.ulysses_sequence_parallel_size != 1:
+        fail(
+            "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
+            "sequence parallelism is not implemented by the ppotune engine; measure it with --engine verl",
+        )
     if cfg.data.train_files is not None:
         for f in cfg.data.train_files.split(","):
             if not Path(f).expanduser().is_file():
@@ -632,3 +689,29 @@ def validate_config(cfg: PPOConfig, *, source: Optional[str] = None) -> None:
         path = get(key)
         if path != "tiny" and not Path(path).expanduser().is_dir():
             fail(key, f"not 'tiny' and not a local HF checkpoint directory: {path}")
+
+
+def _check_fsdp_section(flat: Mapping[str, Any], section: str, strategy: str, ws: int, fail) -> None:
+    """One FSDP section's knobs: precisions, offload combinations, shard group size."""
+    for leaf in _DTYPE_KEYS:
+        key, value = f"{section}.{leaf}", flat[f"{section}.{leaf}"]
+        if value in ("fp16", "float16"):
+            fail(
+                key,
+                "fp16 needs loss scaling (verl's ShardedGradScaler), which the ppotune engine does not run; use bf16",
+            )
+        if value not in PRECISIONS:
+            fail(key, f"must be one of {sorted(PRECISIONS)}, got {value!r}")
+    if flat[f"{section}.offload_policy"]:
+        if strategy != "fsdp2":
+            fail(f"{section}.offload_policy", "offload_policy is an FSDP2 option; set the strategy to fsdp2")
+        for other in ("param_offload", "optimizer_offload"):
+            if flat[f"{section}.{other}"]:
+                fail(
+                    f"{section}.{other}",
+                    "cannot act with offload_policy (parameters, gradients and the optimizer step already live "
+                    "in host memory); set one of the two",
+                )
+    size = flat[f"{section}.fsdp_size"]
+    if size != -1 and (size <= 0 or ws % size):
+        fail(f"{section}.fsdp_size", f"must be -1 (all ranks) or a positive divisor of the world size {ws}, got {size}")

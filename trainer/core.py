@@ -29,6 +29,7 @@ import torch
 __all__ = [
     "logprobs_from_logits",
     "entropy_from_logits",
+    "entropy_from_logits_chunked",
     "masked_sum",
     "masked_mean",
     "compute_gae_advantage_return",
@@ -425,7 +426,7 @@ def compute_value_loss(
 ) -> dict[str, torch.Tensor]:
     """Clipped value loss (as in OpenAI baselines' PPO2 and verl).
 
-    ``v_clip = values_old + clamp(vpreds - values_old, -c, c)``; per token
+    ``v_clip = clamp(vpreds, values_old - c, values_old + c)``; per token
     ``0.5 * max((vpreds - R)^2, (v_clip - R)^2)`` -- the pessimistic of the two keeps the
     critic from moving far from ``values_old`` in one update.
 
@@ -439,7 +440,9 @@ def compute_value_loss(
         (differentiable) and detached ``vf_clipfrac`` (fraction of tokens where the
         clipped term is strictly larger).
     """
-    vpreds_clipped = values_old + (vpreds - values_old).clamp(-cliprange_value, cliprange_value)
+    # verl's form: clamp(vpreds, old - c, old + c) is vpreds itself, bit for bit, when nothing is clipped
+    # (old + (vpreds - old) can differ by one ulp, which would count as a clip in vf_clipfrac)
+    vpreds_clipped = torch.clamp(vpreds, values_old - cliprange_value, values_old + cliprange_value)
     loss_unclipped = (vpreds - returns).square()
     loss_clipped = (vpreds_clipped - returns).square()
     per_token_loss = 0.5 * torch.maximum(loss_unclipped, loss_clipped)
@@ -470,3 +473,13 @@ def compute_kl_loss(
     ``use_kl_loss``): ``(B, T) -> 0-d``. ``kl_loss_type`` as in :func:`kl_penalty`."""
     kl = kl_penalty(log_prob, ref_log_prob, kl_loss_type)
     return agg_token_mean(kl, response_mask, global_num_tokens=global_num_tokens)
+
+
+def entropy_from_logits_chunked(logits: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """:func:`entropy_from_logits` over chunks of ``chunk_size`` rows of ``(N, V)`` logits -> ``(N,)``.
+
+    Only one chunk's fp32 softmax exists at a time, so the transient peak is ``chunk_size x V`` instead
+    of ``N x V`` (verl's entropy_from_logits_with_chunking). Under autograd each chunk's softmax is still
+    kept for backward unless the caller checkpoints the call.
+    """
+    return torch.cat([entropy_from_logits(logits[i : i + chunk_size]) for i in range(0, logits.shape[0], chunk_size)])

@@ -20,6 +20,8 @@ from transformers import (
     Qwen2ForTokenClassification,
 )
 
+from .attention import PACKED_ATTENTION  # importing it registers the implementation
+
 __all__ = ["build_tokenizer", "load_tokenizer", "load_actor", "load_critic", "tiny_qwen2_config", "num_params"]
 
 TINY = "tiny"
@@ -88,25 +90,48 @@ def _finish(model: torch.nn.Module, tokenizer) -> torch.nn.Module:
     return model.to(torch.float32)
 
 
-def load_actor(path: str, tokenizer, *, tiny=None, max_positions: int = 512, seed: int = 1) -> torch.nn.Module:
-    """Causal LM in fp32 (master weights). The tiny preset is seeded: every rank builds the same weights."""
+def load_actor(
+    path: str, tokenizer, *, tiny=None, max_positions: int = 512, seed: int = 1, meta: bool = False
+) -> torch.nn.Module:
+    """Causal LM in fp32 (master weights). The tiny preset is seeded: every rank builds the same weights.
+
+    ``meta``: the architecture only, on the meta device (no memory): ranks other than 0 build this and
+    receive their shards from rank 0 when the model is sharded.
+    """
+    if meta:
+        with torch.device("meta"):
+            if path == TINY:
+                return load_actor(TINY, tokenizer, tiny=tiny, max_positions=max_positions, seed=seed)
+            cfg = AutoConfig.from_pretrained(path, local_files_only=True)
+            return _finish(AutoModelForCausalLM.from_config(cfg, attn_implementation=PACKED_ATTENTION), tokenizer)
     if path == TINY:
         torch.manual_seed(seed)
         cfg = tiny_qwen2_config(tiny, len(tokenizer), max_positions)
-        cfg._attn_implementation = "sdpa"
+        cfg._attn_implementation = PACKED_ATTENTION
         model = Qwen2ForCausalLM(cfg)
     else:
         model = AutoModelForCausalLM.from_pretrained(
-            path, local_files_only=True, dtype=torch.float32, attn_implementation="sdpa"
+            path, local_files_only=True, dtype=torch.float32, attn_implementation=PACKED_ATTENTION
         )
     return _finish(model, tokenizer)
 
 
-def load_critic(path: str, tokenizer, *, tiny=None, max_positions: int = 512, seed: int = 1) -> torch.nn.Module:
+def load_critic(
+    path: str, tokenizer, *, tiny=None, max_positions: int = 512, seed: int = 1, meta: bool = False
+) -> torch.nn.Module:
     """LM backbone + scalar value head (token classification with one label), verl's critic shape.
 
     From the tiny preset the backbone equals the actor's initial backbone; the head is seeded.
+    ``meta``: as for :func:`load_actor`.
     """
+    if meta:
+        with torch.device("meta"):
+            if path == TINY:
+                return load_critic(TINY, tokenizer, tiny=tiny, max_positions=max_positions, seed=seed)
+            cfg = _critic_config(AutoConfig.from_pretrained(path, local_files_only=True))
+            return _finish(
+                AutoModelForTokenClassification.from_config(cfg, attn_implementation=PACKED_ATTENTION), tokenizer
+            )
     if path == TINY:
         actor = load_actor(TINY, tokenizer, tiny=tiny, max_positions=max_positions, seed=seed)
         cfg = Qwen2Config(
@@ -118,21 +143,26 @@ def load_critic(path: str, tokenizer, *, tiny=None, max_positions: int = 512, se
                 "classifier_dropout": 0.0,
             }
         )  # dropout would make old values and updates disagree
-        cfg._attn_implementation = "sdpa"
+        cfg._attn_implementation = PACKED_ATTENTION
         torch.manual_seed(seed + 1)
         model = Qwen2ForTokenClassification(cfg)
         model.model.load_state_dict(actor.model.state_dict())
     else:
-        cfg = AutoConfig.from_pretrained(path, local_files_only=True)
-        cfg.num_labels = 1
-        cfg.id2label = {0: "value"}
-        cfg.label2id = {"value": 0}
-        cfg.classifier_dropout = 0.0
+        cfg = _critic_config(AutoConfig.from_pretrained(path, local_files_only=True))
         model = AutoModelForTokenClassification.from_pretrained(
-            path, config=cfg, local_files_only=True, dtype=torch.float32, attn_implementation="sdpa"
+            path, config=cfg, local_files_only=True, dtype=torch.float32, attn_implementation=PACKED_ATTENTION
         )
     return _finish(model, tokenizer)
 
 
 def num_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def _critic_config(cfg):
+    """An LM config as verl's critic: one label (the value), no dropout (old values and updates must agree)."""
+    cfg.num_labels = 1
+    cfg.id2label = {0: "value"}
+    cfg.label2id = {"value": 0}
+    cfg.classifier_dropout = 0.0
+    return cfg

@@ -2,6 +2,11 @@
 
 activation checkpointing -> shard each transformer block -> shard the root
 (torchtitan's parallelize order). FSDP1 = ``FullyShardedDataParallel``; FSDP2 = ``fully_shard``.
+Precision and offload follow verl 0.9.1's FSDP engine (``verl/workers/engine/fsdp/transformer_impl.py``):
+fp32 master weights computed in ``mixed_precision.param_dtype`` (bf16 by default), gradients reduced
+in ``reduce_dtype``; ``param_offload``/``optimizer_offload`` are moves between phases
+(:func:`move_params`, :func:`move_optimizer_state`), compute-time offload is FSDP2's
+CPUOffloadPolicy (``offload_policy``) or, for the reference model, always on.
 Knobs that cannot act on the device at hand are not faked: they are reported in ``notes``.
 """
 
@@ -9,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -16,25 +22,34 @@ from torch import nn
 
 __all__ = [
     "ShardKnobs",
+    "Sharded",
     "shard_model",
     "full_params",
     "clip_grad_norm",
     "full_state_dict",
-    "offload_optimizer_state",
+    "move_params",
+    "move_optimizer_state",
+    "gradient_sync",
+    "compute_autocast",
     "activation_offload_context",
     "layer_classes",
     "clean_state_dict",
+    "torch_dtype",
 ]
 
 
 @dataclass(frozen=True)
 class ShardKnobs:
     strategy: str = "fsdp"  # fsdp | fsdp2
-    param_offload: bool = False
-    offload_policy: bool = False
+    # Compute-time offload: FSDP1 CPUOffload / FSDP2 CPUOffloadPolicy. The actor's and critic's come
+    # from offload_policy (FSDP2 only); the reference model always has it, as in verl.
+    compute_offload: bool = False
     reshard_after_forward: bool = True
     forward_prefetch: bool = False
-    dtype: str = "float32"
+    fsdp_size: int = -1  # -1: shard over all ranks; else replicate over world/fsdp_size groups (HSDP)
+    param_dtype: str = "float32"
+    reduce_dtype: str = "float32"
+    buffer_dtype: str = "float32"
     gradient_checkpointing: bool = False
     wrap_min_num_params: int = 0
 
@@ -46,6 +61,7 @@ class Sharded:
     blocks: list = field(default_factory=list)
     reshard_after_forward: bool = True
     compute_dtype: str = "float32"
+    mesh: object = None
 
 
 def layer_classes(model: nn.Module) -> set[type]:
@@ -53,22 +69,31 @@ def layer_classes(model: nn.Module) -> set[type]:
     return {type(m) for m in model.modules() if type(m).__name__ in names}
 
 
-def _dtype(name: str) -> torch.dtype:
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+def torch_dtype(name: str) -> torch.dtype:
+    """A dtype spelled as verl spells it (bf16 | fp32, or the long names)."""
+    return {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}[name]
+
+
+def _mesh(device: torch.device, fsdp_size: int):
+    """1-D mesh over all ranks, or (replicate, shard) for hybrid sharding (verl's create_device_mesh)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    if fsdp_size in (-1, world):
+        return init_device_mesh(device.type, (world,), mesh_dim_names=("fsdp",))
+    return init_device_mesh(device.type, (world // fsdp_size, fsdp_size), mesh_dim_names=("ddp", "fsdp"))
 
 
 def shard_model(model: nn.Module, knobs: ShardKnobs, *, device: torch.device, name: str, notes: list[str]) -> Sharded:
     """Wrap ``model`` for data-parallel sharding over the default process group.
 
+    ``model`` may live on the meta device on ranks other than 0: its parameters and buffers are then
+    materialized on ``device`` and filled from rank 0 (verl's ``sync_module_states``), so host memory
+    per node does not grow with ranks x model size.
     ``name`` is the config prefix of these knobs (e.g. ``actor_rollout_ref.actor.fsdp_config``),
     used in the notes that say which knob had no effect here.
     """
     on_cpu = device.type == "cpu"
-    offload = knobs.param_offload or knobs.offload_policy
-    if offload and on_cpu:
-        for k in ("param_offload", "offload_policy"):
-            if getattr(knobs, k):
-                notes.append(f"{name}.{k}: no effect on CPU (parameters already live in host memory)")
     if knobs.forward_prefetch and on_cpu:
         notes.append(
             f"{name}.forward_prefetch: applied, but no effect on CPU (gloo has no compute/communication overlap)"
@@ -76,12 +101,18 @@ def shard_model(model: nn.Module, knobs: ShardKnobs, *, device: torch.device, na
     if knobs.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     blocks = [m for m in model.modules() if type(m) in layer_classes(model)]
+    mesh = _mesh(device, knobs.fsdp_size)
+    offload = knobs.compute_offload and not on_cpu
     if knobs.strategy == "fsdp2":
-        return _shard_fsdp2(model, blocks, knobs, device=device, offload=offload and not on_cpu, name=name, notes=notes)
-    return _shard_fsdp1(model, blocks, knobs, device=device, offload=offload and not on_cpu)
+        return _shard_fsdp2(model, blocks, knobs, device=device, mesh=mesh, offload=offload, name=name, notes=notes)
+    return _shard_fsdp1(model, blocks, knobs, device=device, mesh=mesh, offload=offload)
 
 
-def _shard_fsdp1(model, blocks, knobs: ShardKnobs, *, device, offload: bool) -> Sharded:
+def _on_meta(model: nn.Module) -> bool:
+    return any(p.is_meta for p in model.parameters())
+
+
+def _shard_fsdp1(model, blocks, knobs: ShardKnobs, *, device, mesh, offload: bool) -> Sharded:
     import functools
 
     from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
@@ -92,41 +123,57 @@ def _shard_fsdp1(model, blocks, knobs: ShardKnobs, *, device, offload: bool) -> 
         policy = functools.partial(size_based_auto_wrap_policy, min_num_params=knobs.wrap_min_num_params)
     else:
         policy = ModuleWrapPolicy(layer_classes(model))
-    mp = None
-    if knobs.dtype != "float32":
-        mp = MixedPrecision(param_dtype=_dtype(knobs.dtype), reduce_dtype=torch.float32, buffer_dtype=torch.float32)
+    mp = MixedPrecision(
+        param_dtype=torch_dtype(knobs.param_dtype),
+        reduce_dtype=torch_dtype(knobs.reduce_dtype),
+        buffer_dtype=torch_dtype(knobs.buffer_dtype),
+    )
+    hybrid = mesh.ndim == 2
+    strategy = {
+        (False, True): ShardingStrategy.FULL_SHARD,
+        (False, False): ShardingStrategy.SHARD_GRAD_OP,
+        (True, True): ShardingStrategy.HYBRID_SHARD,
+        (True, False): ShardingStrategy._HYBRID_SHARD_ZERO2,
+    }[(hybrid, knobs.reshard_after_forward)]
+    if hybrid and mesh.size(1) == 1:
+        # Shard groups of one rank: FSDP1's hybrid strategies turn into NO_SHARD inside each group and then
+        # never all-reduce across the replicas (measured: each rank trained on its half of the batch).
+        # Replicating on every rank is NO_SHARD over the whole world.
+        strategy, mesh = ShardingStrategy.NO_SHARD, _mesh(device, -1)
+    init_fn = _rank0_broadcast_init(model, device)
     wrapped = FSDP(
         model,
         auto_wrap_policy=policy,
         device_id=device if device.type == "cpu" else torch.cuda.current_device(),
-        sharding_strategy=ShardingStrategy.FULL_SHARD
-        if knobs.reshard_after_forward
-        else ShardingStrategy.SHARD_GRAD_OP,
+        device_mesh=mesh,
+        sharding_strategy=strategy,
         cpu_offload=CPUOffload(offload_params=True) if offload else None,
         mixed_precision=mp,
         forward_prefetch=knobs.forward_prefetch,
         backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
         use_orig_params=True,  # needed to generate from summoned full parameters
-        sync_module_states=False,  # every rank builds or loads the same weights
+        param_init_fn=init_fn,
     )
-    return Sharded(wrapped, "fsdp", blocks, knobs.reshard_after_forward, knobs.dtype)
+    return Sharded(wrapped, "fsdp", blocks, knobs.reshard_after_forward, knobs.param_dtype, mesh)
 
 
-def _shard_fsdp2(model, blocks, knobs: ShardKnobs, *, device, offload: bool, name: str, notes: list[str]) -> Sharded:
-    from torch.distributed.device_mesh import init_device_mesh
+def _shard_fsdp2(model, blocks, knobs: ShardKnobs, *, device, mesh, offload: bool, name: str, notes) -> Sharded:
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    mp = (
-        MixedPrecisionPolicy(param_dtype=_dtype(knobs.dtype), reduce_dtype=torch.float32)
-        if knobs.dtype != "float32"
-        else MixedPrecisionPolicy()
+    mp = MixedPrecisionPolicy(
+        param_dtype=torch_dtype(knobs.param_dtype),
+        reduce_dtype=torch_dtype(knobs.reduce_dtype),
+        cast_forward_inputs=True,
     )
+    if knobs.buffer_dtype not in ("fp32", "float32"):
+        notes.append(f"{name}.mixed_precision.buffer_dtype: FSDP2 has no buffer dtype; buffers stay as loaded")
     policy = CPUOffloadPolicy(pin_memory=True) if offload else OffloadPolicy()
     if knobs.wrap_min_num_params > 0:
         notes.append(
             f"{name}.wrap_policy.min_num_params: FSDP2 shards per transformer block; size-based wrapping ignored"
         )
+    # rank 0 keeps the full weights until they are scattered; other ranks hold meta tensors
+    full = model.state_dict() if dist.get_rank() == 0 else {}
     kwargs = dict(mesh=mesh, mp_policy=mp, offload_policy=policy)
     for block in blocks:
         fully_shard(block, reshard_after_forward=knobs.reshard_after_forward, **kwargs)
@@ -135,27 +182,75 @@ def _shard_fsdp2(model, blocks, knobs: ShardKnobs, *, device, offload: bool, nam
         # FSDP2's explicit prefetch: block i starts all-gathering block i+1 before its own forward ends.
         for cur, nxt in zip(blocks, blocks[1:]):
             cur.set_modules_to_forward_prefetch([nxt])
-    return Sharded(model, "fsdp2", blocks, knobs.reshard_after_forward, knobs.dtype)
+    home = torch.device("cpu") if offload else device
+    if _on_meta(model):
+        model.to_empty(device=home)
+    elif not offload:
+        model.to(device)
+    _fill_from_rank0(model, full, device)
+    return Sharded(model, "fsdp2", blocks, knobs.reshard_after_forward, knobs.param_dtype, mesh)
+
+
+def _rank0_broadcast_init(model: nn.Module, device: torch.device):
+    """FSDP1's ``param_init_fn`` that fills each module from rank 0 as FSDP wraps it, unit by unit.
+
+    Every rank's model goes to the meta device (rank 0 keeps its real tensors aside: a rank that built
+    real weights too, as in an old-style load, has them replaced by rank 0's); FSDP1 materializes
+    the modules of one unit at a time through this function, which copies rank 0's tensors in and
+    broadcasts them, then shards the unit before the next. So a rank other than 0 never holds more than
+    one unit in full (verl's ``sync_module_states=True`` does the same on a GPU, but FSDP1 refuses it for
+    modules on the CPU; this one path serves both).
+    """
+    rank0 = dist.get_rank() == 0
+    real = {k: v.detach() for k, v in [*model.named_parameters(), *model.named_buffers()]} if rank0 else {}
+    model.to("meta")  # on rank 0 ``real`` holds the storage; elsewhere whatever was built is dropped
+    prefix = {m: name for name, m in model.named_modules()}
+
+    def init(module: nn.Module) -> None:
+        module.to_empty(device=device, recurse=False)
+        with torch.no_grad():
+            for name, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+                key = f"{prefix[module]}.{name}" if prefix[module] else name
+                if rank0:
+                    t.copy_(real.pop(key))
+                dist.broadcast(t, src=0)
+
+    return init
+
+
+def _fill_from_rank0(module: nn.Module, full: dict, device: torch.device) -> None:
+    """Every rank's shards from rank 0's full state dict (``full`` is empty elsewhere), then the buffers
+    (e.g. rotary frequencies, not in the state dict) that ``to_empty`` left unset on the other ranks."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(module, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    full.clear()
+    for buf in module.buffers():
+        staged = buf.to(device)
+        dist.broadcast(staged, src=0)
+        if staged is not buf:
+            buf.copy_(staged)
 
 
 @contextlib.contextmanager
 def full_params(sharded: Sharded):
-    """Full, unsharded weights for generation; yields the module whose ``generate`` to call.
+    """Full, unsharded weights for generation, gathered ONCE per call; yields the module whose ``generate`` to call.
 
-    FSDP1: ``summon_full_params`` (no writeback). FSDP2: unshard every group once and keep it
-    unsharded across the many small forwards of decoding (about 2x faster than re-gathering).
+    FSDP1: ``summon_full_params`` gathers every unit, and the FSDP-wrapped blocks are swapped for the
+    modules they wrap for the duration: called through their wrappers, they would re-gather (and
+    free) their parameters on every decoded token (measured: 2 all-gathers per token with 2 blocks).
+    FSDP2: unshard every group once and keep it unsharded across the many small forwards of decoding.
     """
     if sharded.strategy == "fsdp":
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-        # Summoned parameters are the fp32 masters while the wrapped blocks still cast their inputs to
-        # the mixed-precision dtype: autocast makes every matmul agree on the compute dtype.
+        # Summoned parameters are the fp32 masters: autocast makes every matmul use the compute dtype.
         device_type = next(sharded.module.parameters()).device.type
-        mixed = sharded.compute_dtype != "float32"
-        autocast = (
-            torch.autocast(device_type, dtype=_dtype(sharded.compute_dtype)) if mixed else contextlib.nullcontext()
-        )
-        with FSDP.summon_full_params(sharded.module, writeback=False, recurse=True), autocast:
+        with (
+            FSDP.summon_full_params(sharded.module, writeback=False, recurse=True),
+            compute_autocast(sharded, device_type),
+            _unwrapped_units(sharded.module.module),
+        ):
             yield sharded.module.module
         return
     groups = [sharded.module] + list(sharded.blocks)
@@ -172,12 +267,50 @@ def full_params(sharded: Sharded):
             g.set_reshard_after_forward(sharded.reshard_after_forward)
 
 
-def clip_grad_norm(sharded: Sharded, max_norm: float) -> torch.Tensor:
-    """Total grad norm over all shards (clipped in place); a 0-d tensor."""
+@contextlib.contextmanager
+def _unwrapped_units(module: nn.Module):
+    """Every FSDP1 unit inside ``module`` replaced by the module it wraps (restored on exit)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    swaps = [
+        (parent, name, child)
+        for parent in module.modules()
+        for name, child in parent.named_children()
+        if isinstance(child, FSDP)
+    ]
+    for parent, name, child in swaps:
+        parent._modules[name] = child.module
+    try:
+        yield
+    finally:
+        for parent, name, child in swaps:
+            parent._modules[name] = child
+
+
+def clip_grad_norm(sharded: Sharded, max_norm: float, device: torch.device) -> torch.Tensor:
+    """Total grad norm over all shards (clipped in place); a 0-d tensor on ``device``.
+
+    FSDP2: the norm is summed from the local shards on the compute device (the gradients may be CPU
+    DTensors under CPUOffloadPolicy, which the process group cannot reduce) over the mesh dims the
+    gradients are sharded on, then every local gradient is scaled in place (verl's fsdp2_clip_grad_norm_).
+    """
     if sharded.strategy == "fsdp":
-        return sharded.module.clip_grad_norm_(max_norm)
-    norm = torch.nn.utils.clip_grad_norm_([p for p in sharded.module.parameters() if p.grad is not None], max_norm)
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        return sharded.module.clip_grad_norm_(max_norm).to(device)
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    grads = [p.grad for p in sharded.module.parameters() if p.grad is not None]
+    if not grads:
+        return torch.zeros((), device=device)
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    sq = torch.stack([g.detach().float().pow(2).sum().to(device) for g in local]).sum()
+    if isinstance(grads[0], DTensor):
+        placements = [Partial() if isinstance(pl, Shard) else Replicate() for pl in grads[0].placements]
+        sq = DTensor.from_local(sq, grads[0].device_mesh, placements).full_tensor()
+    norm = sq.sqrt()
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for g in local:
+        g.mul_(coef.to(g.device, g.dtype))
+    return norm
 
 
 def full_state_dict(sharded: Sharded, *, device: torch.device) -> dict | None:
@@ -207,12 +340,69 @@ def clean_state_dict(sd: dict) -> dict:
     }
 
 
-def offload_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-    """Move optimizer state (Adam moments) to ``device``: CPU between updates, back before a step."""
-    for state in optimizer.state.values():
-        for k, v in state.items():
-            if isinstance(v, torch.Tensor) and v.device != device and k != "step":
-                state[k] = v.to(device, non_blocking=True)
+def move_params(sharded: Sharded, device: torch.device) -> None:
+    """``param_offload``: move this rank's parameter shards to ``device`` (host between phases, GPU before).
+
+    FSDP2 modules support ``.to()`` (FSDP2 re-registers its sharded parameters). FSDP1 has no public
+    API for it: like verl's offload_fsdp_model_to_cpu, the flat parameter's local shard is moved, and the
+    original parameters (use_orig_params) are re-pointed at it so no view keeps the old storage alive.
+    """
+    _relocate_params(sharded, lambda t: t.to(device))
+
+
+def _relocate_params(sharded: Sharded, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    if sharded.strategy == "fsdp2":
+        sharded.module._apply(fn)  # FSDPModule._apply resets the sharded parameters after the move
+        return
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    for m in sharded.module.modules():
+        handle = getattr(m, "_handle", None) if isinstance(m, FSDP) else None
+        if handle is None or handle._offload_params:  # CPUOffload already keeps it in host memory
+            continue
+        flat = handle.flat_param
+        flat.data = fn(flat.data)
+        if hasattr(flat, "_local_shard"):
+            flat._local_shard = flat.data
+        handle._use_sharded_views()
+
+
+def move_optimizer_state(optimizer: torch.optim.Optimizer, device: Optional[torch.device]) -> None:
+    """``optimizer_offload``: Adam's moments to ``device`` (host between updates); ``None`` = to the device
+    of each moment's parameter (before a step: never a CUDA moment for a CPU parameter or back)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p)
+            if not state:
+                continue
+            target = device if device is not None else p.device
+            for k, v in state.items():
+                # Adam keeps ``step`` as a host scalar by design (capturable=False): leave it
+                if k != "step" and isinstance(v, torch.Tensor) and v.device != target:
+                    state[k] = v.to(target)
+
+
+@contextlib.contextmanager
+def gradient_sync(sharded: Sharded, enabled: bool):
+    """``use_no_sync_for_gradient_accumulation``: skip the gradient reduce on a non-final micro-batch."""
+    if enabled:
+        yield
+    elif sharded.strategy == "fsdp":
+        with sharded.module.no_sync():
+            yield
+    else:
+        sharded.module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            sharded.module.set_requires_gradient_sync(True)
+
+
+def compute_autocast(sharded: Sharded, device_type: str):
+    """verl runs every forward under autocast to the mixed-precision param dtype (none for fp32)."""
+    if sharded.compute_dtype in ("fp32", "float32"):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=torch_dtype(sharded.compute_dtype))
 
 
 def activation_offload_context(enabled: bool, device: torch.device):

@@ -132,7 +132,7 @@ def _train(cfg, rank: int, rank_file: Path, state: dict) -> None:
     import torch
     import torch.distributed as dist
 
-    from .batching import rank_rows
+    from .batching import mini_batch_group, rank_rows
     from .config import config_to_dict, world_size
     from .data import PromptDataset, PromptLoader, left_pad, load_rows
     from .metrics import PhaseMeter, actor_mfu, peak_flops
@@ -188,10 +188,12 @@ def _train(cfg, rank: int, rank_file: Path, state: dict) -> None:
     logger = StepLogger(cfg, rank=rank, config_dict=config_to_dict(cfg))
     peak = peak_flops(state["environment"]["device_name"]) if use_cuda else None
     total_steps, warmup = cfg.trainer.total_training_steps, cfg.ppotune.warmup_steps
+    critic_mini = cfg.critic.ppo_mini_batch_size or a.ppo_mini_batch_size
+    group = mini_batch_group(a.ppo_mini_batch_size * n, critic_mini * n)
     for step in range(1, total_steps + 1):
         # every rank draws the same global batch, repeats each prompt n times, and takes its slice
         global_idx = [i for i in loader.next() for _ in range(n)]
-        mine = [global_idx[i] for i in rank_rows(len(global_idx), a.ppo_mini_batch_size * n, world, rank)]
+        mine = [global_idx[i] for i in rank_rows(len(global_idx), group, world, rank)]
         prompt_ids, prompt_mask = left_pad(
             [dataset.input_ids[i] for i in mine], cfg.data.max_prompt_length, tokenizer.pad_token_id
         )
@@ -247,46 +249,66 @@ def _train(cfg, rank: int, rank_file: Path, state: dict) -> None:
 def build_roles(cfg, tokenizer, device, world: int, notes: list[str]):
     """Load, shard and equip actor, ref and critic with this config's knobs; -> (Roles, model shape info)."""
     import torch
+    import torch.distributed as dist
 
     from . import core
-    from .config import effective_config
+    from .config import PRECISIONS, effective_config
     from .models import load_actor, load_critic, num_params
-    from .parallel import ShardKnobs, shard_model
-    from .step import ActorLoss, MicroBatching, Plans, Roles, StepSettings, Trainee
+    from .parallel import ShardKnobs, shard_model, torch_dtype
+    from .step import ActorLoss, MicroBatching, Plans, Roles, StepSettings, Trainee, make_entropy_fn
 
     cfg = effective_config(cfg)  # null follow-keys filled in: every value below is what the run uses
     c, ref_cfg = cfg.critic, cfg.actor_rollout_ref.ref
     a, mdl, ro = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.rollout
     max_pos = cfg.data.max_prompt_length + cfg.data.max_response_length
-    kw = dict(tiny=cfg.ppotune.tiny, max_positions=max_pos, seed=cfg.trainer.seed)
-    actor_model = load_actor(mdl.path, tokenizer, **kw)
-    n_params = num_params(actor_model)
-    shape = actor_model.config
-    head_dim = getattr(shape, "head_dim", None) or shape.hidden_size // shape.num_attention_heads
-    ref_model = load_actor(mdl.path, tokenizer, **kw).requires_grad_(False)
-    critic_model = load_critic(c.model.path, tokenizer, **kw)
+    # Rank 0 loads the weights; the others build the architecture on the meta device and get their
+    # shards from rank 0 (verl: rank-0 load + sync_module_states). One model at a time, each sharded
+    # before the next is built: host memory holds one full model, on one rank.
+    kw = dict(tiny=cfg.ppotune.tiny, max_positions=max_pos, seed=cfg.trainer.seed, meta=dist.get_rank() != 0)
 
-    def knobs(fc, strategy, gc):
+    def knobs(fc, strategy, gc, *, compute_offload):
+        mp = fc.mixed_precision
         return ShardKnobs(
             strategy=strategy,
-            param_offload=fc.param_offload,
-            offload_policy=fc.offload_policy,
+            compute_offload=compute_offload,
             reshard_after_forward=fc.reshard_after_forward,
             forward_prefetch=fc.forward_prefetch,
-            dtype=fc.dtype,
+            fsdp_size=fc.fsdp_size,
+            param_dtype=PRECISIONS[mp.param_dtype],
+            reduce_dtype=PRECISIONS[mp.reduce_dtype],
+            buffer_dtype=PRECISIONS[mp.buffer_dtype],
             gradient_checkpointing=gc,
             wrap_min_num_params=fc.wrap_policy.min_num_params,
         )
+
+    def build(load, path, fc, name, shard_knobs, *, frozen=False):
+        """-> (the model's HF config, its parameter count, the sharded model)."""
+        model = load(path, tokenizer, **kw).to(torch_dtype(fc.model_dtype))  # master weights (model_dtype)
+        model.requires_grad_(not frozen)
+        count = num_params(model)  # before sharding: afterwards a rank sees only its shards
+        return model.config, count, shard_model(model, shard_knobs, device=device, name=name, notes=notes)
 
     on_cpu = device.type == "cpu"
     for key, value in (
         ("actor_rollout_ref.model.enable_activation_offload", mdl.enable_activation_offload),
         ("critic.model.enable_activation_offload", cfg.critic.model.enable_activation_offload),
+        ("actor_rollout_ref.actor.fsdp_config.param_offload", a.fsdp_config.param_offload),
         ("actor_rollout_ref.actor.fsdp_config.optimizer_offload", a.fsdp_config.optimizer_offload),
-        ("critic.fsdp.optimizer_offload", cfg.critic.fsdp.optimizer_offload),
+        ("critic.fsdp.param_offload", c.fsdp.param_offload),
+        ("critic.fsdp.optimizer_offload", c.fsdp.optimizer_offload),
+        ("actor_rollout_ref.actor.fsdp_config.offload_policy", a.fsdp_config.offload_policy),
+        ("critic.fsdp.offload_policy", c.fsdp.offload_policy),
     ):
         if value and on_cpu:
             notes.append(f"{key}: no effect on CPU (the tensors already live in host memory)")
+    if a.pad_to_length and not mdl.use_remove_padding:
+        notes.append("actor_rollout_ref.actor.pad_to_length: no effect without use_remove_padding (nothing is packed)")
+    for key in ("param_offload", "optimizer_offload", "offload_policy"):
+        if getattr(ref_cfg.fsdp_config, key):
+            notes.append(
+                f"actor_rollout_ref.ref.fsdp_config.{key}: no effect; the reference model's parameters always "
+                "live in host memory between uses (verl's forward-only engine), and it has no optimizer"
+            )
     if ro.name == "vllm":
         notes.append(
             "actor_rollout_ref.rollout.name=vllm: vLLM rollout is not wired in this trainer; generated with HF generate"
@@ -299,26 +321,30 @@ def build_roles(cfg, tokenizer, device, world: int, notes: list[str]):
             if getattr(ro, key) != getattr(defaults, key):  # only the ones somebody set
                 notes.append(f"actor_rollout_ref.rollout.{key}: no effect with rollout.name=hf (vLLM-only knob)")
 
-    actor = shard_model(
-        actor_model,
-        knobs(a.fsdp_config, a.strategy, mdl.enable_gradient_checkpointing),
-        device=device,
-        name="actor_rollout_ref.actor.fsdp_config",
-        notes=notes,
+    shape, n_params, actor = build(
+        load_actor,
+        mdl.path,
+        a.fsdp_config,
+        "actor_rollout_ref.actor.fsdp_config",
+        knobs(
+            a.fsdp_config, a.strategy, mdl.enable_gradient_checkpointing, compute_offload=a.fsdp_config.offload_policy
+        ),
     )
-    ref = shard_model(
-        ref_model,
-        knobs(cfg.actor_rollout_ref.ref.fsdp_config, a.strategy, False),
-        device=device,
-        name="actor_rollout_ref.ref.fsdp_config",
-        notes=notes,
+    head_dim = getattr(shape, "head_dim", None) or shape.hidden_size // shape.num_attention_heads
+    _, _, ref = build(
+        load_actor,
+        mdl.path,
+        ref_cfg.fsdp_config,
+        "actor_rollout_ref.ref.fsdp_config",
+        knobs(ref_cfg.fsdp_config, a.strategy, False, compute_offload=True),
+        frozen=True,
     )
-    critic = shard_model(
-        critic_model,
-        knobs(c.fsdp, c.strategy, c.model.enable_gradient_checkpointing),
-        device=device,
-        name="critic.fsdp",
-        notes=notes,
+    _, _, critic = build(
+        load_critic,
+        c.model.path,
+        c.fsdp,
+        "critic.fsdp",
+        knobs(c.fsdp, c.strategy, c.model.enable_gradient_checkpointing, compute_offload=c.fsdp.offload_policy),
     )
     actor_opt = torch.optim.AdamW(
         actor.module.parameters(), lr=a.optim.lr, betas=tuple(a.optim.betas), weight_decay=a.optim.weight_decay
@@ -373,12 +399,14 @@ def build_roles(cfg, tokenizer, device, world: int, notes: list[str]):
             clip_ratio_high=a.clip_ratio_high,
             clip_ratio_c=a.clip_ratio_c,
             entropy_coeff=a.entropy_coeff,
+            calculate_entropy=a.calculate_entropy,
             use_kl_loss=a.use_kl_loss,
             kl_loss_coef=a.kl_loss_coef,
             kl_loss_type=a.kl_loss_type,
             grad_clip=a.grad_clip,
         ),
         train_batch_size=cfg.data.train_batch_size,
+        rollout_n=n,
         pad_id=tokenizer.pad_token_id,
         eos_id=tokenizer.eos_token_id,
         vocab_limit=len(tokenizer),
@@ -387,17 +415,31 @@ def build_roles(cfg, tokenizer, device, world: int, notes: list[str]):
         actor=Trainee(
             actor,
             actor_opt,
+            param_offload=a.fsdp_config.param_offload,
             optimizer_offload=a.fsdp_config.optimizer_offload,
             activation_offload=mdl.enable_activation_offload,
             rmpad=mdl.use_remove_padding,
+            no_sync=a.fsdp_config.use_no_sync_for_gradient_accumulation,
+            pad_to_multiple=a.fsdp_config.pad_to_length_bucket if a.pad_to_length else None,
+            entropy_fn=make_entropy_fn(
+                chunk_size=a.entropy_from_logits_chunk_size if a.entropy_from_logits_with_chunking else None,
+                checkpointing=a.entropy_checkpointing,
+                compile=a.use_torch_compile,
+            ),
         ),
-        ref=Trainee(ref, rmpad=mdl.use_remove_padding),
+        ref=Trainee(
+            ref,
+            rmpad=mdl.use_remove_padding,
+            pad_to_multiple=ref_cfg.fsdp_config.pad_to_length_bucket if a.pad_to_length else None,
+        ),
         critic=Trainee(
             critic,
             critic_opt,
-            optimizer_offload=cfg.critic.fsdp.optimizer_offload,
-            activation_offload=cfg.critic.model.enable_activation_offload,
-            rmpad=cfg.critic.model.use_remove_padding,
+            param_offload=c.fsdp.param_offload,
+            optimizer_offload=c.fsdp.optimizer_offload,
+            activation_offload=c.model.enable_activation_offload,
+            rmpad=c.model.use_remove_padding,
+            no_sync=c.fsdp.use_no_sync_for_gradient_accumulation,
         ),
         tokenizer=tokenizer,
         kl_ctrl=kl_ctrl,
@@ -428,10 +470,12 @@ def _inject_fault(fault: str, rank: int, step: int) -> None:
 def _save_checkpoint(cfg, roles, tokenizer, device, rank: int) -> None:
     """HF-format actor and critic (``save_pretrained``) under trainer.default_local_dir."""
     from .parallel import clean_state_dict, full_state_dict
+    from .step import resident
 
     out = Path(cfg.trainer.default_local_dir).expanduser()
     for name, trainee in (("actor", roles.actor), ("critic", roles.critic)):
-        sd = full_state_dict(trainee.sharded, device=device)
+        with resident(trainee, device):  # with param_offload the shards are in host memory between phases
+            sd = full_state_dict(trainee.sharded, device=device)
         if rank == 0:
             target = out / name
             target.mkdir(parents=True, exist_ok=True)

@@ -9,30 +9,44 @@ mini-batch.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from . import core
+from .attention import packed_attention_kwargs
 from .batching import (
     fixed_micro_batches,
     min_num_micro_batches,
     pack,
+    pad_packed,
     response_positions,
     token_budget_micro_batches,
     unpack_response,
 )
 from .data import score_response
 from .metrics import PhaseMeter
-from .parallel import Sharded, activation_offload_context, clip_grad_norm, offload_optimizer_state
+from .parallel import (
+    Sharded,
+    activation_offload_context,
+    clip_grad_norm,
+    compute_autocast,
+    gradient_sync,
+    move_optimizer_state,
+    move_params,
+)
 from .rollout import generate_responses
 
 __all__ = [
     "MicroBatching",
     "ActorLoss",
     "Trainee",
+    "resident",
+    "make_entropy_fn",
     "forward_response",
     "compute_log_probs",
     "compute_values",
@@ -59,9 +73,51 @@ class Trainee:
 
     sharded: Sharded
     optimizer: Optional[torch.optim.Optimizer] = None
-    optimizer_offload: bool = False
+    param_offload: bool = False  # parameter shards in host memory between phases
+    optimizer_offload: bool = False  # optimizer state in host memory between updates
     activation_offload: bool = False
     rmpad: bool = True
+    no_sync: bool = False  # use_no_sync_for_gradient_accumulation
+    pad_to_multiple: Optional[int] = None  # pad_to_length: packed rows padded to a multiple of the bucket
+    entropy_fn: Callable[[torch.Tensor], torch.Tensor] = core.entropy_from_logits
+
+
+@contextlib.contextmanager
+def resident(trainee: Trainee, device: torch.device, *, update: bool = False):
+    """What a phase needs on the device, for the phase only (verl's load_fsdp_model_to_gpu /
+    load_fsdp_optimizer before a phase, offload after): the parameter shards with ``param_offload``,
+    and for an update the optimizer state with ``optimizer_offload``. On a CPU run both are no-ops."""
+    if trainee.param_offload:
+        move_params(trainee.sharded, device)
+    if update and trainee.optimizer_offload:
+        move_optimizer_state(trainee.optimizer, None)  # next to each parameter, wherever it lives
+    try:
+        yield
+    finally:
+        if update and trainee.optimizer_offload:
+            move_optimizer_state(trainee.optimizer, torch.device("cpu"))
+        if trainee.param_offload:
+            move_params(trainee.sharded, torch.device("cpu"))
+
+
+def make_entropy_fn(*, chunk_size: Optional[int], checkpointing: bool, compile: bool):
+    """The actor's entropy function as verl builds it: chunked over tokens (lower transient peak),
+    torch.compile'd, and under autograd optionally checkpointed (its (N, V) softmax recomputed in
+    backward instead of kept)."""
+    fn = core.entropy_from_logits
+    if chunk_size is not None:
+        fn = functools.partial(core.entropy_from_logits_chunked, chunk_size=chunk_size)
+    if compile:
+        fn = torch.compile(fn, dynamic=True)
+    if not checkpointing:
+        return fn
+
+    def checkpointed(logits: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            return fn(logits)
+        return torch.utils.checkpoint.checkpoint(fn, logits, use_reentrant=False)
+
+    return checkpointed
 
 
 @dataclass(frozen=True)
@@ -70,6 +126,7 @@ class ActorLoss:
     clip_ratio_high: float
     clip_ratio_c: float
     entropy_coeff: float
+    calculate_entropy: bool
     use_kl_loss: bool
     kl_loss_coef: float
     kl_loss_type: str
@@ -97,6 +154,7 @@ class StepSettings:
     critic_grad_clip: float
     actor_loss: ActorLoss
     train_batch_size: int
+    rollout_n: int
     pad_id: int
     eos_id: int
     vocab_limit: int
@@ -111,18 +169,25 @@ def forward_response(
     rmpad: bool,
     prompt_width: int,
     temperature: float = 1.0,
-    with_entropy: bool = False,
+    entropy_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+    pad_to_multiple: Optional[int] = None,
 ) -> dict:
-    """Per-response-token outputs of one micro-batch: ``log_prob`` (+ ``entropy``) or ``values``, each (b, R).
+    """Per-response-token outputs of one micro-batch: ``log_prob`` (+ ``entropy`` with an ``entropy_fn``)
+    or ``values``, each (b, R).
 
-    rmpad: the valid tokens of all rows are packed into one row (no pad token enters the forward).
+    rmpad: the valid tokens of all rows are packed into one row (no pad token enters the forward),
+    padded at the tail to a multiple of ``pad_to_multiple`` if given (verl's ``pad_to_length``).
     padded: rows keep the [left-padded prompt | right-padded response] layout.
     """
     ids, attn, pos, resp = mb["input_ids"], mb["attention_mask"], mb["position_ids"], mb["responses"]
     R = resp.shape[1]
     if rmpad:
         packed_ids, packed_pos, _ = pack(ids, attn, pos)
-        out = module(input_ids=packed_ids, position_ids=packed_pos, use_cache=False).logits[0]  # (T, V or 1)
+        if pad_to_multiple:
+            packed_ids, packed_pos = pad_packed(packed_ids, packed_pos, pad_to_multiple)
+        # sequence boundaries for the attention layers: no T x T mask (trainer/attention.py)
+        varlen = packed_attention_kwargs(packed_pos)
+        out = module(input_ids=packed_ids, position_ids=packed_pos, use_cache=False, **varlen).logits[0]  # (T, V or 1)
         idx, resp_mask = response_positions(attn, mb["response_mask"], prompt_width)
         rows = out[idx]  # (N, V or 1)
         if kind == "critic":
@@ -130,8 +195,8 @@ def forward_response(
         labels = resp[resp_mask]
         logits = rows.float() / temperature
         result = {"log_prob": unpack_response(core.logprobs_from_logits(logits, labels), resp_mask)}
-        if with_entropy:
-            result["entropy"] = unpack_response(core.entropy_from_logits(logits), resp_mask)
+        if entropy_fn is not None:
+            result["entropy"] = unpack_response(entropy_fn(logits), resp_mask)
         return result
     out = module(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False).logits
     rows = out[:, prompt_width - 1 : prompt_width - 1 + R]  # logits that predict each response token
@@ -139,8 +204,8 @@ def forward_response(
         return {"values": rows[..., 0].float() * mb["response_mask"]}
     logits = rows.float() / temperature
     result = {"log_prob": core.logprobs_from_logits(logits, resp) * mb["response_mask"]}
-    if with_entropy:
-        result["entropy"] = core.entropy_from_logits(logits) * mb["response_mask"]
+    if entropy_fn is not None:
+        result["entropy"] = entropy_fn(logits) * mb["response_mask"]
     return result
 
 
@@ -164,13 +229,21 @@ def plan_micro_batches(batch: dict, idx: list[int], plan: MicroBatching) -> list
 
 
 def _forward_only(
-    trainee: Trainee, batch: dict, plan: MicroBatching, *, kind: str, prompt_width: int, temperature: float
-) -> torch.Tensor:
-    key = "values" if kind == "critic" else "log_prob"
+    trainee: Trainee,
+    batch: dict,
+    plan: MicroBatching,
+    *,
+    kind: str,
+    prompt_width: int,
+    temperature: float,
+    device: torch.device,
+    entropy: bool = False,
+) -> dict:
+    keys = ["values"] if kind == "critic" else ["log_prob"] + (["entropy"] if entropy else [])
     n = batch["input_ids"].shape[0]
-    out = torch.zeros_like(batch["responses"], dtype=torch.float32)
+    out = {k: torch.zeros_like(batch["responses"], dtype=torch.float32) for k in keys}
     module = trainee.sharded.module
-    with torch.no_grad():
+    with torch.no_grad(), resident(trainee, device), compute_autocast(trainee.sharded, device.type):
         for mb_idx in plan_micro_batches(batch, list(range(n)), plan):
             # an empty micro-batch still runs (on row 0) so FSDP's collectives line up across ranks
             rows = mb_idx or [0]
@@ -181,20 +254,49 @@ def _forward_only(
                 rmpad=trainee.rmpad,
                 prompt_width=prompt_width,
                 temperature=temperature,
-            )[key]
+                entropy_fn=trainee.entropy_fn if entropy else None,
+                pad_to_multiple=trainee.pad_to_multiple,
+            )
             if mb_idx:
-                out[torch.tensor(mb_idx, device=out.device)] = res
+                index = torch.tensor(mb_idx, device=device)
+                for k in keys:
+                    out[k][index] = res[k]
     return out
 
 
 def compute_log_probs(
-    trainee: Trainee, batch: dict, plan: MicroBatching, *, prompt_width: int, temperature: float
+    trainee: Trainee, batch: dict, plan: MicroBatching, *, prompt_width: int, temperature: float, device: torch.device
 ) -> torch.Tensor:
-    return _forward_only(trainee, batch, plan, kind="actor", prompt_width=prompt_width, temperature=temperature)
+    """Per-token log-probs (B, R) of the responses (the reference model's, or the actor's)."""
+    return _forward_only(
+        trainee, batch, plan, kind="actor", prompt_width=prompt_width, temperature=temperature, device=device
+    )["log_prob"]
 
 
-def compute_values(trainee: Trainee, batch: dict, plan: MicroBatching, *, prompt_width: int) -> torch.Tensor:
-    return _forward_only(trainee, batch, plan, kind="critic", prompt_width=prompt_width, temperature=1.0)
+def compute_old_log_probs(
+    trainee: Trainee, batch: dict, plan: MicroBatching, *, prompt_width: int, temperature: float, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The behaviour policy's log-probs and, without autograd, its entropy (verl's old-log-prob pass
+    computes the ``actor/entropy`` metric there, so the update need not unless entropy is in the loss)."""
+    out = _forward_only(
+        trainee,
+        batch,
+        plan,
+        kind="actor",
+        prompt_width=prompt_width,
+        temperature=temperature,
+        device=device,
+        entropy=True,
+    )
+    return out["log_prob"], out["entropy"]
+
+
+def compute_values(
+    trainee: Trainee, batch: dict, plan: MicroBatching, *, prompt_width: int, device: torch.device
+) -> torch.Tensor:
+    return _forward_only(
+        trainee, batch, plan, kind="critic", prompt_width=prompt_width, temperature=1.0, device=device
+    )["values"]
 
 
 # --------------------------------------------------------------------------- updates
@@ -205,14 +307,10 @@ def _all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
 
 
 def _optimizer_step(trainee: Trainee, grad_clip: float, device: torch.device) -> torch.Tensor:
-    grad_norm = clip_grad_norm(trainee.sharded, grad_clip)
-    if trainee.optimizer_offload and device.type == "cuda":
-        offload_optimizer_state(trainee.optimizer, device)
+    grad_norm = clip_grad_norm(trainee.sharded, grad_clip, device)
     if torch.isfinite(grad_norm):  # verl skips the step on a non-finite norm
         trainee.optimizer.step()
     trainee.optimizer.zero_grad(set_to_none=True)
-    if trainee.optimizer_offload and device.type == "cuda":
-        offload_optimizer_state(trainee.optimizer, torch.device("cpu"))
     return grad_norm.detach()
 
 
@@ -234,27 +332,33 @@ def _minibatch_loop(
     totals: dict[str, float] = {k: 0.0 for k in stat_names + ["grad_norm"]}
     num_updates = 0
     module = trainee.sharded.module
-    for _ in range(epochs):
-        for start in range(0, n, mini_per_gpu):
-            idx = list(range(start, min(start + mini_per_gpu, n)))
-            num_tokens = _all_reduce_sum(batch["response_mask"][idx].sum().to(torch.float64))
-            global_tokens = num_tokens.clamp(min=1.0)
-            acc = torch.zeros(len(stat_names), dtype=torch.float64, device=device)
-            for mb_idx in plan_micro_batches(batch, idx, plan):
-                weight = 1.0 if mb_idx else 0.0  # an empty micro-batch runs on row 0 with zero weight
-                mb = _select(batch, mb_idx or [idx[0]])
-                with activation_offload_context(trainee.activation_offload, device):
-                    loss, stats = loss_fn(module, mb, global_tokens)
-                # FSDP averages gradients over ranks; x world makes the sum of token losses / global tokens exact.
-                (loss * (weight * world)).backward()
-                acc += torch.stack([stats[k].detach().to(torch.float64) for k in stat_names]) * weight
-            grad_norm = _optimizer_step(trainee, grad_clip, device)
-            acc = _all_reduce_sum(acc)
-            values = acc.tolist()  # one device sync per mini-batch, not per micro-batch
-            for k, v in zip(stat_names, values):
-                totals[k] += v
-            totals["grad_norm"] += float(grad_norm)
-            num_updates += 1
+    with resident(trainee, device, update=True):
+        for _ in range(epochs):
+            for start in range(0, n, mini_per_gpu):
+                idx = list(range(start, min(start + mini_per_gpu, n)))
+                num_tokens = _all_reduce_sum(batch["response_mask"][idx].sum().to(torch.float64))
+                global_tokens = num_tokens.clamp(min=1.0)
+                acc = torch.zeros(len(stat_names), dtype=torch.float64, device=device)
+                micro = plan_micro_batches(batch, idx, plan)
+                for i, mb_idx in enumerate(micro):
+                    weight = 1.0 if mb_idx else 0.0  # an empty micro-batch runs on row 0 with zero weight
+                    mb = _select(batch, mb_idx or [idx[0]])
+                    sync = i == len(micro) - 1 or not trainee.no_sync
+                    with gradient_sync(trainee.sharded, sync):
+                        with activation_offload_context(trainee.activation_offload, device):
+                            with compute_autocast(trainee.sharded, device.type):
+                                loss, stats = loss_fn(module, mb, global_tokens)
+                        # FSDP averages gradients over ranks; x world makes the sum of token losses / global
+                        # tokens exact.
+                        (loss * (weight * world)).backward()
+                    acc += torch.stack([stats[k].detach().to(torch.float64) for k in stat_names]) * weight
+                grad_norm = _optimizer_step(trainee, grad_clip, device)
+                acc = _all_reduce_sum(acc)
+                values = acc.tolist()  # one device sync per mini-batch, not per micro-batch
+                for k, v in zip(stat_names, values):
+                    totals[k] += v
+                totals["grad_norm"] += float(grad_norm)
+                num_updates += 1
     return {k: v / max(num_updates, 1) for k, v in totals.items()}
 
 
@@ -270,6 +374,11 @@ def update_actor(
     temperature: float,
     device: torch.device,
 ) -> dict:
+    """PPO update of the actor. The entropy is computed under autograd only when it is in the loss
+    (``entropy_coeff`` != 0) or asked for (``calculate_entropy``), as verl does: otherwise no
+    (N, V) softmax is kept for backward; the ``actor/entropy`` metric comes from the old-log-prob pass."""
+    with_entropy = bool(loss_cfg.entropy_coeff) or loss_cfg.calculate_entropy
+
     def loss_fn(module, mb, global_tokens):
         out = forward_response(
             module,
@@ -278,7 +387,8 @@ def update_actor(
             rmpad=trainee.rmpad,
             prompt_width=prompt_width,
             temperature=temperature,
-            with_entropy=True,
+            entropy_fn=trainee.entropy_fn if with_entropy else None,
+            pad_to_multiple=trainee.pad_to_multiple,
         )
         mask = mb["response_mask"]
         pg = core.compute_policy_loss(
@@ -291,9 +401,9 @@ def update_actor(
             clip_ratio_c=loss_cfg.clip_ratio_c,
             global_num_tokens=global_tokens,
         )
-        entropy = core.compute_entropy_loss(out["entropy"], mask, global_num_tokens=global_tokens)
         loss = pg["pg_loss"]
-        if loss_cfg.entropy_coeff:
+        if with_entropy:
+            entropy = core.compute_entropy_loss(out["entropy"], mask, global_num_tokens=global_tokens)
             loss = loss - loss_cfg.entropy_coeff * entropy
         kl = core.compute_kl_loss(
             out["log_prob"],
@@ -309,12 +419,15 @@ def update_actor(
             "pg_clipfrac": pg["pg_clipfrac"],
             "pg_clipfrac_lower": pg["pg_clipfrac_lower"],
             "ppo_kl": pg["ppo_kl"],
-            "entropy": entropy,
             "kl_loss": kl,
         }
+        if with_entropy:
+            stats["entropy_loss"] = entropy
         return loss, stats
 
-    names = ["pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy", "kl_loss"]
+    names = ["pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "kl_loss"] + (
+        ["entropy_loss"] if with_entropy else []
+    )
     stats = _minibatch_loop(
         trainee,
         batch,
@@ -416,7 +529,7 @@ def ppo_step(
     metrics: dict = {}
 
     # step 1. rollout: sample responses from the current policy
-    with meter.phase("gen"):
+    with meter.phase("gen"), resident(roles.actor, device):
         responses, response_mask = generate_responses(
             roles.actor.sharded,
             prompt_ids,
@@ -447,19 +560,19 @@ def ppo_step(
 
     # step 3. log-probs of the behaviour policy (the actor before this update)
     with meter.phase("old_log_prob"):
-        batch["old_log_probs"] = compute_log_probs(
-            roles.actor, batch, roles.plans.rollout_log_prob, prompt_width=P, temperature=s.temperature
+        batch["old_log_probs"], entropy = compute_old_log_probs(
+            roles.actor, batch, roles.plans.rollout_log_prob, prompt_width=P, temperature=s.temperature, device=device
         )
 
     # step 4. log-probs of the frozen reference policy, for the KL penalty
     with meter.phase("ref"):
         batch["ref_log_probs"] = compute_log_probs(
-            roles.ref, batch, roles.plans.ref, prompt_width=P, temperature=s.temperature
+            roles.ref, batch, roles.plans.ref, prompt_width=P, temperature=s.temperature, device=device
         )
 
     # step 5. critic values
     with meter.phase("values"):
-        batch["values"] = compute_values(roles.critic, batch, roles.plans.critic_forward, prompt_width=P)
+        batch["values"] = compute_values(roles.critic, batch, roles.plans.critic_forward, prompt_width=P, device=device)
 
     # step 6. KL-regularized rewards, GAE, advantages whitened over the global batch
     with meter.phase("adv"):
@@ -476,7 +589,8 @@ def ppo_step(
             kl_sum = _all_reduce_sum(kl_mean.detach().to(torch.float64).reshape(1) * len(texts))
             current_kl = float(kl_sum.item()) / (len(texts) * (dist.get_world_size() if dist.is_initialized() else 1))
             metrics["actor/reward_kl_penalty"] = current_kl
-            roles.kl_ctrl.update(current_kl, n_steps=s.train_batch_size)
+            # verl steps the controller by the number of responses in the batch (prompts x rollout.n)
+            roles.kl_ctrl.update(current_kl, n_steps=s.train_batch_size * s.rollout_n)
         else:
             rewards = scores
         batch["token_level_rewards"] = rewards
@@ -529,9 +643,11 @@ def ppo_step(
             batch["attention_mask"].sum().double(),
             response_mask.sum().double(),
             (seq_lens.double() ** 2).sum(),
+            core.masked_sum(entropy.double(), response_mask),
         ]
     )
     glob = _all_reduce_sum(local).tolist()
+    metrics["actor/entropy"] = glob[5] / max(glob[3], 1.0)  # token mean over the global batch
     metrics["critic/score/mean"] = metrics["reward/mean"] = glob[0] / glob[1]
     metrics["response_length/mean"] = glob[3] / glob[1]
     metrics["perf/total_num_tokens"] = int(glob[2])

@@ -1,5 +1,9 @@
 """The invariance check's machinery (shared by test_invariance.py and test_gpu.py): the knob variants,
-torchrun of the worker over them, and the parameter comparison."""
+torchrun of the worker over them, and the comparison of parameters, gradients and statistics.
+
+Each variant is a dict of config overrides on top of the worker's common ones (fp32 compute, a larger
+learning rate). A :class:`Check` says which variant must reproduce which reference, and how closely.
+"""
 
 from __future__ import annotations
 
@@ -7,49 +11,187 @@ import json
 import os
 import subprocess
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from support import REPO
+from trainer.config import FSDP_SECTIONS
 
-ROOT = REPO
+# the repository root (not support.REPO: the GPU script imports this module without pytest or optuna)
+ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parent / "invariance_worker.py"
-TOL = 1e-5  # per-tensor relative difference ||a - b|| / ||b||
+TOL = 1e-5  # per-tensor relative difference ||a - b|| / ||b||, fp32: every knob is an exact no-op
+ACTOR, CRITIC = "actor_rollout_ref.actor", "critic"
 
+
+def _both(key: str, value) -> dict:
+    """The same knob for the actor's and the critic's FSDP sections."""
+    return {f"{ACTOR}.fsdp_config.{key}": value, f"{CRITIC}.fsdp.{key}": value}
+
+
+def _all_sections(key: str, value) -> dict:
+    return {f"{section}.{key}": value for section in FSDP_SECTIONS}
+
+
+#: The worker's common overrides make every run fp32 (the default is verl's bf16 compute);
+#: the bf16 variants put verl's default back.
+BF16_COMPUTE = _all_sections("mixed_precision.param_dtype", "bf16")
+MICRO_1 = {f"{ACTOR}.ppo_micro_batch_size_per_gpu": 1, f"{CRITIC}.ppo_micro_batch_size_per_gpu": 1}
+DYNAMIC_96 = {
+    f"{ACTOR}.use_dynamic_bsz": True,
+    f"{ACTOR}.ppo_max_token_len_per_gpu": 96,
+    f"{CRITIC}.ppo_max_token_len_per_gpu": 96,
+}
+FSDP2 = {f"{ACTOR}.strategy": "fsdp2"}  # the critic's strategy follows the actor's
+CRITIC_MINI_4 = {f"{CRITIC}.ppo_mini_batch_size": 4}  # the actor's is 8 (configs/tiny_cpu.yaml), of 16
+# The entropy of a random model is near its maximum, where its gradient is small: a coefficient of 1
+# moves the actor's gradient by 6.8e-2 (measured; checked against the bf16 tolerance). Chunks of 7 tokens
+# never line up with the micro-batches.
+ENTROPY = {f"{ACTOR}.entropy_coeff": 1.0}
+CHUNKED = {f"{ACTOR}.entropy_from_logits_with_chunking": True, f"{ACTOR}.entropy_from_logits_chunk_size": 7}
+ENTROPY_CKPT = {f"{ACTOR}.entropy_checkpointing": True}
+
+#: The fp32 knob variants (2 ranks) that must reproduce ``base`` exactly.
 VARIANTS_2 = {
     "base": {},
-    "micro_batch_1": {
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 1,
-        "critic.ppo_micro_batch_size_per_gpu": 1,
-    },
-    "micro_batch_4": {
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 4,
-        "critic.ppo_micro_batch_size_per_gpu": 4,
-    },
-    "dynamic_bsz_96": {
-        "actor_rollout_ref.actor.use_dynamic_bsz": True,
-        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": 96,
-        "critic.ppo_max_token_len_per_gpu": 96,
-    },
+    "micro_batch_1": MICRO_1,
+    "micro_batch_4": {f"{ACTOR}.ppo_micro_batch_size_per_gpu": 4, f"{CRITIC}.ppo_micro_batch_size_per_gpu": 4},
+    "dynamic_bsz_96": DYNAMIC_96,
     "dynamic_bsz_300": {
-        "actor_rollout_ref.actor.use_dynamic_bsz": True,
-        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": 300,
-        "critic.ppo_max_token_len_per_gpu": 300,
+        f"{ACTOR}.use_dynamic_bsz": True,
+        f"{ACTOR}.ppo_max_token_len_per_gpu": 300,
+        f"{CRITIC}.ppo_max_token_len_per_gpu": 300,
     },
     "gradient_checkpointing": {
         "actor_rollout_ref.model.enable_gradient_checkpointing": True,
         "critic.model.enable_gradient_checkpointing": True,
     },
     "padded": {"actor_rollout_ref.model.use_remove_padding": False, "critic.model.use_remove_padding": False},
-    "fsdp2": {"actor_rollout_ref.actor.strategy": "fsdp2"},
+    "fsdp2": FSDP2,
+    "param_offload": _both("param_offload", True),
+    "optimizer_offload": _both("optimizer_offload", True),
+    "param_and_optimizer_offload": {**_both("param_offload", True), **_both("optimizer_offload", True)},
+    "fsdp2_offload_policy": {**FSDP2, **_both("offload_policy", True)},
+    "forward_prefetch": _both("forward_prefetch", True),
+    "fsdp2_forward_prefetch": {**FSDP2, **_both("forward_prefetch", True)},
+    "no_reshard_after_forward": _both("reshard_after_forward", False),
+    "fsdp2_no_reshard_after_forward": {**FSDP2, **_both("reshard_after_forward", False)},
+    # one sequence per micro-batch: several micro-batches whose gradient reduce is skipped
+    "no_sync": {**MICRO_1, **_both("use_no_sync_for_gradient_accumulation", True)},
+    "fsdp2_no_sync": {**FSDP2, **MICRO_1, **_both("use_no_sync_for_gradient_accumulation", True)},
+    # shard groups of one rank, replicated over the two (HSDP)
+    "hybrid": _all_sections("fsdp_size", 1),
+    "fsdp2_hybrid": {**FSDP2, **_all_sections("fsdp_size", 1)},
+    # a different algorithm for the critic (more, smaller steps): reproduces one process, not base
+    "critic_mini_4": CRITIC_MINI_4,
+    # entropy bonus in the loss: a different algorithm for the actor, the reference of its knobs
+    "entropy": ENTROPY,
+    "entropy_chunked": {**ENTROPY, **CHUNKED},
+    "entropy_checkpointing": {**ENTROPY, **ENTROPY_CKPT},
+    "entropy_chunked_checkpointing_micro_1": {**ENTROPY, **CHUNKED, **ENTROPY_CKPT, **MICRO_1},
+}
+
+#: verl's default compute dtype (bf16, fp32 master weights and gradient reduce), 2 ranks.
+VARIANTS_BF16_2 = {
+    "bf16_base": BF16_COMPUTE,
+    "bf16_micro_batch_1": {**BF16_COMPUTE, **MICRO_1},
+    "bf16_dynamic_bsz_96": {**BF16_COMPUTE, **DYNAMIC_96},
+    "bf16_fsdp2": {**BF16_COMPUTE, **FSDP2},
+}
+
+#: One process: the world size is a per-GPU knob too.
+VARIANTS_1 = {
+    "one_process": {},
+    "one_process_critic_mini_4": CRITIC_MINI_4,
+    "bf16_one_process": BF16_COMPUTE,
 }
 
 
+@dataclass(frozen=True)
+class Tolerance:
+    """How closely a variant must reproduce its reference.
+
+    ``per_tensor`` (fp32, exact): the worst tensor's ``||a - b|| / ||b||``, parameters relative to the
+    weights. Otherwise (bf16, rounding noise) each model as one vector, and its parameters relative to
+    the update ``||(a - init) - (b - init)|| / ||b - init||``: Adam's first steps are about ``lr * sign(g)``,
+    so an entry whose gradient is near zero flips with rounding and moves a full step the other way,
+    noise of the size of a fraction of the update, not of the weights.
+    Statistics: ``|a - b| <= stats_rel * |b| + stats_abs``; clip fractions within :data:`CLIPFRAC_ABS`.
+    """
+
+    params: float
+    grads: float
+    stats_rel: float
+    stats_abs: float
+    per_tensor: bool = True
+
+
+#: A clip fraction counts tokens on either side of a comparison. On the critic's first mini-batch the
+#: predictions equal the old values, so verl's ``vf_clipfrac`` (clipped loss > unclipped loss) is decided
+#: by rounding: one token of ~130 flips between fp32 variants (measured). Up to two tokens are allowed.
+CLIPFRAC_ABS = 1e-2
+
+# fp32: every knob is an exact no-op up to the order of float additions: measured worst 6.5e-6 (padded
+# critic parameters), 4.4e-6 (gradients), statistics 5e-5 relative.
+EXACT = Tolerance(params=TOL, grads=TOL, stats_rel=1e-4, stats_abs=1e-6)
+# bf16 (verl's default compute dtype: fp32 master weights and gradient reduce) keeps 8 significant bits,
+# a relative rounding of 2^-8 = 3.9e-3 per operation; another micro-batch split rounds differently.
+# Measured worst (the table test_invariance.py prints): gradients 6.0e-3 of their norm (bf16 knobs) and
+# 7.1e-3 (bf16 vs fp32); parameters 2.9e-2 (knobs) and 6.4e-2 (vs fp32) of the update; statistics
+# 4.7e-4 relative (grad_norm), and ppo_kl, a mean of log-prob differences near zero, 4.9e-5 absolute.
+# The tolerances keep a 3x margin (2-core x86 CPU, gloo) and stay far below what a bug does: a missing,
+# doubled or reversed update is 1 to 2 of the update; a doubled loss doubles grad_norm (the gradients
+# themselves are compared after clipping, which normalizes them); the entropy bonus at entropy_coeff=1
+# moves the actor's gradient by 6.8e-2 and must fail the bf16 gradient tolerance
+# (test_bf16_tolerance_sees_the_entropy_bonus).
+BF16_NOISE = Tolerance(params=0.1, grads=2e-2, stats_rel=5e-3, stats_abs=2e-4, per_tensor=False)
+BF16_VS_FP32 = Tolerance(params=0.2, grads=3e-2, stats_rel=5e-3, stats_abs=2e-4, per_tensor=False)
+
+
+@dataclass(frozen=True)
+class Check:
+    """``variant`` must reproduce ``reference`` within ``tol``; ``parts`` = the models compared."""
+
+    variant: str
+    reference: str
+    tol: Tolerance = EXACT
+    parts: tuple[str, ...] = ("actor", "critic")
+
+
+_ENTROPY_KNOBS = ("entropy_chunked", "entropy_checkpointing", "entropy_chunked_checkpointing_micro_1")
+_NOT_BASE = ("base", "critic_mini_4", "entropy", *_ENTROPY_KNOBS)
+
+CHECKS_FP32 = [
+    *(Check(v, "base") for v in VARIANTS_2 if v not in _NOT_BASE),
+    Check("one_process", "base"),
+    Check("critic_mini_4", "one_process_critic_mini_4"),
+    Check("critic_mini_4", "base", parts=("actor",)),  # the critic's mini-batch does not touch the actor
+    Check("entropy", "base", parts=("critic",)),
+    *(Check(v, "entropy") for v in _ENTROPY_KNOBS),
+]
+CHECKS_BF16 = [
+    *(Check(v, "bf16_base", BF16_NOISE) for v in VARIANTS_BF16_2 if v != "bf16_base"),
+    Check("bf16_one_process", "bf16_base", BF16_NOISE),
+    Check("bf16_base", "base", BF16_VS_FP32),
+]
+#: A change the bf16 tolerance must still see: the entropy bonus, a few percent of the actor's gradient.
+SEEN_BY_BF16 = Check("entropy", "base", BF16_NOISE, parts=("actor",))
+#: (variant, reference, part) that must differ by far more than the exact tolerance: the knob acts.
+MUST_DIFFER = [("critic_mini_4", "base", "critic"), ("entropy", "base", "actor")]
+
+
 def run_variants(nproc: int, out: Path, variants: dict, env: dict | None = None) -> dict:
-    """torchrun the worker over ``variants``; -> {variant: saved parameters and stats}."""
+    """torchrun the worker over ``variants``; -> {variant: saved parameters, gradients and stats}.
+
+    Every variant of one call runs in the same torchrun (one start-up of torch and the process group).
+    """
     spec = out / f"variants{nproc}.json"
     spec.write_text(json.dumps(variants))
+    # the worker runs as a script: make the packages under test importable whatever is installed
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    t0 = time.perf_counter()
     proc = subprocess.run(
         [
             sys.executable,
@@ -64,25 +206,96 @@ def run_variants(nproc: int, out: Path, variants: dict, env: dict | None = None)
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=600,
-        env={**os.environ, **(env or {})},
+        timeout=900,
+        env={**os.environ, "PYTHONPATH": path, **(env or {})},
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    elapsed = time.perf_counter() - t0
+    print(f"invariance: {len(variants)} variants on {nproc} process(es) in {elapsed:.1f} s")
     return {name: torch.load(out / f"{name}.pt") for name in variants}
 
 
 # Softmax is shift-invariant, so the exact gradient of a key-projection bias is zero: what the
 # backward gives is rounding noise, which Adam normalizes into a full-size step of random sign.
-# Those tensors carry no signal about the knobs and are left out.
+# Those tensors carry no signal about the knobs and are left out (their gradients too).
 _ZERO_GRADIENT = ("self_attn.k_proj.bias",)
 
 
 def max_rel_diff(a: dict, b: dict) -> tuple[float, str]:
+    """The largest per-tensor relative difference ``||a - b|| / ||b||`` over the tensors of ``b``, and its name."""
+    assert a.keys() == b.keys(), sorted(a.keys() ^ b.keys())
     worst, where = 0.0, ""
     for k, v in b.items():
         if k.endswith(_ZERO_GRADIENT):
             continue
-        rel = ((a[k] - v).norm() / v.norm().clamp(min=1e-12)).item()
+        rel = ((a[k].float() - v.float()).norm() / v.float().norm().clamp(min=1e-12)).item()
         if rel > worst:
             worst, where = rel, k
     return worst, where
+
+
+def model_rel_diff(a: dict, b: dict, origin: dict | None = None) -> float:
+    """``||a - b|| / ||b - origin||`` with every tensor of the model in one vector (``origin`` 0 if None)."""
+    assert a.keys() == b.keys(), sorted(a.keys() ^ b.keys())
+    keys = [k for k in b if not k.endswith(_ZERO_GRADIENT)]
+    num = sum((a[k].float() - b[k].float()).pow(2).sum() for k in keys)
+    den = sum((b[k].float() - (0 if origin is None else origin[k].float())).pow(2).sum() for k in keys)
+    return (num.sqrt() / den.sqrt().clamp(min=1e-12)).item()
+
+
+def differences(got: dict, check: Check) -> dict:
+    """{"<part>" | "<part>.grad": (relative difference, where), "stats": (worst fraction of its tolerance,
+    which)} of ``check.variant`` against ``check.reference``; gradients: the worst optimizer step."""
+    a, b, tol = got[check.variant], got[check.reference], check.tol
+    out = {}
+    for part in check.parts:
+        ga, gb = a["grads"][part], b["grads"][part]
+        assert len(ga) == len(gb), f"{check.variant}: {len(ga)} {part} optimizer steps, {check.reference}: {len(gb)}"
+        if tol.per_tensor:
+            out[part] = max_rel_diff(a[part], b[part])
+            rel, key, step = max((*max_rel_diff(x, y), i) for i, (x, y) in enumerate(zip(ga, gb)))
+            out[f"{part}.grad"] = (rel, f"{key} (step {step})")
+        else:
+            out[part] = (model_rel_diff(a[part], b[part], origin=b[f"init_{part}"]), "(of the update)")
+            rel, step = max((model_rel_diff(x, y), i) for i, (x, y) in enumerate(zip(ga, gb)))
+            out[f"{part}.grad"] = (rel, f"(step {step})")
+    worst, where = 0.0, ""
+    for k, v in b["stats"].items():
+        if k.split("/")[0] not in check.parts:
+            continue
+        allowed = CLIPFRAC_ABS if "clipfrac" in k else tol.stats_rel * abs(v) + tol.stats_abs
+        frac = abs(a["stats"][k] - v) / allowed
+        if frac > worst:
+            worst, where = frac, f"{k} {a['stats'][k]:.6g} vs {v:.6g}"
+    out["stats"] = (worst, where)
+    return out
+
+
+def failures(got: dict, check: Check) -> list[str]:
+    """What ``check`` finds out of tolerance (empty when the variant reproduces its reference)."""
+    tol = {"stats": 1.0}
+    for part in check.parts:
+        tol[part], tol[f"{part}.grad"] = check.tol.params, check.tol.grads
+    return [
+        f"{check.variant} vs {check.reference}: {what} {where} "
+        + (
+            f"differs by {rel:.1f}x its tolerance"
+            if what == "stats"
+            else f"differs by {rel:.2e} (tolerance {tol[what]:.0e})"
+        )
+        for what, (rel, where) in differences(got, check).items()
+        if rel > tol[what]
+    ]
+
+
+def table(got: dict, checks: list[Check]) -> str:
+    """The measured worst differences of every check, one row each (stats: the fraction of its tolerance)."""
+    cols = ["actor", "actor.grad", "critic", "critic.grad", "stats"]
+    head = f"{'variant':<38} {'reference':<26} {'scope':<7}" + "".join(f"{c:>12}" for c in cols[:-1]) + "  stats/tol"
+    lines = [head]
+    for check in checks:
+        d = differences(got, check)
+        cells = "".join(f"{d[c][0]:12.1e}" if c in d else f"{'-':>12}" for c in cols[:-1])
+        scope = "tensor" if check.tol.per_tensor else "model"
+        lines.append(f"{check.variant:<38} {check.reference:<26} {scope:<7}{cells}  {d['stats'][0]:9.2f}")
+    return "\n".join(lines)

@@ -1,27 +1,48 @@
-"""Run by torchrun from tests/test_invariance.py: one PPO update of actor and critic per knob variant.
+"""Run by torchrun from tests/trainer/invariance.py: one PPO update of actor and critic per knob variant.
 
 Every variant starts from the same seeded weights and the same global batch (fixed random
-responses, advantages and returns); each rank takes its slice. Rank 0 saves the updated full
-parameters of actor and critic to OUT/<variant>.pt.
+responses, advantages and returns); each rank takes its slice. Rank 0 saves to OUT/<variant>.pt the
+updated full parameters of actor and critic, their full gradients at every optimizer step, and the
+update statistics.
+
+The gradients are captured by an optimizer step pre-hook, so after ``clip_grad_norm``: every variant's
+gradient is scaled by the same clip coefficient (its global norm is the same), and the norm before
+clipping is compared through the ``grad_norm`` statistics.
 """
 
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
 
-from trainer.batching import rank_rows
-from trainer.config import load_config
+from trainer.batching import mini_batch_group, rank_rows
+from trainer.config import FSDP_SECTIONS, effective_config, load_config
 from trainer.data import PromptDataset, left_pad, load_rows
 from trainer.models import load_tokenizer
-from trainer.parallel import clean_state_dict, full_state_dict
+from trainer.parallel import Sharded, clean_state_dict, full_state_dict
 from trainer.run import build_roles
-from trainer.step import assemble_batch, compute_log_probs, compute_values, update_actor, update_critic
+from trainer.step import (
+    assemble_batch,
+    compute_log_probs,
+    compute_old_log_probs,
+    compute_values,
+    resident,
+    update_actor,
+    update_critic,
+)
 
 BASE = "configs/tiny_cpu.yaml"
 GLOBAL_BATCH = 16
+#: Under every variant's own overrides: fp32 compute (the default is verl's bf16: a bf16 variant sets it
+#: back), and a learning rate large enough that one update moves the weights far beyond the tolerance.
+COMMON = {
+    **{f"{section}.mixed_precision.param_dtype": "fp32" for section in FSDP_SECTIONS},
+    "actor_rollout_ref.actor.optim.lr": 1e-4,
+    "critic.optim.lr": 1e-4,
+}
 
 
 def fixed_batch(cfg, tokenizer, device):
@@ -44,6 +65,112 @@ def fixed_batch(cfg, tokenizer, device):
     return {k: v.to(device) for k, v in batch.items()}
 
 
+def full_gradients(sharded: Sharded, device: torch.device) -> dict:
+    """The full (unsharded) gradient of every parameter, plain HF names, on CPU; every rank must call it."""
+    if sharded.strategy == "fsdp":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        # use_orig_params=True: inside, each original parameter's .grad is its full gradient
+        with FSDP.summon_full_params(sharded.module, writeback=False, with_grads=True):
+            return clean_state_dict(
+                {n: p.grad.clone() for n, p in sharded.module.named_parameters() if p.grad is not None}
+            )
+    from torch.distributed.tensor import DTensor
+
+    grads = {}
+    for n, p in sharded.module.named_parameters():
+        g = p.grad
+        if g is None:
+            continue
+        if isinstance(g, DTensor):
+            # under CPUOffloadPolicy the shards are CPU tensors, which a GPU process group cannot gather
+            local = g.to_local().to(device)
+            g = DTensor.from_local(local, g.device_mesh, g.placements, shape=g.shape, stride=g.stride()).full_tensor()
+        grads[n] = g
+    return clean_state_dict(grads)
+
+
+def capture_gradients(trainee, device: torch.device, into: list) -> None:
+    """Append the full gradients to ``into`` before each optimizer step (after clipping)."""
+
+    def hook(optimizer, args, kwargs):
+        into.append(full_gradients(trainee.sharded, device))
+
+    trainee.optimizer.register_step_pre_hook(hook)
+
+
+def state_dict(trainee, device: torch.device) -> dict | None:
+    """The full parameters on rank 0; with ``param_offload`` the shards are brought back to the device for
+    the gather, as any phase does."""
+    with resident(trainee, device):
+        return full_state_dict(trainee.sharded, device=device)
+
+
+def run_variant(overrides: dict, *, world: int, rank: int, device: torch.device) -> dict | None:
+    """One PPO update of actor and critic; -> what rank 0 saves (None on the other ranks)."""
+    cfg = load_config(BASE, {**COMMON, **overrides, "trainer.n_gpus_per_node": world, "ppotune.device": device.type})
+    tokenizer = load_tokenizer(cfg.actor_rollout_ref.model.path)
+    roles, _ = build_roles(cfg, tokenizer, device, world, [])
+    grads = {"actor": [], "critic": []}
+    capture_gradients(roles.actor, device, grads["actor"])
+    capture_gradients(roles.critic, device, grads["critic"])
+    full = fixed_batch(cfg, tokenizer, device)
+    # rows as trainer/run.py takes them: blocks that split the actor's and the critic's mini-batches
+    eff = effective_config(cfg)
+    n = eff.actor_rollout_ref.rollout.n
+    group = mini_batch_group(eff.actor_rollout_ref.actor.ppo_mini_batch_size * n, eff.critic.ppo_mini_batch_size * n)
+    rows = torch.tensor(rank_rows(GLOBAL_BATCH, group, world, rank), device=device)
+    batch = {k: v[rows] for k, v in full.items()}
+    init_actor, init_critic = state_dict(roles.actor, device), state_dict(roles.critic, device)
+    P, s, plans = cfg.data.max_prompt_length, roles.settings, roles.plans
+    batch["old_log_probs"], old_entropy = compute_old_log_probs(
+        roles.actor, batch, plans.rollout_log_prob, prompt_width=P, temperature=s.temperature, device=device
+    )
+    batch["ref_log_probs"] = compute_log_probs(
+        roles.ref, batch, plans.ref, prompt_width=P, temperature=s.temperature, device=device
+    )
+    batch["values"] = compute_values(roles.critic, batch, plans.critic_forward, prompt_width=P, device=device)
+    batch["returns"] = batch["values"] + batch.pop("return_noise")
+    critic_stats = update_critic(
+        roles.critic,
+        batch,
+        plans.critic,
+        cliprange_value=s.cliprange_value,
+        grad_clip=s.critic_grad_clip,
+        mini_per_gpu=s.critic_mini_batch_size_per_gpu,
+        epochs=s.critic_epochs,
+        prompt_width=P,
+        device=device,
+    )
+    actor_stats = update_actor(
+        roles.actor,
+        batch,
+        plans.actor,
+        s.actor_loss,
+        mini_per_gpu=s.ppo_mini_batch_size_per_gpu,
+        epochs=s.ppo_epochs,
+        prompt_width=P,
+        temperature=s.temperature,
+        device=device,
+    )
+    # the old-log-prob pass's entropy (the actor/entropy metric): chunked or not, the same numbers
+    mask = batch["response_mask"].double()
+    totals = torch.stack([(old_entropy.double() * mask).sum(), mask.sum()])
+    dist.all_reduce(totals)
+    actor_stats["actor/old_entropy"] = (totals[0] / totals[1]).item()
+    actor_sd, critic_sd = state_dict(roles.actor, device), state_dict(roles.critic, device)
+    if rank != 0:
+        return None
+    return {
+        "actor": clean_state_dict(actor_sd),
+        "critic": clean_state_dict(critic_sd),
+        "grads": grads,
+        "stats": {**actor_stats, **critic_stats},
+        "init_actor": clean_state_dict(init_actor),
+        "init_critic": clean_state_dict(init_critic),
+    }
+
+
 def main():
     out_dir, variants = sys.argv[1], json.loads(open(sys.argv[2]).read())
     use_cuda = os.environ.get("PPOTUNE_TEST_DEVICE") == "cuda"
@@ -56,66 +183,11 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     for name, overrides in variants.items():
-        cfg = load_config(
-            BASE,
-            {
-                **overrides,
-                "trainer.n_gpus_per_node": world,
-                "ppotune.device": device.type,
-                "actor_rollout_ref.actor.optim.lr": 1e-4,
-                "critic.optim.lr": 1e-4,
-            },
-        )
-        tokenizer = load_tokenizer(cfg.actor_rollout_ref.model.path)
-        roles, _ = build_roles(cfg, tokenizer, device, world, [])
-        full = fixed_batch(cfg, tokenizer, device)
-        rows = torch.tensor(rank_rows(GLOBAL_BATCH, cfg.actor_rollout_ref.actor.ppo_mini_batch_size, world, rank))
-        batch = {k: v[rows] for k, v in full.items()}
-        init_actor = full_state_dict(roles.actor.sharded, device=device)
-        P, s, plans = cfg.data.max_prompt_length, roles.settings, roles.plans
-        batch["old_log_probs"] = compute_log_probs(
-            roles.actor, batch, plans.rollout_log_prob, prompt_width=P, temperature=s.temperature
-        )
-        batch["ref_log_probs"] = compute_log_probs(
-            roles.ref, batch, plans.ref, prompt_width=P, temperature=s.temperature
-        )
-        batch["values"] = compute_values(roles.critic, batch, plans.critic_forward, prompt_width=P)
-        batch["returns"] = batch["values"] + batch.pop("return_noise")
-        update_critic(
-            roles.critic,
-            batch,
-            plans.critic,
-            cliprange_value=s.cliprange_value,
-            grad_clip=s.critic_grad_clip,
-            mini_per_gpu=s.critic_mini_batch_size_per_gpu,
-            epochs=s.critic_epochs,
-            prompt_width=P,
-            device=device,
-        )
-        stats = update_actor(
-            roles.actor,
-            batch,
-            plans.actor,
-            s.actor_loss,
-            mini_per_gpu=s.ppo_mini_batch_size_per_gpu,
-            epochs=s.ppo_epochs,
-            prompt_width=P,
-            temperature=s.temperature,
-            device=device,
-        )
-        actor_sd = full_state_dict(roles.actor.sharded, device=device)
-        critic_sd = full_state_dict(roles.critic.sharded, device=device)
-        if rank == 0:
-            torch.save(
-                {
-                    "actor": clean_state_dict(actor_sd),
-                    "critic": clean_state_dict(critic_sd),
-                    "stats": stats,
-                    "init_actor": clean_state_dict(init_actor),
-                },
-                f"{out_dir}/{name}.pt",
-            )
-        del roles
+        t0 = time.perf_counter()
+        saved = run_variant(overrides, world=world, rank=rank, device=device)
+        if saved is not None:
+            torch.save(saved, f"{out_dir}/{name}.pt")
+            print(f"{name}: {time.perf_counter() - t0:.1f} s", flush=True)
     dist.barrier()
     dist.destroy_process_group()
 

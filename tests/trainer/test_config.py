@@ -76,6 +76,24 @@ def test_every_design_key_exists():
             "actor_rollout_ref.actor.fsdp_config.offload_policy=true",
             "actor_rollout_ref.actor.fsdp_config.offload_policy",
         ),
+        (
+            "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp16",
+            "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype",
+        ),
+        ("critic.fsdp.mixed_precision.reduce_dtype=int8", "critic.fsdp.mixed_precision.reduce_dtype"),
+        ("actor_rollout_ref.ref.fsdp_config.model_dtype=fp8", "actor_rollout_ref.ref.fsdp_config.model_dtype"),
+        ("critic.fsdp.fsdp_size=3", "critic.fsdp.fsdp_size"),
+        ("actor_rollout_ref.actor.fsdp_config.fsdp_size=0", "actor_rollout_ref.actor.fsdp_config.fsdp_size"),
+        (
+            "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+            "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
+        ),
+        (
+            "actor_rollout_ref.actor.entropy_from_logits_chunk_size=0",
+            "actor_rollout_ref.actor.entropy_from_logits_chunk_size",
+        ),
+        ("actor_rollout_ref.actor.fsdp_config.dtype=bfloat16", "actor_rollout_ref.actor.fsdp_config.dtype"),
+        ("actor_rollout_ref.rollout.enforce_eager=true", "actor_rollout_ref.rollout.enforce_eager"),
         ("actor_rollout_ref.model.path=/nonexistent/model", "actor_rollout_ref.model.path"),
         ("data.train_files=/nonexistent/train.parquet", "data.train_files"),
     ],
@@ -130,3 +148,22 @@ def test_check_command_validates_without_launching():
     )
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1
     assert "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu: 3 does not divide" in bad.stderr
+
+
+def test_precision_defaults_are_verls_and_old_keys_say_what_replaced_them():
+    cfg = load_config(None)
+    for fc in (cfg.actor_rollout_ref.actor.fsdp_config, cfg.actor_rollout_ref.ref.fsdp_config, cfg.critic.fsdp):
+        mp = fc.mixed_precision
+        assert (mp.param_dtype, mp.reduce_dtype, mp.buffer_dtype, fc.model_dtype) == ("bf16", "fp32", "fp32", "fp32")
+    assert cfg.actor_rollout_ref.actor.use_torch_compile is True
+    with pytest.raises(ConfigError, match="mixed_precision.param_dtype"):
+        load_config(BASE, ["critic.fsdp.dtype=float32"])
+    with pytest.raises(ConfigError, match="loss scaling"):
+        load_config(BASE, ["critic.fsdp.mixed_precision.param_dtype=float16"])
+    # verl's long spellings are accepted too
+    load_config(BASE, ["critic.fsdp.mixed_precision.param_dtype=bfloat16", "critic.fsdp.model_dtype=float32"])
+
+
+def test_hybrid_shard_size_must_divide_the_world():
+    load_config(BASE, ["actor_rollout_ref.actor.fsdp_config.fsdp_size=1", "critic.fsdp.fsdp_size=2"])
+    load_config(BASE, ["critic.fsdp.fsdp_size=-1"])

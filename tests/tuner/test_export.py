@@ -216,6 +216,30 @@ def test_validate_verl_rejects_bad_keys():
         validate_overrides(["critic.ppo_micro_batch_size_per_gpu=two"])
 
 
+def test_every_knob_of_the_default_space_is_a_key_verl_accepts():
+    """The knobs the default space searches, exported as verl reads them (``+`` for the keys verl's YAML
+    does not declare, such as fsdp_config.mixed_precision), compose into verl's own config."""
+    pytest.importorskip("hydra")
+    from tuner.results.export import verl_overrides
+    from tuner.results.verl_validate import validate_overrides, verl_root
+
+    if verl_root() is None:
+        pytest.skip("verl is not installed (pip install --no-deps verl==0.9.1)")
+    import yaml
+
+    from support import REPO
+
+    knobs = yaml.safe_load((REPO / "search_spaces" / "default.yaml").read_text())["knobs"]
+    values = {
+        k: (spec.get("choices") or [True])[0] if spec["type"] != "pow2" else spec["low"] for k, spec in knobs.items()
+    }
+    lines = verl_overrides(values)
+    assert "+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16" in lines
+    seen = validate_overrides(lines)
+    assert seen["actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype"] == "bf16"
+    assert seen["actor_rollout_ref.actor.fsdp_config.use_no_sync_for_gradient_accumulation"] is True
+
+
 def test_validate_verl_cli_names_the_key(tmp_path, capsys):
     """A study whose trial set a key verl lacks: export --validate-verl exits 2 naming it."""
     from tuner.results.verl_validate import verl_root

@@ -25,7 +25,7 @@ from typing import Any, Optional
 import pandas as pd
 import yaml
 
-from trainer.config import ConfigError, apply_overrides, config_from_dict, config_to_dict, flatten
+from trainer.config import ConfigError, apply_overrides, config_from_dict, config_to_dict, flatten, verl_override_key
 from trainer.contracts import DEFAULT_HEADROOM, ExitCode, Status, StorageError
 from tuner.results.view import StudyView, add_study_arguments, measured_feasible, missing, pareto_mask, view_from_args
 
@@ -212,7 +212,7 @@ def verl_overrides(overrides: dict[str, Any]) -> list[str]:
             flat.update({f"{k}.{kk}": vv for kk, vv in flatten(v).items()})
         else:
             flat[k] = v
-    return [f"{k}={hydra_value(v)}" for k, v in sorted(flat.items()) if not k.startswith("ppotune.")]
+    return [f"{verl_override_key(k)}={hydra_value(v)}" for k, v in sorted(flat.items()) if not k.startswith("ppotune.")]
 
 
 def nearest_oom(view: StudyView, number: int) -> Optional[tuple[int, list[tuple[str, Any, Any]]]]:
