@@ -301,6 +301,28 @@ def build_roles(cfg, tokenizer, device, world: int, notes: list[str]):
     ):
         if value and on_cpu:
             notes.append(f"{key}: no effect on CPU (the tensors already live in host memory)")
+    from .config import FSDPConfig
+
+    inert = {  # keys of a shared section that cannot act in this role: said, never silently ignored
+        "actor_rollout_ref.ref.fsdp_config.use_no_sync_for_gradient_accumulation": "the reference model is not trained",
+        "critic.fsdp.pad_to_length_bucket": "only the actor's and reference model's packed rows are padded "
+        "(actor_rollout_ref.actor.pad_to_length)",
+    }
+    for key, why in inert.items():
+        section, leaf = key.rsplit(".", 1)
+        fc = ref_cfg.fsdp_config if section.startswith("actor_rollout_ref.ref") else c.fsdp
+        if getattr(fc, leaf) != getattr(FSDPConfig(), leaf):
+            notes.append(f"{key}: no effect; {why}")
+    fp32 = [
+        name
+        for name, fc in (("actor", a.fsdp_config), ("ref", ref_cfg.fsdp_config), ("critic", c.fsdp))
+        if PRECISIONS[fc.mixed_precision.param_dtype] == "float32"
+    ]
+    if fp32:
+        notes.append(
+            f"mixed_precision.param_dtype: {'/'.join(fp32)} compute in fp32, not verl's default bf16: "
+            "these figures are fp32's"
+        )
     if a.pad_to_length and not mdl.use_remove_padding:
         notes.append("actor_rollout_ref.actor.pad_to_length: no effect without use_remove_padding (nothing is packed)")
     for key in ("param_offload", "optimizer_offload", "offload_policy"):
