@@ -111,7 +111,12 @@ def main(argv: list[str] | None = None) -> int:
         _train(cfg, rank, rank_file, state)
         state["status"] = "ok"
         write_json_atomic(rank_file, state)
-        return 0
+        # The work is done and recorded. Interpreter teardown with FSDP modules and gloo's threads still
+        # alive occasionally aborts ("terminate called without an active exception", seen on 2 busy
+        # cores), which torchrun would report as a failed rank: leave without it.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     except BaseException as exc:  # noqa: BLE001 - every failure becomes data for the launcher
         oom = is_oom_error(exc)
         state["status"] = "oom" if oom else "error"
