@@ -220,6 +220,8 @@ if __name__ == "__main__":
     import tempfile
     import traceback
 
+    if not torch.cuda.is_available():
+        sys.exit("test_gpu.py: no CUDA device visible; nothing to run")
     results = {}
     for name, fn in [(k, v) for k, v in list(globals().items()) if k.startswith("test_") and callable(v)]:
         marks = [m for m in getattr(fn, "pytestmark", []) if m.name == "parametrize"]
