@@ -199,21 +199,33 @@ def _rank0_broadcast_init(model: nn.Module, device: torch.device):
     the modules of one unit at a time through this function, which copies rank 0's tensors in and
     broadcasts them, then shards the unit before the next. So a rank other than 0 never holds more than
     one unit in full (verl's ``sync_module_states=True`` does the same on a GPU, but FSDP1 refuses it for
-    modules on the CPU; this one path serves both).
+    modules on the CPU; this one path serves both). Tied parameters (an LM head tied to the embedding)
+    stay one parameter: materializing gives each module its own tensor, so the second is re-pointed.
     """
     rank0 = dist.get_rank() == 0
-    real = {k: v.detach() for k, v in [*model.named_parameters(), *model.named_buffers()]} if rank0 else {}
+    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    real = {k: v.detach() for k, v in named} if rank0 else {}
+    tie = {name: id(p) for name, p in model.named_parameters(remove_duplicate=False)}  # tied names share an id
     model.to("meta")  # on rank 0 ``real`` holds the storage; elsewhere whatever was built is dropped
     prefix = {m: name for name, m in model.named_modules()}
+    filled: dict[int, nn.Parameter] = {}
 
     def init(module: nn.Module) -> None:
         module.to_empty(device=device, recurse=False)
         with torch.no_grad():
             for name, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
                 key = f"{prefix[module]}.{name}" if prefix[module] else name
+                if tie.get(key) in filled:
+                    setattr(module, name, filled[tie[key]])
+                    continue
                 if rank0:
-                    t.copy_(real.pop(key))
+                    t.copy_(real[key])
                 dist.broadcast(t, src=0)
+                if key in tie:
+                    filled[tie[key]] = t
+        if rank0:
+            for name, _ in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+                real.pop(f"{prefix[module]}.{name}" if prefix[module] else name, None)
 
     return init
 

@@ -1,0 +1,46 @@
+"""Run by torchrun from test_model_init.py: build actor, ref and critic from a checkpoint whose LM head is
+tied to its embedding (rank 0 loads, the others build on the meta device) and report, per strategy,
+whether the tie survived sharding and whether every rank holds the same full weights."""
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+from trainer.config import load_config
+from trainer.models import load_tokenizer
+from trainer.run import build_roles
+
+
+def check(ckpt: str, strategy: str) -> dict:
+    over = {"actor_rollout_ref.model.path": ckpt, "actor_rollout_ref.actor.strategy": strategy}
+    cfg = load_config(sys.argv[3], over)
+    roles, _ = build_roles(cfg, load_tokenizer(ckpt), torch.device("cpu"), dist.get_world_size(), [])
+    m = roles.actor.sharded.module
+    if strategy == "fsdp":
+        with FSDP.summon_full_params(m):
+            tied = m.module.lm_head.weight is m.module.model.embed_tokens.weight
+            full = m.module.lm_head.weight.detach().clone()
+    else:
+        tied = m.lm_head.weight is m.model.embed_tokens.weight
+        full = m.lm_head.weight.full_tensor().detach().clone()
+    every = [torch.zeros_like(full) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, full)
+    return {"tied": tied, "ranks_agree": all(torch.equal(every[0], w) for w in every)}
+
+
+def main():
+    dist.init_process_group("gloo")
+    ckpt, out = sys.argv[1], sys.argv[2]
+    got = {s: check(ckpt, s) for s in ("fsdp", "fsdp2")}
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump(got, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

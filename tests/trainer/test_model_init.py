@@ -1,0 +1,41 @@
+"""Start-up as verl does it (rank 0 loads, the others build on the meta device): the weights every rank
+ends with are rank 0's, and an LM head tied to its embedding stays tied (one parameter, one gradient)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from support import REPO, TINY_BASE
+
+pytestmark = pytest.mark.slow  # torchrun of real FSDP ranks
+
+
+def test_tied_checkpoint_stays_tied_and_every_rank_holds_rank0s_weights(tmp_path):
+    from transformers import Qwen2ForCausalLM
+
+    from trainer.config import TinyModelConfig
+    from trainer.models import build_tokenizer, tiny_qwen2_config
+
+    tok = build_tokenizer()
+    cfg = tiny_qwen2_config(TinyModelConfig(), len(tok), 128)
+    cfg.tie_word_embeddings = True
+    model = Qwen2ForCausalLM(cfg)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    model.save_pretrained(tmp_path / "ckpt")
+    tok.save_pretrained(tmp_path / "ckpt")
+    out = tmp_path / "out.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+        + [str(REPO / "tests" / "trainer" / "init_worker.py"), str(tmp_path / "ckpt"), str(out), str(TINY_BASE)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert got == {s: {"tied": True, "ranks_agree": True} for s in ("fsdp", "fsdp2")}, got
