@@ -79,7 +79,9 @@ def relocation_check(roles, log_probs) -> dict:
     from trainer.parallel import _relocate_params
 
     before = log_probs()
-    held = list(_local_tensors(roles.actor.sharded.module))  # held: their storage cannot be reused meanwhile
+    # detached views hold the old storages (a Parameter object would not: the move re-points its data), so no
+    # new allocation can reuse one of their addresses meanwhile
+    held = [t.detach() for t in _local_tensors(roles.actor.sharded.module)]
     old = {t.untyped_storage().data_ptr() for t in held}
     _relocate_params(roles.actor.sharded, lambda t: t.clone())
     new = {t.untyped_storage().data_ptr() for t in _local_tensors(roles.actor.sharded.module)}
