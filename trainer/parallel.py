@@ -61,7 +61,6 @@ class Sharded:
     blocks: list = field(default_factory=list)
     reshard_after_forward: bool = True
     compute_dtype: str = "float32"
-    mesh: object = None
 
 
 def layer_classes(model: nn.Module) -> set[type]:
@@ -154,7 +153,7 @@ def _shard_fsdp1(model, blocks, knobs: ShardKnobs, *, device, mesh, offload: boo
         use_orig_params=True,  # needed to generate from summoned full parameters
         param_init_fn=init_fn,
     )
-    return Sharded(wrapped, "fsdp", blocks, knobs.reshard_after_forward, knobs.param_dtype, mesh)
+    return Sharded(wrapped, "fsdp", blocks, knobs.reshard_after_forward, knobs.param_dtype)
 
 
 def _shard_fsdp2(model, blocks, knobs: ShardKnobs, *, device, mesh, offload: bool, name: str, notes) -> Sharded:
@@ -188,7 +187,7 @@ def _shard_fsdp2(model, blocks, knobs: ShardKnobs, *, device, mesh, offload: boo
     elif not offload:
         model.to(device)
     _fill_from_rank0(model, full, device)
-    return Sharded(model, "fsdp2", blocks, knobs.reshard_after_forward, knobs.param_dtype, mesh)
+    return Sharded(model, "fsdp2", blocks, knobs.reshard_after_forward, knobs.param_dtype)
 
 
 def _rank0_broadcast_init(model: nn.Module, device: torch.device):

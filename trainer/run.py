@@ -137,7 +137,6 @@ def _train(cfg, rank: int, rank_file: Path, state: dict) -> None:
     import torch
     import torch.distributed as dist
 
-    from .batching import mini_batch_group, rank_rows
     from .config import config_to_dict, world_size
     from .data import PromptDataset, PromptLoader, left_pad, load_rows
     from .metrics import PhaseMeter, actor_mfu, peak_flops
@@ -193,12 +192,11 @@ def _train(cfg, rank: int, rank_file: Path, state: dict) -> None:
     logger = StepLogger(cfg, rank=rank, config_dict=config_to_dict(cfg))
     peak = peak_flops(state["environment"]["device_name"]) if use_cuda else None
     total_steps, warmup = cfg.trainer.total_training_steps, cfg.ppotune.warmup_steps
-    critic_mini = cfg.critic.ppo_mini_batch_size or a.ppo_mini_batch_size
-    group = mini_batch_group(a.ppo_mini_batch_size * n, critic_mini * n)
+    my_rows = rows_of_rank(cfg, cfg.data.train_batch_size * n, world, rank)
     for step in range(1, total_steps + 1):
         # every rank draws the same global batch, repeats each prompt n times, and takes its slice
         global_idx = [i for i in loader.next() for _ in range(n)]
-        mine = [global_idx[i] for i in rank_rows(len(global_idx), group, world, rank)]
+        mine = [global_idx[i] for i in my_rows]
         prompt_ids, prompt_mask = left_pad(
             [dataset.input_ids[i] for i in mine], cfg.data.max_prompt_length, tokenizer.pad_token_id
         )
@@ -249,6 +247,18 @@ def _train(cfg, rank: int, rank_file: Path, state: dict) -> None:
     logger.finish()
     dist.barrier()
     dist.destroy_process_group()
+
+
+def rows_of_rank(cfg, num_rows: int, world: int, rank: int) -> list[int]:
+    """The rows of a global batch of ``num_rows`` sequences that ``rank`` holds: blocks that split the
+    actor's and the critic's mini-batches evenly across ranks (so both updates are world-size invariant)."""
+    from .batching import mini_batch_group, rank_rows
+    from .config import effective_config
+
+    eff = effective_config(cfg)
+    n = eff.actor_rollout_ref.rollout.n
+    group = mini_batch_group(eff.actor_rollout_ref.actor.ppo_mini_batch_size * n, eff.critic.ppo_mini_batch_size * n)
+    return rank_rows(num_rows, group, world, rank)
 
 
 def build_roles(cfg, tokenizer, device, world: int, notes: list[str]):

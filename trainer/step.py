@@ -514,6 +514,53 @@ class Roles:
     plans: Plans
     settings: StepSettings
 
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Responses and their mask sampled from the actor with this run's rollout settings."""
+        s = self.settings
+        return generate_responses(
+            self.actor.sharded,
+            prompt_ids,
+            prompt_mask,
+            max_response_length=s.max_response_length,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            do_sample=s.do_sample,
+            pad_id=s.pad_id,
+            eos_id=s.eos_id,
+            vocab_limit=s.vocab_limit,
+        )
+
+    def update_critic(self, batch: dict, *, prompt_width: int, device: torch.device) -> dict:
+        """:func:`update_critic` of the critic with this run's plan and settings."""
+        s = self.settings
+        return update_critic(
+            self.critic,
+            batch,
+            self.plans.critic,
+            cliprange_value=s.cliprange_value,
+            grad_clip=s.critic_grad_clip,
+            mini_per_gpu=s.critic_mini_batch_size_per_gpu,
+            epochs=s.critic_epochs,
+            prompt_width=prompt_width,
+            device=device,
+        )
+
+    def update_actor(self, batch: dict, *, prompt_width: int, device: torch.device) -> dict:
+        """:func:`update_actor` of the actor with this run's plan and settings."""
+        s = self.settings
+        return update_actor(
+            self.actor,
+            batch,
+            self.plans.actor,
+            s.actor_loss,
+            mini_per_gpu=s.ppo_mini_batch_size_per_gpu,
+            epochs=s.ppo_epochs,
+            prompt_width=prompt_width,
+            temperature=s.temperature,
+            device=device,
+        )
+
 
 def ppo_step(
     roles: Roles,
@@ -530,19 +577,7 @@ def ppo_step(
 
     # step 1. rollout: sample responses from the current policy
     with meter.phase("gen"), resident(roles.actor, device):
-        responses, response_mask = generate_responses(
-            roles.actor.sharded,
-            prompt_ids,
-            prompt_mask,
-            max_response_length=s.max_response_length,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k,
-            do_sample=s.do_sample,
-            pad_id=s.pad_id,
-            eos_id=s.eos_id,
-            vocab_limit=s.vocab_limit,
-        )
+        responses, response_mask = roles.generate(prompt_ids, prompt_mask)
         batch = assemble_batch(prompt_ids, prompt_mask, responses, response_mask)
 
     # step 2. rule-based reward on the last response token
@@ -604,35 +639,11 @@ def ppo_step(
 
     # step 7. critic update (verl's order: critic, then actor)
     with meter.phase("update_critic"):
-        metrics.update(
-            update_critic(
-                roles.critic,
-                batch,
-                roles.plans.critic,
-                cliprange_value=s.cliprange_value,
-                grad_clip=s.critic_grad_clip,
-                mini_per_gpu=s.critic_mini_batch_size_per_gpu,
-                epochs=s.critic_epochs,
-                prompt_width=P,
-                device=device,
-            )
-        )
+        metrics.update(roles.update_critic(batch, prompt_width=P, device=device))
 
     # step 8. actor update: clipped surrogate (+ KL loss, entropy bonus)
     with meter.phase("update_actor"):
-        metrics.update(
-            update_actor(
-                roles.actor,
-                batch,
-                roles.plans.actor,
-                s.actor_loss,
-                mini_per_gpu=s.ppo_mini_batch_size_per_gpu,
-                epochs=s.ppo_epochs,
-                prompt_width=P,
-                temperature=s.temperature,
-                device=device,
-            )
-        )
+        metrics.update(roles.update_actor(batch, prompt_width=P, device=device))
 
     # global batch statistics (one collective)
     seq_lens = batch["attention_mask"].sum(-1)

@@ -18,20 +18,17 @@ import time
 import torch
 import torch.distributed as dist
 
-from trainer.batching import mini_batch_group, rank_rows
-from trainer.config import FSDP_SECTIONS, effective_config, load_config
+from trainer.config import FSDP_SECTIONS, load_config
 from trainer.data import PromptDataset, left_pad, load_rows
 from trainer.models import load_tokenizer
 from trainer.parallel import Sharded, clean_state_dict, full_state_dict
-from trainer.run import build_roles
+from trainer.run import build_roles, rows_of_rank
 from trainer.step import (
     assemble_batch,
     compute_log_probs,
     compute_old_log_probs,
     compute_values,
     resident,
-    update_actor,
-    update_critic,
 )
 
 BASE = "configs/tiny_cpu.yaml"
@@ -116,10 +113,7 @@ def run_variant(overrides: dict, *, world: int, rank: int, device: torch.device)
     capture_gradients(roles.critic, device, grads["critic"])
     full = fixed_batch(cfg, tokenizer, device)
     # rows as trainer/run.py takes them: blocks that split the actor's and the critic's mini-batches
-    eff = effective_config(cfg)
-    n = eff.actor_rollout_ref.rollout.n
-    group = mini_batch_group(eff.actor_rollout_ref.actor.ppo_mini_batch_size * n, eff.critic.ppo_mini_batch_size * n)
-    rows = torch.tensor(rank_rows(GLOBAL_BATCH, group, world, rank), device=device)
+    rows = torch.tensor(rows_of_rank(cfg, GLOBAL_BATCH, world, rank), device=device)
     batch = {k: v[rows] for k, v in full.items()}
     init_actor, init_critic = state_dict(roles.actor, device), state_dict(roles.critic, device)
     P, s, plans = cfg.data.max_prompt_length, roles.settings, roles.plans
@@ -131,28 +125,8 @@ def run_variant(overrides: dict, *, world: int, rank: int, device: torch.device)
     )
     batch["values"] = compute_values(roles.critic, batch, plans.critic_forward, prompt_width=P, device=device)
     batch["returns"] = batch["values"] + batch.pop("return_noise")
-    critic_stats = update_critic(
-        roles.critic,
-        batch,
-        plans.critic,
-        cliprange_value=s.cliprange_value,
-        grad_clip=s.critic_grad_clip,
-        mini_per_gpu=s.critic_mini_batch_size_per_gpu,
-        epochs=s.critic_epochs,
-        prompt_width=P,
-        device=device,
-    )
-    actor_stats = update_actor(
-        roles.actor,
-        batch,
-        plans.actor,
-        s.actor_loss,
-        mini_per_gpu=s.ppo_mini_batch_size_per_gpu,
-        epochs=s.ppo_epochs,
-        prompt_width=P,
-        temperature=s.temperature,
-        device=device,
-    )
+    critic_stats = roles.update_critic(batch, prompt_width=P, device=device)
+    actor_stats = roles.update_actor(batch, prompt_width=P, device=device)
     # the old-log-prob pass's entropy (the actor/entropy metric): chunked or not, the same numbers
     mask = batch["response_mask"].double()
     totals = torch.stack([(old_entropy.double() * mask).sum(), mask.sum()])

@@ -9,6 +9,7 @@ variant that fails is recorded as data (``error``) and the next one runs on a fr
 import itertools
 import json
 import os
+import subprocess
 import sys
 import traceback
 from pathlib import Path
@@ -17,17 +18,16 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-from trainer.batching import mini_batch_group, rank_rows
 from trainer.config import ConfigError, load_config
 from trainer.contracts import PHASES
 from trainer.data import PromptDataset, left_pad, load_rows
 from trainer.metrics import PhaseMeter
 from trainer.models import load_tokenizer
-from trainer.rollout import generate_responses
-from trainer.run import build_roles
+from trainer.run import build_roles, rows_of_rank
 from trainer.step import ppo_step
 
-BASE = Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml"
+ROOT = Path(__file__).resolve().parents[2]
+BASE = ROOT / "configs" / "tiny_cpu.yaml"
 OFFLOAD_FLAGS = ("param_offload", "optimizer_offload", "offload_policy")
 
 
@@ -43,6 +43,27 @@ def offload_matrix() -> dict[str, dict]:
     return out
 
 
+def run_step_worker(
+    out_dir: Path, variants: dict, *, nproc: int, steps: int = 2, relocate: bool = False, env: dict | None = None
+) -> dict:
+    """torchrun this worker over ``variants`` on the base config; -> {variant: result}. Prints each variant's line."""
+    spec, out = out_dir / "spec.json", out_dir / "out.json"
+    spec.write_text(json.dumps({"base": str(BASE), "steps": steps, "variants": variants, "relocate": relocate}))
+    path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", __file__]
+        + [str(out), str(spec)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "PYTHONPATH": path, **(env or {})},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    print("\n".join(line for line in proc.stdout.splitlines() if line.startswith("[variant]")))
+    return json.loads(out.read_text())
+
+
 def refusal(overrides: dict) -> str | None:
     """Config validation's one-line refusal of these overrides on the base config, or None."""
     try:
@@ -52,22 +73,10 @@ def refusal(overrides: dict) -> str | None:
     return None
 
 
-def gathers_per_generate(roles, prompt_ids, prompt_mask, s) -> int:
+def gathers_per_generate(roles, prompt_ids, prompt_mask) -> int:
     """All-gather collectives one generate call issues (the profiler's record of every backend)."""
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        generate_responses(
-            roles.actor.sharded,
-            prompt_ids,
-            prompt_mask,
-            max_response_length=s.max_response_length,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k,
-            do_sample=s.do_sample,
-            pad_id=s.pad_id,
-            eos_id=s.eos_id,
-            vocab_limit=s.vocab_limit,
-        )
+        roles.generate(prompt_ids, prompt_mask)
     # the backend's own record of each collective: "gloo:all_gather", "nccl:all_gather", ...
     return sum(1 for e in prof.events() if e.name.startswith(("gloo:", "nccl:")) and "gather" in e.name)
 
@@ -107,13 +116,11 @@ def run_variant(base: str, overrides: dict, steps: int, device: torch.device, re
     roles, _ = build_roles(cfg, tokenizer, device, world, notes)
     rows = load_rows(cfg.data, cfg.ppotune.synthetic)
     ds = PromptDataset.build(rows, tokenizer, max_prompt_length=cfg.data.max_prompt_length, truncation="error")
-    a, n = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout.n
-    group = mini_batch_group(a.ppo_mini_batch_size * n, (cfg.critic.ppo_mini_batch_size or a.ppo_mini_batch_size) * n)
-    mine = rank_rows(cfg.data.train_batch_size * n, group, world, rank)
+    mine = rows_of_rank(cfg, cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n, world, rank)
     ids, mask = left_pad([ds.input_ids[i % len(ds)] for i in mine], cfg.data.max_prompt_length, tokenizer.pad_token_id)
     truths = [ds.ground_truths[i % len(ds)] for i in mine]
     ids, mask = ids.to(device), mask.to(device)
-    result = {"gathers_per_generate": gathers_per_generate(roles, ids, mask, roles.settings), "notes": notes}
+    result = {"gathers_per_generate": gathers_per_generate(roles, ids, mask), "notes": notes}
     if relocate:
         from trainer.step import assemble_batch, compute_log_probs
 

@@ -9,7 +9,6 @@ Run on a GPU machine with either of:
 
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -37,7 +36,6 @@ pytestmark = [
 ]
 ROOT = Path(__file__).resolve().parents[2]
 BASE = str(ROOT / "configs" / "tiny_cpu.yaml")
-STEP_WORKER = ROOT / "tests" / "trainer" / "step_worker.py"
 # Qwen2.5-0.5B's shape (hidden 896, 24 layers, 14 heads, 2 KV heads), built from config.
 HALF_B = [
     "ppotune.tiny.hidden_size=896",
@@ -104,29 +102,12 @@ def test_e2e_nccl(tmp_path, strategy):
     print("per-phase peak GB:", {k[7:-3]: round(v, 3) for k, v in last.items() if k.startswith("memory/")})
 
 
-def _step_worker(tmp_path, variants: dict, steps: int = 2) -> dict:
-    spec, out = tmp_path / "spec.json", tmp_path / "out.json"
-    spec.write_text(json.dumps({"base": BASE, "steps": steps, "variants": variants}))
-    n = torch.cuda.device_count()
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", str(STEP_WORKER)]
-        + [str(out), str(spec)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "PPOTUNE_TEST_DEVICE": "cuda", "PYTHONPATH": str(ROOT)},
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(out.read_text())
-
-
 def test_every_offload_combination_bf16(tmp_path):
     """verl's offload flags x fsdp/fsdp2, bf16 mixed precision: all run, and the per-phase memory shows them act."""
-    from step_worker import offload_matrix, refusal
+    from step_worker import offload_matrix, refusal, run_step_worker
 
     variants = {k: {**v, **WIDE} for k, v in offload_matrix().items() if refusal(v) is None}
-    got = _step_worker(tmp_path, variants)
+    got = run_step_worker(tmp_path, variants, nproc=torch.cuda.device_count(), env={"PPOTUNE_TEST_DEVICE": "cuda"})
     print(f"{'variant':45s} " + " ".join(f"{p:>13s}" for p in next(iter(got.values()))["memory_gb"]))
     for name, r in got.items():
         assert r["status"] == "ok", (name, r.get("error"))

@@ -2,42 +2,10 @@
 one-line reason, or runs real PPO steps without a crash (a crash teaches the tuner nothing).
 Also: one all-gather per FSDP unit per generate call, on both strategies."""
 
-import itertools
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+from step_worker import offload_matrix, refusal, run_step_worker
 
-from support import REPO, TINY_BASE
-from trainer.config import ConfigError, load_config
-
-FLAGS = ("param_offload", "optimizer_offload", "offload_policy")
-SECTIONS = ("actor_rollout_ref.actor.fsdp_config", "critic.fsdp")
-WORKER = REPO / "tests" / "trainer" / "step_worker.py"
-
-
-def combination(strategy: str, values: tuple[bool, ...]) -> dict:
-    over = {"actor_rollout_ref.actor.strategy": strategy}
-    for section in SECTIONS:
-        over.update({f"{section}.{flag}": v for flag, v in zip(FLAGS, values)})
-    return over
-
-
-MATRIX = {
-    f"{strategy}-" + ("-".join(f for f, v in zip(FLAGS, values) if v) or "none"): combination(strategy, values)
-    for strategy in ("fsdp", "fsdp2")
-    for values in itertools.product([False, True], repeat=3)
-}
-
-
-def refusal(over: dict) -> str | None:
-    try:
-        load_config(TINY_BASE, over)
-    except ConfigError as e:
-        return str(e)
-    return None
+MATRIX = offload_matrix()
 
 
 def test_offload_matrix_refusals_are_one_line_and_name_the_key():
@@ -62,31 +30,10 @@ def accepted() -> dict:
     return {name: over for name, over in MATRIX.items() if refusal(over) is None}
 
 
-def run_worker(tmp_path, variants: dict, *, nproc: int = 2, steps: int = 2, relocate: bool = False) -> dict:
-    spec = tmp_path / "spec.json"
-    out = tmp_path / "out.json"
-    spec.write_text(json.dumps({"base": str(TINY_BASE), "steps": steps, "variants": variants, "relocate": relocate}))
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(WORKER)]
-        + [str(out), str(spec)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH")))),
-        },
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    print("\n".join(line for line in proc.stdout.splitlines() if line.startswith("[variant]")))
-    return json.loads(out.read_text())
-
-
 @pytest.mark.slow
 def test_every_accepted_offload_combination_runs(tmp_path):
     variants = accepted()
-    results = run_worker(tmp_path, variants, relocate=True)
+    results = run_step_worker(tmp_path, variants, nproc=2, relocate=True)
     crashed = {k: r["error"] for k, r in results.items() if r["status"] != "ok"}
     assert not crashed, crashed
     # on CPU every offload flag is a no-op for placement, and the run says so instead of pretending
