@@ -8,19 +8,15 @@ learning rate). A :class:`Check` says which variant must reproduce which referen
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torchrun import torchrun
 
 from trainer.config import FSDP_SECTIONS
 
-# the repository root (not support.REPO: the GPU script imports this module without pytest or optuna)
-ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parent / "invariance_worker.py"
 TOL = 1e-5  # per-tensor relative difference ||a - b|| / ||b||, fp32: every knob is an exact no-op
 ACTOR, CRITIC = "actor_rollout_ref.actor", "critic"
@@ -189,27 +185,8 @@ def run_variants(nproc: int, out: Path, variants: dict, env: dict | None = None)
     """
     spec = out / f"variants{nproc}.json"
     spec.write_text(json.dumps(variants))
-    # the worker runs as a script: make the packages under test importable whatever is installed
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     t0 = time.perf_counter()
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={nproc}",
-            str(WORKER),
-            str(out),
-            str(spec),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, "PYTHONPATH": path, **(env or {})},
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    torchrun(WORKER, out, spec, nproc=nproc, env=env)
     elapsed = time.perf_counter() - t0
     print(f"invariance: {len(variants)} variants on {nproc} process(es) in {elapsed:.1f} s")
     return {name: torch.load(out / f"{name}.pt") for name in variants}

@@ -9,7 +9,6 @@ variant that fails is recorded as data (``error``) and the next one runs on a fr
 import itertools
 import json
 import os
-import subprocess
 import sys
 import traceback
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
+from torchrun import ROOT, torchrun
 
 from trainer.config import ConfigError, load_config
 from trainer.contracts import PHASES
@@ -26,7 +26,6 @@ from trainer.models import load_tokenizer
 from trainer.run import build_roles, rows_of_rank
 from trainer.step import ppo_step
 
-ROOT = Path(__file__).resolve().parents[2]
 BASE = ROOT / "configs" / "tiny_cpu.yaml"
 OFFLOAD_FLAGS = ("param_offload", "optimizer_offload", "offload_policy")
 
@@ -49,17 +48,7 @@ def run_step_worker(
     """torchrun this worker over ``variants`` on the base config; -> {variant: result}. Prints each variant's line."""
     spec, out = out_dir / "spec.json", out_dir / "out.json"
     spec.write_text(json.dumps({"base": str(BASE), "steps": steps, "variants": variants, "relocate": relocate}))
-    path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", __file__]
-        + [str(out), str(spec)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, "PYTHONPATH": path, **(env or {})},
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = torchrun(__file__, out, spec, nproc=nproc, env=env)
     print("\n".join(line for line in proc.stdout.splitlines() if line.startswith("[variant]")))
     return json.loads(out.read_text())
 

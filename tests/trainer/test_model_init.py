@@ -2,11 +2,9 @@
 ends with are rank 0's, and an LM head tied to its embedding stays tied (one parameter, one gradient)."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
+from torchrun import torchrun
 
 from support import REPO, TINY_BASE
 
@@ -27,15 +25,7 @@ def test_tied_checkpoint_stays_tied_and_every_rank_holds_rank0s_weights(tmp_path
     model.save_pretrained(tmp_path / "ckpt")
     tok.save_pretrained(tmp_path / "ckpt")
     out = tmp_path / "out.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-        + [str(REPO / "tests" / "trainer" / "init_worker.py"), str(tmp_path / "ckpt"), str(out), str(TINY_BASE)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))},
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    worker = REPO / "tests" / "trainer" / "init_worker.py"
+    torchrun(worker, tmp_path / "ckpt", out, TINY_BASE, nproc=2, timeout=600)
     got = json.loads(out.read_text())
     assert got == {s: {"tied": True, "ranks_agree": True} for s in ("fsdp", "fsdp2")}, got
