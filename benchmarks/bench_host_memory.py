@@ -41,6 +41,7 @@ def worker(side: str, hidden: int, layers: int, out: str) -> None:
     from trainer.metrics import rss_gb
     from trainer.models import load_actor, load_critic, load_tokenizer
     from trainer.parallel import ShardKnobs, shard_model
+    from trainer.proc import leave_rank
     from trainer.run import build_roles
 
     dist.init_process_group("gloo")
@@ -75,9 +76,7 @@ def worker(side: str, hidden: int, layers: int, out: str) -> None:
     del kept
     dist.barrier()
     dist.destroy_process_group()
-    # Interpreter teardown with live FSDP modules sometimes aborts in a gloo thread's destructor
-    # ("terminate called without an active exception"): the measurement is written, leave now.
-    os._exit(0)
+    leave_rank()
 
 
 def run(side: str, strategy: str, hidden: int, layers: int) -> list[float]:

@@ -22,7 +22,7 @@ import traceback
 from pathlib import Path
 
 from .contracts import PHASES, ExitCode
-from .proc import die_with_parent, write_json_atomic
+from .proc import die_with_parent, leave_rank, write_json_atomic
 
 __all__ = ["main", "is_oom_error"]
 
@@ -111,12 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         _train(cfg, rank, rank_file, state)
         state["status"] = "ok"
         write_json_atomic(rank_file, state)
-        # The work is done and recorded. Interpreter teardown with FSDP modules and gloo's threads still
-        # alive occasionally aborts ("terminate called without an active exception", seen on 2 busy
-        # cores), which torchrun would report as a failed rank: leave without it.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        leave_rank()
     except BaseException as exc:  # noqa: BLE001 - every failure becomes data for the launcher
         oom = is_oom_error(exc)
         state["status"] = "oom" if oom else "error"

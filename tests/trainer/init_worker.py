@@ -11,6 +11,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from trainer.config import load_config
 from trainer.models import load_tokenizer
+from trainer.proc import leave_rank
 from trainer.run import build_roles
 
 
@@ -40,6 +41,7 @@ def main():
             json.dump(got, f)
     dist.barrier()
     dist.destroy_process_group()
+    leave_rank()
 
 
 if __name__ == "__main__":

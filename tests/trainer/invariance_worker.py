@@ -22,6 +22,7 @@ from trainer.config import FSDP_SECTIONS, load_config
 from trainer.data import PromptDataset, left_pad, load_rows
 from trainer.models import load_tokenizer
 from trainer.parallel import Sharded, clean_state_dict, full_state_dict
+from trainer.proc import leave_rank
 from trainer.run import build_roles, rows_of_rank
 from trainer.step import (
     assemble_batch,
@@ -164,6 +165,7 @@ def main():
             print(f"{name}: {time.perf_counter() - t0:.1f} s", flush=True)
     dist.barrier()
     dist.destroy_process_group()
+    leave_rank()
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from trainer.contracts import PHASES
 from trainer.data import PromptDataset, left_pad, load_rows
 from trainer.metrics import PhaseMeter
 from trainer.models import load_tokenizer
+from trainer.proc import leave_rank
 from trainer.run import build_roles, rows_of_rank
 from trainer.step import ppo_step
 
@@ -164,6 +165,7 @@ def main():
             json.dump(results, f, indent=1)
     dist.barrier()
     dist.destroy_process_group()
+    leave_rank()
 
 
 if __name__ == "__main__":
