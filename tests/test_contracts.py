@@ -129,7 +129,7 @@ def test_status_sets():
 
 def test_exit_codes_and_names():
     assert (ExitCode.OK, ExitCode.ERROR, ExitCode.USAGE, ExitCode.OOM, ExitCode.INTERRUPTED) == (0, 1, 2, 3, 130)
-    assert PHASES[0] == "gen" and PHASES[-1] == "update_actor" and len(set(PHASES)) == len(PHASES)
+    assert PHASES[:2] == ("update_weights", "gen") and PHASES[-1] == "update_actor" and len(set(PHASES)) == len(PHASES)
     assert short_knob("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu") == "actor.ppo_micro_batch_size_per_gpu"
     assert short_knob("critic.ppo_micro_batch_size_per_gpu") == "critic.ppo_micro_batch_size_per_gpu"
 

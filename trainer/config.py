@@ -157,9 +157,20 @@ class RolloutConfig:
     top_k: int = -1
     do_sample: bool = True
     n: int = 1
-    gpu_memory_utilization: float = 0.5
+    ignore_eos: bool = False  # every response runs to max_response_length (the worst-case batch)
+    # vLLM engine knobs (rollout.name=vllm), verl's names and defaults; the engine is colocated, one per rank
+    dtype: str = "bfloat16"  # the rollout engine's weights and compute
+    gpu_memory_utilization: float = 0.5  # vLLM's: the fraction of device memory the engine may hold
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
+    max_model_len: Optional[int] = None  # None -> max_prompt_length + max_response_length
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False  # False: torch.compile (+ CUDA graphs on GPU)
+    free_cache_engine: bool = True  # sleep the engine (KV cache, weights) during training
+    enable_sleep_mode: bool = True  # verl's RolloutConfig field (not in its YAML: exported as +key)
+    tensor_model_parallel_size: int = 1  # verl's default is 2; the ppotune engine runs 1 (one engine per rank)
+    seed: int = 42  # the engine of rank r samples with seed + r (verl: replica rank + seed)
     log_prob_micro_batch_size_per_gpu: Optional[int] = 4
     log_prob_use_dynamic_bsz: Optional[bool] = None
     log_prob_max_token_len_per_gpu: Optional[int] = None
@@ -244,8 +255,9 @@ class TinyModelConfig:
 
     hidden_size: int = 64
     num_hidden_layers: int = 2
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
+    # head size 32: vLLM's CPU attention kernels take head sizes 32, 64, 80, 96, 112, 128, ... (not 16)
+    num_attention_heads: int = 2
+    num_key_value_heads: int = 1
     intermediate_size: int = 128
 
 
@@ -271,6 +283,9 @@ class PPOTuneSection:
     synthetic: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)
     wandb: bool = False
     dist_timeout_s: int = 600
+    # vLLM on a CPU reads gpu_memory_utilization as a fraction of the whole machine's memory. The ppotune
+    # engine sizes each rank's engine from this budget instead: KV cache = utilization x budget - weights.
+    vllm_cpu_memory_gb: float = 1.0
     # Test hook that makes a real failure happen in the ranks (not a simulation):
     # none | hang (rank 1 never joins a collective) | crash (rank 1 SIGKILLs itself mid-step)
     fault: str = "none"
@@ -453,6 +468,7 @@ _CHOICES = {
     "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
     "algorithm.adv_estimator": ("gae",),
     "actor_rollout_ref.rollout.name": ("hf", "vllm"),
+    "actor_rollout_ref.rollout.dtype": ("bfloat16", "float16", "float32"),  # vLLM's spellings
     "data.truncation": ("error", "left", "right"),
     "ppotune.device": ("auto", "cpu", "cuda"),
     "ppotune.fault": ("none", "hang", "crash"),
@@ -471,7 +487,7 @@ _DTYPE_KEYS = (
 PRECISIONS = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32"}
 
 #: Sections verl's FSDP engine reads but its YAML does not declare: Hydra adds them with ``+key=value``.
-VERL_UNDECLARED = ("mixed_precision",)
+VERL_UNDECLARED = ("mixed_precision", "enable_sleep_mode")
 
 
 def verl_override_key(key: str) -> str:
@@ -482,7 +498,6 @@ def verl_override_key(key: str) -> str:
 #: Keys that are gone, with what to use instead (an old config gets this line, not "unknown key").
 RETIRED = {
     "dtype": "verl's FSDP engine computes in fsdp_config.mixed_precision.param_dtype (bf16 | fp32); set that",
-    "enforce_eager": "a vLLM engine option; the ppotune engine has no vLLM rollout yet, so it would not act",
 }
 
 _POSITIVE_INTS = [
@@ -493,6 +508,8 @@ _POSITIVE_INTS = [
     "actor_rollout_ref.actor.ppo_epochs",
     "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
     "actor_rollout_ref.rollout.n",
+    "actor_rollout_ref.rollout.max_num_seqs",
+    "actor_rollout_ref.rollout.max_num_batched_tokens",
     "critic.ppo_max_token_len_per_gpu",
     "trainer.n_gpus_per_node",
     "trainer.nnodes",
@@ -653,8 +670,9 @@ def validate_config(cfg: PPOConfig, *, source: Optional[str] = None) -> None:
         fail("actor_rollout_ref.rollout.top_p", "must be in (0, 1]")
     if cfg.actor_rollout_ref.rollout.temperature < 0:
         fail("actor_rollout_ref.rollout.temperature", "must be >= 0")
-    if not 0.0 < cfg.actor_rollout_ref.rollout.gpu_memory_utilization <= 1.0:
-        fail("actor_rollout_ref.rollout.gpu_memory_utilization", "must be in (0, 1]")
+    _check_rollout(cfg.actor_rollout_ref.rollout, total_len, fail)
+    if cfg.ppotune.vllm_cpu_memory_gb <= 0:
+        fail("ppotune.vllm_cpu_memory_gb", "must be > 0")
     if cfg.algorithm.kl_ctrl.type == "adaptive" and cfg.algorithm.kl_ctrl.horizon <= 0:
         fail("algorithm.kl_ctrl.horizon", "must be > 0 for the adaptive controller")
     if cfg.ppotune.warmup_steps < 0 or cfg.ppotune.warmup_steps >= cfg.trainer.total_training_steps:
@@ -715,3 +733,30 @@ def _check_fsdp_section(flat: Mapping[str, Any], section: str, strategy: str, ws
     size = flat[f"{section}.fsdp_size"]
     if size != -1 and (size <= 0 or ws % size):
         fail(f"{section}.fsdp_size", f"must be -1 (all ranks) or a positive divisor of the world size {ws}, got {size}")
+
+
+def _check_rollout(ro, total_len: int, fail) -> None:
+    """The vLLM engine's knobs, with the checks vLLM makes at start-up (so a search never launches them)."""
+    key = "actor_rollout_ref.rollout."
+    if not 0.0 < ro.gpu_memory_utilization <= 1.0:
+        fail(key + "gpu_memory_utilization", "must be in (0, 1]")
+    if ro.tensor_model_parallel_size != 1:
+        fail(
+            key + "tensor_model_parallel_size",
+            "the ppotune engine runs one vLLM engine per rank (tensor parallel 1); measure TP > 1 with --engine verl",
+        )
+    max_len = ro.max_model_len if ro.max_model_len is not None else total_len
+    if max_len < total_len:
+        fail(key + "max_model_len", f"{max_len} is below max_prompt_length + max_response_length = {total_len}")
+    if ro.max_num_batched_tokens < ro.max_num_seqs:
+        fail(
+            key + "max_num_batched_tokens",
+            f"{ro.max_num_batched_tokens} is below max_num_seqs={ro.max_num_seqs} (vLLM schedules at least one token "
+            "per running sequence)",
+        )
+    if not ro.enable_chunked_prefill and ro.max_num_batched_tokens < max_len:
+        fail(
+            key + "max_num_batched_tokens",
+            f"{ro.max_num_batched_tokens} is below max_model_len={max_len}: without enable_chunked_prefill vLLM "
+            "prefills a whole prompt in one step",
+        )

@@ -46,7 +46,19 @@ __all__ = [
 ]
 
 #: The timed phases of one PPO step, in the order ``trainer.step`` runs them (verl's timing names).
-PHASES: tuple[str, ...] = ("gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor")
+#: ``update_weights`` (the rollout engine gets the actor's weights) comes first: verl runs it at the end
+#: of the previous step, the same work once per step.
+PHASES: tuple[str, ...] = (
+    "update_weights",
+    "gen",
+    "reward",
+    "old_log_prob",
+    "ref",
+    "values",
+    "adv",
+    "update_critic",
+    "update_actor",
+)
 #: ``timing_s`` also holds the whole step under this key.
 STEP_TIMING_KEY = "step"
 

@@ -1,7 +1,8 @@
 """Timers, throughput, MFU and memory: measured like a benchmark.
 
-CUDA: allocator peaks (allocated/reserved) reset at each phase. CPU: peak RSS (VmHWM),
-reset at each phase by writing "5" to /proc/self/clear_refs.
+CUDA: allocator peaks (allocated/reserved) reset at each phase (with a colocated vLLM engine, also
+the device's used memory at the phase's end). CPU: peak RSS (VmHWM), reset at each phase by writing
+"5" to /proc/self/clear_refs.
 """
 
 from __future__ import annotations
@@ -92,8 +93,11 @@ def _reset_rss_peak() -> None:
 class PhaseMeter:
     """Times each PPO phase and records its memory peak on this rank."""
 
-    def __init__(self, device: torch.device, on_phase=None):
+    def __init__(self, device: torch.device, on_phase=None, *, device_wide: bool = False):
         self.device = device
+        # CUDA: also count what the device holds at the end of a phase beyond torch's allocator
+        # (a colocated vLLM engine's KV cache and weights live in vLLM's own memory pool)
+        self.device_wide = device_wide
         self.on_phase = on_phase  # told each phase's name as it starts (so an OOM report can name it)
         self.timing: dict[str, float] = {}
         self.memory: dict[str, float] = {}
@@ -122,6 +126,9 @@ class PhaseMeter:
             reserved = torch.cuda.max_memory_reserved() / GB
             self.allocated_peak = max(self.allocated_peak, alloc)
             self.reserved_peak = max(self.reserved_peak, reserved)
+            if self.device_wide:
+                free, total = torch.cuda.mem_get_info(self.device)
+                reserved = max(reserved, (total - free) / GB)
             self.memory[name] = max(self.memory.get(name, 0.0), reserved)
         else:
             self.memory[name] = max(self.memory.get(name, 0.0), rss_gb() or 0.0)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,7 @@ __all__ = [
     "full_params",
     "clip_grad_norm",
     "full_state_dict",
+    "iter_full_params",
     "move_params",
     "move_optimizer_state",
     "gradient_sync",
@@ -343,12 +344,46 @@ def full_state_dict(sharded: Sharded, *, device: torch.device) -> dict | None:
     return sd if dist.get_rank() == 0 else None
 
 
+def iter_full_params(sharded: Sharded, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(HF name, full tensor)`` for every entry of the model's state dict, gathered ONE tensor (FSDP2)
+    or one FSDP unit (FSDP1) at a time, never the whole model: what a colocated rollout engine loads
+    each step (verl's ``get_per_tensor_param``). Every rank must iterate to the end, in step: each item
+    is a collective. Every yielded tensor owns its storage (a consumer may keep it).
+    """
+    if sharded.strategy == "fsdp2":
+        from torch.distributed.tensor import DTensor
+
+        for name, value in sharded.module.state_dict().items():
+            if isinstance(value, DTensor):
+                # with offload_policy the shard lives in host memory: gather on the compute device
+                value = value.to(device).full_tensor()
+            yield _clean_name(name), value.detach()
+        return
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    root = sharded.module
+    names = {id(p): n for n, p in root.named_parameters()}
+    for unit in FSDP.fsdp_modules(root):
+        nested = {id(p) for sub in FSDP.fsdp_modules(unit) if sub is not unit for p in sub.parameters()}
+        own = [p for p in unit.parameters() if id(p) not in nested]
+        with FSDP.summon_full_params(unit, recurse=False, writeback=False):
+            for p in own:
+                # a copy: the summoned view is freed when the unit reshards, and vLLM may keep a tensor
+                # until a later one completes its layer
+                yield _clean_name(names[id(p)]), p.detach().clone()
+    for prefix, module in root.named_modules():
+        for name, buf in module.named_buffers(recurse=False):
+            if buf is not None and name not in module._non_persistent_buffers_set:  # as state_dict() keeps them
+                yield _clean_name(f"{prefix}.{name}" if prefix else name), buf
+
+
+def _clean_name(name: str) -> str:
+    return name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
+
+
 def clean_state_dict(sd: dict) -> dict:
     """Plain HF parameter names (no FSDP / checkpoint wrapper prefixes), tensors on CPU."""
-    return {
-        k.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", ""): v.detach().cpu()
-        for k, v in sd.items()
-    }
+    return {_clean_name(k): v.detach().cpu() for k, v in sd.items()}
 
 
 def move_params(sharded: Sharded, device: torch.device) -> None:

@@ -35,11 +35,15 @@ def generate_responses(
     top_p: float,
     top_k: int,
     do_sample: bool,
+    ignore_eos: bool = False,
     pad_id: int,
     eos_id: int,
     vocab_limit: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded prompts (B, P) -> responses (B, R) right-padded with ``pad_id``, response_mask (B, R)."""
+    """Left-padded prompts (B, P) -> responses (B, R) right-padded with ``pad_id``, response_mask (B, R).
+
+    ``ignore_eos``: EOS cannot be sampled before ``max_response_length`` (every response is full length).
+    """
     sample = do_sample and temperature > 0
     kwargs = dict(
         max_new_tokens=max_response_length,
@@ -49,6 +53,8 @@ def generate_responses(
         synced_gpus=True,
         use_cache=True,
     )
+    if ignore_eos:
+        kwargs["min_new_tokens"] = max_response_length
     if sample:
         kwargs.update(temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else 0)
     with full_params(actor) as module:

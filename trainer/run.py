@@ -166,7 +166,12 @@ def _train(cfg, rank: int, rank_file: Path, state: dict) -> None:
             f"trainer.n_gpus_per_node x nnodes = {world_size(cfg)} but torchrun started {world} ranks; using {world}"
         )
     state["environment"] = _environment(device, world)
-    meter = PhaseMeter(device, on_phase=lambda name: state.__setitem__("phase", name))
+    meter = PhaseMeter(
+        device,
+        on_phase=lambda name: state.__setitem__("phase", name),
+        # a vLLM engine allocates outside torch's caching allocator (its own pool for sleep mode)
+        device_wide=cfg.actor_rollout_ref.rollout.name == "vllm",
+    )
 
     # ---- data
     tokenizer = load_tokenizer(cfg.actor_rollout_ref.model.path)
@@ -256,6 +261,22 @@ def rows_of_rank(cfg, num_rows: int, world: int, rank: int) -> list[int]:
     return rank_rows(num_rows, group, world, rank)
 
 
+#: rollout keys only a vLLM engine reads (said in the notes when set on an HF-generate run)
+VLLM_ONLY_KEYS = (
+    "dtype",
+    "gpu_memory_utilization",
+    "max_num_batched_tokens",
+    "max_num_seqs",
+    "max_model_len",
+    "enable_chunked_prefill",
+    "enable_prefix_caching",
+    "enforce_eager",
+    "free_cache_engine",
+    "enable_sleep_mode",
+    "seed",
+)
+
+
 def build_roles(cfg, tokenizer, device, world: int, notes: list[str]):
     """Load, shard and equip actor, ref and critic with this config's knobs; -> (Roles, model shape info)."""
     import torch
@@ -341,15 +362,11 @@ def build_roles(cfg, tokenizer, device, world: int, notes: list[str]):
                 f"actor_rollout_ref.ref.fsdp_config.{key}: no effect; the reference model's parameters always "
                 "live in host memory between uses (verl's forward-only engine), and it has no optimizer"
             )
-    if ro.name == "vllm":
-        notes.append(
-            "actor_rollout_ref.rollout.name=vllm: vLLM rollout is not wired in this trainer; generated with HF generate"
-        )
     if ro.name != "vllm":
         from .config import RolloutConfig
 
         defaults = RolloutConfig()
-        for key in ("gpu_memory_utilization", "max_num_batched_tokens", "max_num_seqs"):
+        for key in VLLM_ONLY_KEYS:
             if getattr(ro, key) != getattr(defaults, key):  # only the ones somebody set
                 notes.append(f"actor_rollout_ref.rollout.{key}: no effect with rollout.name=hf (vLLM-only knob)")
 
@@ -378,6 +395,20 @@ def build_roles(cfg, tokenizer, device, world: int, notes: list[str]):
         "critic.fsdp",
         knobs(c.fsdp, c.strategy, c.model.enable_gradient_checkpointing, compute_offload=c.fsdp.offload_policy),
     )
+    rollout = None
+    if ro.name == "vllm":
+        from .vllm_rollout import DTYPE_BYTES, VLLMRollout, engine_plan
+
+        plan = engine_plan(
+            ro,
+            device_type=device.type,
+            max_model_len=ro.max_model_len or max_pos,
+            weight_bytes=n_params * DTYPE_BYTES[ro.dtype],
+            cpu_memory_gb=cfg.ppotune.vllm_cpu_memory_gb,
+            rank=dist.get_rank(),
+        )
+        notes.extend(plan.notes)
+        rollout = VLLMRollout.build(shape, plan)
     actor_opt = torch.optim.AdamW(
         actor.module.parameters(), lr=a.optim.lr, betas=tuple(a.optim.betas), weight_decay=a.optim.weight_decay
     )
@@ -415,6 +446,7 @@ def build_roles(cfg, tokenizer, device, world: int, notes: list[str]):
         top_p=ro.top_p,
         top_k=ro.top_k,
         do_sample=ro.do_sample,
+        ignore_eos=ro.ignore_eos,
         max_response_length=cfg.data.max_response_length,
         ppo_mini_batch_size_per_gpu=a.ppo_mini_batch_size * n // world,
         critic_mini_batch_size_per_gpu=c.ppo_mini_batch_size * n // world,
@@ -477,6 +509,7 @@ def build_roles(cfg, tokenizer, device, world: int, notes: list[str]):
         kl_ctrl=kl_ctrl,
         plans=plans,
         settings=settings,
+        rollout=rollout,
     )
 
     shape_info = {

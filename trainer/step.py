@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -36,10 +36,14 @@ from .parallel import (
     clip_grad_norm,
     compute_autocast,
     gradient_sync,
+    iter_full_params,
     move_optimizer_state,
     move_params,
 )
 from .rollout import generate_responses
+
+if TYPE_CHECKING:
+    from .vllm_rollout import VLLMRollout
 
 __all__ = [
     "MicroBatching",
@@ -141,6 +145,7 @@ class StepSettings:
     top_p: float
     top_k: int
     do_sample: bool
+    ignore_eos: bool
     max_response_length: int
     ppo_mini_batch_size_per_gpu: int  # sequences, = ppo_mini_batch_size * n / world_size
     critic_mini_batch_size_per_gpu: int
@@ -513,23 +518,39 @@ class Roles:
     kl_ctrl: object
     plans: Plans
     settings: StepSettings
+    rollout: Optional["VLLMRollout"] = None  # rollout.name=vllm: the colocated engine; None: HF generate
 
-    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def update_weights(self, device: torch.device) -> None:
+        """Push the actor's current weights into the rollout engine (no-op for HF generate, which
+        reads the actor itself). Every rank gathers each tensor and loads it into its own engine."""
+        if self.rollout is None:
+            return
+        with resident(self.actor, device):  # param_offload: the shards come to the device for the gather
+            self.rollout.update_weights(iter_full_params(self.actor.sharded, device))
+
+    def generate(
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Responses and their mask sampled from the actor with this run's rollout settings."""
         s = self.settings
-        return generate_responses(
-            self.actor.sharded,
-            prompt_ids,
-            prompt_mask,
+        sampling = dict(
             max_response_length=s.max_response_length,
             temperature=s.temperature,
             top_p=s.top_p,
             top_k=s.top_k,
             do_sample=s.do_sample,
+            ignore_eos=s.ignore_eos,
             pad_id=s.pad_id,
             eos_id=s.eos_id,
             vocab_limit=s.vocab_limit,
         )
+        if self.rollout is not None:
+            try:
+                return self.rollout.generate(prompt_ids, prompt_mask, **sampling)
+            finally:
+                self.rollout.sleep()  # free_cache_engine: training gets the engine's memory back
+        with resident(self.actor, device):
+            return generate_responses(self.actor.sharded, prompt_ids, prompt_mask, **sampling)
 
     def update_critic(self, batch: dict, *, prompt_width: int, device: torch.device) -> dict:
         """:func:`update_critic` of the critic with this run's plan and settings."""
@@ -575,9 +596,13 @@ def ppo_step(
     P = prompt_ids.shape[1]
     metrics: dict = {}
 
+    # step 0. the rollout engine gets the actor's current weights (verl: update_weights)
+    with meter.phase("update_weights"):
+        roles.update_weights(device)
+
     # step 1. rollout: sample responses from the current policy
-    with meter.phase("gen"), resident(roles.actor, device):
-        responses, response_mask = roles.generate(prompt_ids, prompt_mask)
+    with meter.phase("gen"):
+        responses, response_mask = roles.generate(prompt_ids, prompt_mask, device)
         batch = assemble_batch(prompt_ids, prompt_mask, responses, response_mask)
 
     # step 2. rule-based reward on the last response token

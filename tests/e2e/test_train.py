@@ -92,6 +92,41 @@ def test_three_steps_on_two_processes(tmp_path, strategy):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("strategy, n", [("fsdp", 1), ("fsdp2", 2)])
+def test_three_steps_with_vllm_rollout(tmp_path, vllm_installed, strategy, n):
+    """rollout.name=vllm: a real vLLM engine per rank generates every step from the weights pushed to it."""
+    proc, r = train(
+        BASE,
+        f"actor_rollout_ref.actor.strategy={strategy}",
+        "actor_rollout_ref.rollout.name=vllm",
+        "actor_rollout_ref.rollout.dtype=float32",
+        f"actor_rollout_ref.rollout.n={n}",
+        "ppotune.vllm_cpu_memory_gb=0.25",
+        "--nproc",
+        2,
+        "--steps",
+        3,
+        "--warmup",
+        1,
+        result=tmp_path / "r.json",
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert r["status"] == "ok" and r["summary"]["throughput"] > 0
+    for step in r["steps"]:
+        assert step["timing_s/gen"] > 0 and step["timing_s/update_weights"] > 0
+        assert step["response_length/mean"] > 0
+    assert r["summary"]["timing_s"]["update_weights"] > 0
+    # rollout.n responses per prompt: the token count covers train_batch_size x n sequences
+    assert r["steps"][0]["perf/total_num_tokens"] >= 16 * n * 8
+    notes = "\n".join(r["notes"])
+    assert "actor_rollout_ref.rollout.free_cache_engine: no effect on CPU" in notes
+    assert "actor_rollout_ref.rollout.enable_sleep_mode: no effect on CPU" in notes
+    assert "vLLM-only" not in notes
+    # the engine's KV cache (0.5 x 0.25 GiB per rank) is part of the measured memory
+    assert r["summary"]["peak_memory_gb"] > 0.125
+
+
+@pytest.mark.slow
 def test_knobs_without_effect_on_cpu_are_reported(tmp_path):
     proc, r = train(
         BASE,

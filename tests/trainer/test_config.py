@@ -93,7 +93,14 @@ def test_every_design_key_exists():
             "actor_rollout_ref.actor.entropy_from_logits_chunk_size",
         ),
         ("actor_rollout_ref.actor.fsdp_config.dtype=bfloat16", "actor_rollout_ref.actor.fsdp_config.dtype"),
-        ("actor_rollout_ref.rollout.enforce_eager=true", "actor_rollout_ref.rollout.enforce_eager"),
+        (
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size",
+        ),
+        ("actor_rollout_ref.rollout.max_model_len=64", "actor_rollout_ref.rollout.max_model_len"),
+        ("actor_rollout_ref.rollout.max_num_seqs=0", "actor_rollout_ref.rollout.max_num_seqs"),
+        ("actor_rollout_ref.rollout.dtype=fp8", "actor_rollout_ref.rollout.dtype"),
+        ("ppotune.vllm_cpu_memory_gb=0", "ppotune.vllm_cpu_memory_gb"),
         ("actor_rollout_ref.model.path=/nonexistent/model", "actor_rollout_ref.model.path"),
         ("data.train_files=/nonexistent/train.parquet", "data.train_files"),
     ],
@@ -103,6 +110,20 @@ def test_refused_with_the_key_named(override, key):
         load_config(BASE, [override])
     msg = str(e.value)
     assert key in msg and BASE in msg and "\n" not in msg
+
+
+def test_vllm_scheduler_limits_are_refused_as_vllm_refuses_them():
+    """vLLM's start-up checks, made before launch: one token per running sequence, and without chunked
+    prefill a whole sequence (prompt 64 + response 32 in the base) in one scheduler step."""
+    key = "actor_rollout_ref.rollout."
+    with pytest.raises(ConfigError, match="max_num_batched_tokens: 32 is below max_num_seqs=64"):
+        load_config(BASE, [f"{key}max_num_batched_tokens=32", f"{key}max_num_seqs=64"])
+    with pytest.raises(ConfigError, match="max_num_batched_tokens: 64 is below max_model_len=96"):
+        load_config(
+            BASE, [f"{key}max_num_batched_tokens=64", f"{key}max_num_seqs=8", f"{key}enable_chunked_prefill=false"]
+        )
+    # chunked prefill splits the prompt: the same budget is fine
+    load_config(BASE, [f"{key}max_num_batched_tokens=64", f"{key}max_num_seqs=8"])
 
 
 def test_token_budget_below_one_sequence_is_refused():

@@ -219,7 +219,7 @@ def test_same_seed_same_preset_and_force(preset, tmp_path):
         (["vllm", "{dir}"], "argument preset: invalid choice: 'vllm'"),
         (["verl", "{dir}/nonempty"], "DIR: "),
         (["verl", "{dir}/x", "--heads", "3"], "--heads: 3 does not divide --hidden-size 64"),
-        (["verl", "{dir}/x", "--kv-heads", "3"], "--kv-heads: 3 does not divide --heads 4"),
+        (["verl", "{dir}/x", "--kv-heads", "3"], "--kv-heads: 3 does not divide --heads 2"),
         (["verl", "{dir}/x", "--num-prompts", "0"], "--num-prompts: must be >= 1"),
     ],
 )
