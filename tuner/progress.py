@@ -14,7 +14,7 @@ __all__ = ["Display", "trial_line", "format_knobs"]
 
 
 def format_knobs(params: dict, *, limit: int = 6) -> str:
-    items = [f"{short_knob(k)}={v}" for k, v in params.items()]
+    items = [f"{short_knob(k)}={v:.6g}" if isinstance(v, float) else f"{short_knob(k)}={v}" for k, v in params.items()]
     if len(items) > limit:
         items = items[:limit] + [f"(+{len(items) - limit} more)"]
     return " ".join(items)

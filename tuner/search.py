@@ -215,13 +215,19 @@ def _fail(msg: str) -> int:
     return ExitCode.USAGE
 
 
-def _base_config(args: argparse.Namespace) -> tuple[dict, Optional[VerlEngine]]:
-    """The decision base (ppotune's typed config) and, for ``--engine verl``, how verl trials run.
+def _base_config(args: argparse.Namespace, space: Space) -> tuple[dict, Optional[VerlEngine]]:
+    """The decision base (ppotune's typed config: the base config + the space's ``fixed`` keys) and, for
+    ``--engine verl``, how verl trials run.
 
     verl: the base is verl's own config (composed by Hydra in the user's verl environment, with the
     overrides a trial on this device adds) read into ppotune's typed config for every key both have."""
     if args.engine == "ppotune":
-        return base_flat_config(args.base_config, nproc=args.nproc)[0], None
+        return base_flat_config(args.base_config, nproc=args.nproc, extra=space.fixed)[0], None
+    if space.fixed:
+        raise ValueError(
+            f"{args.space}: fixed: --engine verl takes its settings from the verl base config; "
+            f"put {', '.join(space.fixed)} there"
+        )
     from trainer import verl_engine
 
     run_spec = verl_engine.load_run(
@@ -284,7 +290,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         options = options_from_args(args)
         space = load_space(args.space)
-        base_nested, verl = _base_config(args)
+        base_nested, verl = _base_config(args, space)
         # One complete trial config: the trial command carries only its path and --result.
         trial_extra = {
             "trainer.total_training_steps": args.steps,

@@ -3,6 +3,8 @@
 A space file looks like::
 
     description: actor micro-batch or token budget, and gradient checkpointing
+    fixed:                                   # set for every trial, the baseline's too (the base config + these)
+      actor_rollout_ref.rollout.name: vllm
     knobs:                                   # in order: a `when` may name earlier knobs only
       actor_rollout_ref.actor.use_dynamic_bsz: {type: bool}
       actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu:
@@ -63,7 +65,7 @@ __all__ = [
 
 KNOB_TYPES = ("int", "pow2", "float", "categorical", "bool")
 MEMORY_HINTS = ("increasing", "decreasing", "none")
-_TOP_KEYS = ("name", "description", "knobs", "derived", "constraints")
+_TOP_KEYS = ("name", "description", "fixed", "knobs", "derived", "constraints")
 _KNOB_SPEC_KEYS = {
     "int": {"type", "low", "high", "step", "memory", "when", "help"},
     "pow2": {"type", "low", "high", "memory", "when", "help"},
@@ -264,7 +266,9 @@ class Knob:
         if self.type == "int":
             return trial.suggest_int(self.key, self.low, self.high, step=self.step)
         if self.type == "float":
-            return trial.suggest_float(self.key, self.low, self.high, step=self.step)
+            value = trial.suggest_float(self.key, self.low, self.high, step=self.step)
+            # a stepped float on the step's grid, as written (0.6, not Optuna's 0.6000000000000001)
+            return value if self.step is None else round(value, _decimals(self.step))
         return trial.suggest_categorical(self.key, list(self.choices))
 
     def rank(self, value: Any) -> float:
@@ -352,6 +356,8 @@ class Space:
     knobs: list[Knob]
     derived: list[Derived] = field(default_factory=list)
     constraints: list[Constraint] = field(default_factory=list)
+    #: keys set for every trial of the space, the baseline's too: applied to the base config itself
+    fixed: dict = field(default_factory=dict)
     source: Optional[str] = None
     raw: dict = field(default_factory=dict)
     description: str = ""
@@ -719,6 +725,12 @@ def _parse_knob(key: str, spec: Any, source: Optional[str]) -> Knob:
     return Knob(**kw)
 
 
+def _decimals(step: float) -> int:
+    """Decimal places of a step as written (0.2 -> 1, 0.05 -> 2, 1 -> 0)."""
+    text = repr(float(step))
+    return 0 if "e" in text or text.endswith(".0") else len(text.split(".")[1])
+
+
 def load_space(path: str | Path) -> Space:
     """Parse and check a space file (structure, keys, expressions). See :meth:`Space.validate`
     for the checks that need a base config."""
@@ -789,6 +801,17 @@ def space_from_dict(raw: Any, *, source: Optional[str] = None) -> Space:
                 raise err(key, f"unknown key {name!r} in {spec!r} (not a key of trainer.config.PPOConfig)")
         derived.append(Derived(key=key, expr=expr, when=when))
     derived_keys = {d.key for d in derived}
+    fixed_raw = raw.get("fixed") or {}
+    if not isinstance(fixed_raw, dict):
+        raise err("fixed", "must be a mapping of dotted config key -> value")
+    fixed = {}
+    for key, value in fixed_raw.items():
+        key = str(key)
+        if key not in CONFIG_KEYS:
+            raise err(key, "unknown fixed key (not a key of trainer.config.PPOConfig)")
+        if key in knob_keys or key in derived_keys:
+            raise err(key, "a fixed key cannot also be a knob or derived")
+        fixed[key] = value
     for knob in knobs:
         if knob.when is not None and knob.when.names & derived_keys:
             raise err(f"{knob.key}.when", "a condition may not name a derived key")
@@ -811,6 +834,7 @@ def space_from_dict(raw: Any, *, source: Optional[str] = None) -> Space:
         knobs=knobs,
         derived=derived,
         constraints=constraints,
+        fixed=fixed,
         source=source,
         raw=raw,
         description=str(raw.get("description") or ""),

@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def check(file: str, base: str | None = None, nproc: int | None = None) -> tuple[object, dict, dict]:
     """Load + validate; raises SpaceError / ConfigError (both one-line ValueErrors)."""
     space = load_space(file)
-    _, flat = base_flat_config(base, nproc=nproc)
+    _, flat = base_flat_config(base, nproc=nproc, extra=space.fixed)
     report = space.validate(flat)
     return space, flat, report
 
@@ -54,6 +54,10 @@ def run(args: argparse.Namespace) -> int:
         f"trainer config check: {report['accepted']}/{report['sampled']} sampled configs accepted"
         + (f" (first refusal: {report['first_refusal']})" if report["first_refusal"] else "")
     )
+    if space.fixed:
+        print(f"fixed ({len(space.fixed)}), every trial and the baseline:")
+        for key, value in space.fixed.items():
+            print(f"  {key} = {value!r}")
     print(f"knobs ({len(space.knobs)}):")
     for knob in space.knobs:
         base_value = flat[knob.key]
