@@ -98,11 +98,19 @@ class PhaseMeter:
         # CUDA: also count what the device holds at the end of a phase beyond torch's allocator
         # (a colocated vLLM engine's KV cache and weights live in vLLM's own memory pool)
         self.device_wide = device_wide
+        self._device_peak = 0.0
         self.on_phase = on_phase  # told each phase's name as it starts (so an OOM report can name it)
         self.timing: dict[str, float] = {}
         self.memory: dict[str, float] = {}
         self.allocated_peak = 0.0
         self.reserved_peak = 0.0
+
+    def sample(self) -> None:
+        """CUDA with ``device_wide``: count the device's used memory now in the current phase's peak
+        (call it where memory outside torch's allocator is at its height, e.g. before an engine sleeps)."""
+        if self.device_wide and self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            self._device_peak = max(self._device_peak, (total - free) / GB)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -113,6 +121,7 @@ class PhaseMeter:
         if self.on_phase is not None:
             self.on_phase(name)
         self._sync()
+        self._device_peak = 0.0
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         else:
@@ -126,9 +135,8 @@ class PhaseMeter:
             reserved = torch.cuda.max_memory_reserved() / GB
             self.allocated_peak = max(self.allocated_peak, alloc)
             self.reserved_peak = max(self.reserved_peak, reserved)
-            if self.device_wide:
-                free, total = torch.cuda.mem_get_info(self.device)
-                reserved = max(reserved, (total - free) / GB)
+            self.sample()
+            reserved = max(reserved, self._device_peak)
             self.memory[name] = max(self.memory.get(name, 0.0), reserved)
         else:
             self.memory[name] = max(self.memory.get(name, 0.0), rss_gb() or 0.0)

@@ -528,6 +528,11 @@ class Roles:
         with resident(self.actor, device):  # param_offload: the shards come to the device for the gather
             self.rollout.update_weights(iter_full_params(self.actor.sharded, device))
 
+    def release_rollout(self) -> None:
+        """After generation: the engine sleeps (``free_cache_engine``), training gets its memory back."""
+        if self.rollout is not None:
+            self.rollout.sleep()
+
     def generate(
         self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -545,10 +550,7 @@ class Roles:
             vocab_limit=s.vocab_limit,
         )
         if self.rollout is not None:
-            try:
-                return self.rollout.generate(prompt_ids, prompt_mask, **sampling)
-            finally:
-                self.rollout.sleep()  # free_cache_engine: training gets the engine's memory back
+            return self.rollout.generate(prompt_ids, prompt_mask, **sampling)
         with resident(self.actor, device):
             return generate_responses(self.actor.sharded, prompt_ids, prompt_mask, **sampling)
 
@@ -603,6 +605,8 @@ def ppo_step(
     # step 1. rollout: sample responses from the current policy
     with meter.phase("gen"):
         responses, response_mask = roles.generate(prompt_ids, prompt_mask, device)
+        meter.sample()  # a vLLM engine is still awake: its KV cache and weights count in this phase
+        roles.release_rollout()
         batch = assemble_batch(prompt_ids, prompt_mask, responses, response_mask)
 
     # step 2. rule-based reward on the last response token

@@ -63,10 +63,10 @@ def refusal(overrides: dict) -> str | None:
     return None
 
 
-def gathers_per_generate(roles, prompt_ids, prompt_mask) -> int:
+def gathers_per_generate(roles, prompt_ids, prompt_mask, device) -> int:
     """All-gather collectives one generate call issues (the profiler's record of every backend)."""
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        roles.generate(prompt_ids, prompt_mask)
+        roles.generate(prompt_ids, prompt_mask, device)
     # the backend's own record of each collective: "gloo:all_gather", "nccl:all_gather", ...
     return sum(1 for e in prof.events() if e.name.startswith(("gloo:", "nccl:")) and "gather" in e.name)
 
@@ -110,7 +110,7 @@ def run_variant(base: str, overrides: dict, steps: int, device: torch.device, re
     ids, mask = left_pad([ds.input_ids[i % len(ds)] for i in mine], cfg.data.max_prompt_length, tokenizer.pad_token_id)
     truths = [ds.ground_truths[i % len(ds)] for i in mine]
     ids, mask = ids.to(device), mask.to(device)
-    result = {"gathers_per_generate": gathers_per_generate(roles, ids, mask), "notes": notes}
+    result = {"gathers_per_generate": gathers_per_generate(roles, ids, mask, device), "notes": notes}
     if relocate:
         from trainer.step import assemble_batch, compute_log_probs
 

@@ -1,5 +1,6 @@
 """The prepared GPU script: nccl, bf16 mixed precision (verl's default), every offload combination on
-both strategies, the linear-memory attention path, per-phase memory, a real CUDA OOM, NVML and MFU.
+both strategies, the linear-memory attention path, per-phase memory, a real CUDA OOM, NVML, MFU, and
+the colocated vLLM rollout (sleep/wake, weight push; skipped, saying so, where vLLM is not importable).
 Skipped without a CUDA device; never needed in CI.
 
 Run on a GPU machine with either of:
@@ -186,6 +187,45 @@ def test_invariance_on_cuda(tmp_path):
     found = [f for c in CHECKS_FP32 for f in failures(got, dataclasses.replace(c, tol=gpu_exact))]
     found += [f for c in CHECKS_BF16 for f in failures(got, c)]
     assert not found, "\n".join(found)
+
+
+def _vllm_importable() -> str | None:
+    """None when vLLM imports here; else why not (the lent GPU machine usually has no vLLM)."""
+    r = subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True, text=True)
+    return None if r.returncode == 0 else ((r.stderr.strip().splitlines() or ["?"])[-1])
+
+
+@pytest.mark.parametrize("free_cache_engine", [True, False])
+def test_vllm_rollout_colocated(tmp_path, free_cache_engine):
+    """A real CUDA vLLM engine per rank next to the FSDP actor: bf16, sleep level 2 around training
+    (free_cache_engine), weights pushed every step; the gen phase's memory includes the engine."""
+    why = _vllm_importable()
+    if why is not None:
+        pytest.skip(f"vLLM is not importable on this device ({why}): the vLLM rollout was not run on a GPU")
+    n = torch.cuda.device_count()
+    proc, r = _train(
+        tmp_path,
+        "actor_rollout_ref.rollout.name=vllm",
+        "actor_rollout_ref.rollout.gpu_memory_utilization=0.3",
+        f"actor_rollout_ref.rollout.free_cache_engine={str(free_cache_engine).lower()}",
+        *[f"{k}={v}" for k, v in WIDE.items()],
+        "--nproc",
+        n,
+        "--steps",
+        3,
+        "--warmup",
+        1,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert r["status"] == "ok" and r["summary"]["timing_s"]["update_weights"] > 0
+    last = r["steps"][-1]
+    phases = {k[7:-3]: round(v, 3) for k, v in last.items() if k.startswith("memory/")}
+    total_gb = torch.cuda.get_device_properties(0).total_memory / 1024**3
+    # awake, the engine holds about 0.3 x the device: the gen phase sees it
+    assert phases["gen"] >= 0.25 * total_gb, phases
+    if free_cache_engine:  # asleep during training: the update phases get the memory back
+        assert phases["update_actor"] < phases["gen"] - 0.1 * total_gb, phases
+    print(f"free_cache_engine={free_cache_engine}", "per-phase GB:", phases, "timing:", r["summary"]["timing_s"])
 
 
 def test_nvml_sees_the_device():

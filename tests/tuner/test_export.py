@@ -240,6 +240,34 @@ def test_every_knob_of_the_default_space_is_a_key_verl_accepts():
     assert seen["actor_rollout_ref.actor.fsdp_config.use_no_sync_for_gradient_accumulation"] is True
 
 
+def test_every_rollout_engine_key_is_a_key_verl_accepts():
+    """The vLLM space's knobs and fixed keys, and every rollout key of trainer.config, exported as verl reads
+    them (``+`` for enable_sleep_mode, a field of verl's RolloutConfig its YAML does not declare)."""
+    pytest.importorskip("hydra")
+    from tuner.results.export import verl_overrides
+    from tuner.results.verl_validate import validate_overrides, verl_root
+
+    if verl_root() is None:
+        pytest.skip("verl is not installed (pip install --no-deps verl==0.9.1)")
+    import dataclasses
+
+    import yaml
+
+    from support import REPO
+    from trainer.config import RolloutConfig
+
+    space = yaml.safe_load((REPO / "search_spaces" / "rollout_vllm.yaml").read_text())
+    defaults = RolloutConfig()
+    values = {f"actor_rollout_ref.rollout.{f.name}": getattr(defaults, f.name) for f in dataclasses.fields(defaults)}
+    values = {k: v for k, v in values.items() if v is not None}
+    values.update({k: spec.get("low", True) for k, spec in space["knobs"].items()})
+    values.update(space["fixed"])
+    lines = verl_overrides(values)
+    assert "+actor_rollout_ref.rollout.enable_sleep_mode=true" in lines
+    seen = validate_overrides(lines)
+    assert seen["actor_rollout_ref.rollout.name"] == "vllm" and seen["actor_rollout_ref.rollout.max_num_seqs"] == 4
+
+
 def test_validate_verl_cli_names_the_key(tmp_path, capsys):
     """A study whose trial set a key verl lacks: export --validate-verl exits 2 naming it."""
     from tuner.results.verl_validate import verl_root
