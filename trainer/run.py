@@ -26,11 +26,21 @@ from .proc import die_with_parent, leave_rank, write_json_atomic
 
 __all__ = ["main", "is_oom_error"]
 
-_OOM_MARKERS = ("out of memory", "can't allocate memory", "cannot allocate memory", "std::bad_alloc")
+_OOM_MARKERS = (
+    "out of memory",
+    "can't allocate memory",
+    "cannot allocate memory",
+    "std::bad_alloc",
+    # vLLM at start-up, colocated: what training already holds leaves less than gpu_memory_utilization of
+    # the device free (more utilization, more memory: the same direction as every other OOM). Its other
+    # start-up refusal, a KV cache too small for one sequence, is the opposite direction: an error.
+    "is less than desired gpu memory utilization",
+)
 
 
 def is_oom_error(exc: BaseException) -> bool:
-    """CUDA OutOfMemoryError, the CPU allocator's failure under an rlimit, or Python's MemoryError."""
+    """CUDA OutOfMemoryError, the CPU allocator's failure under an rlimit, Python's MemoryError, or a
+    colocated vLLM engine that cannot get its ``gpu_memory_utilization`` share of the device."""
     if isinstance(exc, MemoryError):
         return True
     name = type(exc).__name__

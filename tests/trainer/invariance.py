@@ -130,8 +130,10 @@ class Tolerance:
 CLIPFRAC_ABS = 1e-2
 
 # fp32: every knob is an exact no-op up to the order of float additions: measured worst 6.5e-6 (padded
-# critic parameters), 4.4e-6 (gradients), statistics 5e-5 relative.
-EXACT = Tolerance(params=TOL, grads=TOL, stats_rel=1e-4, stats_abs=1e-6)
+# critic parameters), statistics 5e-5 relative; gradients 1.26e-5 (padded vs packed attention, the critic's
+# v_proj.bias on its second step, with the head-size-32 tiny model: the biases' gradients are sums over
+# every token), so gradients get 3x the parameters' tolerance. A bug is 1e-2 and more.
+EXACT = Tolerance(params=TOL, grads=3 * TOL, stats_rel=1e-4, stats_abs=1e-6)
 # bf16 (verl's default compute dtype: fp32 master weights and gradient reduce) keeps 8 significant bits,
 # a relative rounding of 2^-8 = 3.9e-3 per operation; another micro-batch split rounds differently.
 # Measured worst (the table test_invariance.py prints): gradients 6.0e-3 of their norm (bf16 knobs) and
@@ -198,14 +200,26 @@ def run_variants(nproc: int, out: Path, variants: dict, env: dict | None = None)
 _ZERO_GRADIENT = ("self_attn.k_proj.bias",)
 
 
+#: A tensor holding less than this share of the model's norm is judged with the whole model, not alone: a
+#: gradient that is a sum with heavy cancellation (the critic's scalar score.bias on its second optimizer
+#: step: 1.3e-3 of the gradient's norm, after 5.7e-2 on the first) keeps the summands' rounding (2.2e-7
+#: measured between padded and packed attention: 1.7e-4 of the small sum, 4.9e-6 of the whole gradient),
+#: noise of the summands' size, not of the sum's. Every parameter tensor holds more than this share.
+_SMALL_SHARE = 0.01
+
+
 def max_rel_diff(a: dict, b: dict) -> tuple[float, str]:
-    """The largest per-tensor relative difference ``||a - b|| / ||b||`` over the tensors of ``b``, and its name."""
+    """The largest per-tensor relative difference ``||a - b|| / ||b||`` over the tensors of ``b`` and its name;
+    tensors below :data:`_SMALL_SHARE` of the model's norm count through the whole model's difference."""
     assert a.keys() == b.keys(), sorted(a.keys() ^ b.keys())
-    worst, where = 0.0, ""
-    for k, v in b.items():
-        if k.endswith(_ZERO_GRADIENT):
+    keys = [k for k in b if not k.endswith(_ZERO_GRADIENT)]
+    whole = torch.sqrt(sum(b[k].float().pow(2).sum() for k in keys))
+    worst, where = model_rel_diff(a, b), "(the whole model)"
+    for k in keys:
+        norm = b[k].float().norm()
+        if norm < _SMALL_SHARE * whole:
             continue
-        rel = ((a[k].float() - v.float()).norm() / v.float().norm().clamp(min=1e-12)).item()
+        rel = ((a[k].float() - b[k].float()).norm() / norm.clamp(min=1e-12)).item()
         if rel > worst:
             worst, where = rel, k
     return worst, where

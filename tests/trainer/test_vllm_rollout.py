@@ -7,9 +7,8 @@ import json
 import pytest
 from torchrun import torchrun
 
-pytestmark = pytest.mark.slow
 
-
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
 def test_vllm_rollout_equals_hf_generate_and_follows_the_pushed_weights(tmp_path, vllm_installed, strategy):
     out = tmp_path / "vllm.json"
@@ -59,9 +58,44 @@ ENGINE_VARIANTS = {
 }
 
 
+@pytest.mark.slow
 def test_ppo_update_is_invariant_to_rollout_engine_knobs(tmp_path, vllm_installed):
     from invariance import Check, failures, run_variants
 
     got = run_variants(2, tmp_path, ENGINE_VARIANTS)
     for variant in ("vllm_small", "vllm_large"):
         assert not failures(got, Check(variant, "base")), failures(got, Check(variant, "base"))
+
+
+def test_engine_plan_and_its_memory_classification():
+    """The engine's arguments per device (pure), and which vLLM start-up failures are OOMs for the tuner."""
+    from trainer.config import RolloutConfig
+    from trainer.run import is_oom_error
+    from trainer.vllm_rollout import SLEEP_LEVEL, GiB, cpu_kv_cache_bytes, engine_plan
+
+    ro = RolloutConfig(gpu_memory_utilization=0.4, max_num_seqs=8, seed=42)
+    cuda = engine_plan(ro, device_type="cuda", max_model_len=96, weight_bytes=10, cpu_memory_gb=1.0, rank=3)
+    assert cuda.llm_kwargs["gpu_memory_utilization"] == 0.4 and "kv_cache_memory_bytes" not in cuda.llm_kwargs
+    assert cuda.sleep_level == SLEEP_LEVEL and cuda.llm_kwargs["seed"] == 45 and not cuda.notes
+    no_sleep = engine_plan(
+        RolloutConfig(enable_sleep_mode=False),
+        device_type="cuda",
+        max_model_len=96,
+        weight_bytes=0,
+        cpu_memory_gb=1,
+        rank=0,
+    )
+    assert (
+        no_sleep.sleep_level is None and "free_cache_engine: no effect without enable_sleep_mode" in no_sleep.notes[0]
+    )
+    cpu = engine_plan(ro, device_type="cpu", max_model_len=96, weight_bytes=GiB // 10, cpu_memory_gb=1.0, rank=0)
+    assert cpu.llm_kwargs["kv_cache_memory_bytes"] == cpu_kv_cache_bytes(0.4, 1.0, GiB // 10) == int(0.3 * GiB)
+    assert cpu.sleep_level is None and cpu.llm_kwargs["enable_sleep_mode"] is False
+    assert "gpu_memory_utilization" not in cpu.llm_kwargs  # vLLM's CPU reading: a share of the whole machine
+    assert is_oom_error(
+        ValueError(
+            "Free memory on device cuda:0 (10/80 GiB) on startup is less than desired GPU memory utilization "
+            "(0.5, 40 GiB)."
+        )
+    )
+    assert not is_oom_error(ValueError("To serve at least one request with the model's max seq len (96), ... KV cache"))
