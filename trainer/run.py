@@ -405,6 +405,14 @@ def build_roles(cfg, tokenizer, device, world: int, notes: list[str]):
         "critic.fsdp",
         knobs(c.fsdp, c.strategy, c.model.enable_gradient_checkpointing, compute_offload=c.fsdp.offload_policy),
     )
+    if not on_cpu:
+        from .parallel import move_params
+
+        # param_offload: the shards wait in host memory from the start, as verl offloads them at init
+        # (a colocated vLLM engine, built next, then sees the device without them)
+        for sharded, offload in ((actor, a.fsdp_config.param_offload), (critic, c.fsdp.param_offload)):
+            if offload:
+                move_params(sharded, torch.device("cpu"))
     rollout = None
     if ro.name == "vllm":
         from .vllm_rollout import DTYPE_BYTES, VLLMRollout, engine_plan
