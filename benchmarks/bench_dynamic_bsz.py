@@ -3,8 +3,9 @@
 Same skewed-length synthetic data, same global batch, same algorithm; only the per-GPU knobs
 differ. The baseline (a) is the fastest padded fixed micro-batch that runs (a pre-pass tries
 1, 2, 4, 8), what a user tuning by hand would keep; (b) adds remove-padding, (c) dynamic bsz
-alone, (d) both. Each configuration runs as a real `ppotune train` (2 processes, gloo); the configs
-are interleaved run by run so machine noise hits all alike. Prints tokens/s/GPU (median of the
+alone, (d) both, at the token budget a second pre-pass finds fastest (640, 1280, 2560). Each
+configuration runs as a real `ppotune train` (2 processes, gloo); the configs are interleaved run
+by run so machine noise hits all alike. Prints tokens/s/GPU (median of the
 measured steps of each run, then the median over runs) and each ratio to (a).
 
     python benchmarks/bench_dynamic_bsz.py [--runs 3] [--steps 4] [--nproc 2]
@@ -39,13 +40,19 @@ PACKED = [
     "actor_rollout_ref.model.use_remove_padding=true",
     "critic.model.use_remove_padding=true",
 ]
-DYNAMIC = [
-    "actor_rollout_ref.actor.use_dynamic_bsz=true",
-    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=640",
-    "critic.ppo_max_token_len_per_gpu=640",
-]
 #: the padded fixed micro-batches the baseline is chosen from (the per-GPU mini-batch is 16 x 1 / 2 = 8)
 MICRO_CHOICES = (1, 2, 4, 8)
+#: the per-GPU token budgets dynamic bsz is given (one sequence is at most 96 + 64 = 160 tokens)
+BUDGET_CHOICES = (640, 1280, 2560)
+
+
+def dynamic(budget: int) -> list[str]:
+    """Dynamic bsz with a per-GPU token budget (the log-prob and value passes follow the actor's)."""
+    return [
+        "actor_rollout_ref.actor.use_dynamic_bsz=true",
+        f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={budget}",
+        f"critic.ppo_max_token_len_per_gpu={budget}",
+    ]
 
 
 def micro(n: int) -> list[str]:
@@ -58,14 +65,26 @@ def micro(n: int) -> list[str]:
     ]
 
 
-def configs(best_micro: int) -> dict:
+def configs(best_micro: int, best_budget: int) -> dict:
     """(a) the best padded fixed micro-batch, then remove-padding and dynamic bsz alone and together."""
     return {
         f"(a) padded, fixed micro-batch {best_micro} (the best padded)": PADDED + micro(best_micro),
         f"(b) remove padding, fixed micro-batch {best_micro}": [*PADDED[:1], *PACKED, *micro(best_micro)],
-        "(c) dynamic bsz 640 tokens, padded": [*PADDED[1:], *DYNAMIC],
-        "(d) dynamic bsz 640 tokens + remove padding": PACKED + DYNAMIC,
+        f"(c) dynamic bsz {best_budget} tokens, padded": [*PADDED[1:], *dynamic(best_budget)],
+        f"(d) dynamic bsz {best_budget} tokens + remove padding": PACKED + dynamic(best_budget),
     }
+
+
+def fastest(candidates: dict, steps: int, nproc: int) -> object:
+    """The key of the fastest candidate config (one run each); a config that fails is no candidate."""
+    got = {}
+    for key, overrides in candidates.items():
+        try:
+            got[key] = run_once(overrides, steps, nproc)[0]
+        except subprocess.CalledProcessError:
+            got[key] = None
+        print(f"pre-pass {key}: " + (f"{got[key]:.1f} tokens/s/GPU" if got[key] else "did not run"), flush=True)
+    return max((k for k in got if got[k]), key=lambda k: got[k])
 
 
 def run_once(overrides: list[str], steps: int, nproc: int) -> float:
@@ -107,16 +126,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--nproc", type=int, default=2)
     args = ap.parse_args()
-    # the baseline is the padded fixed micro-batch a user would pick: the fastest that runs (one run each)
-    tried = {}
-    for m in MICRO_CHOICES:
-        try:
-            tried[m] = run_once(PADDED + micro(m), args.steps, args.nproc)[0]
-        except subprocess.CalledProcessError:
-            tried[m] = None  # did not fit (or failed): not a candidate
-        print(f"padded micro-batch {m}: " + (f"{tried[m]:.1f} tokens/s/GPU" if tried[m] else "did not run"), flush=True)
-    best_micro = max((m for m in tried if tried[m]), key=lambda m: tried[m])
-    cfgs = configs(best_micro)
+    # each side at its own best: the padded fixed micro-batch a user tuning by hand would keep, and the
+    # token budget that suits dynamic bsz (one run each)
+    best_micro = fastest({m: PADDED + micro(m) for m in MICRO_CHOICES}, args.steps, args.nproc)
+    best_budget = fastest({b: PACKED + dynamic(b) for b in BUDGET_CHOICES}, args.steps, args.nproc)
+    cfgs = configs(best_micro, best_budget)
     thr = {k: [] for k in cfgs}
     train_s = {k: [] for k in cfgs}
     for i in range(args.runs):
