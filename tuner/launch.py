@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -83,23 +84,20 @@ def classify(
     timed_out: bool = False,
     interrupted: bool = False,
     timeout_s: Optional[float] = None,
+    timeout_reason: Optional[str] = None,
     stderr_hint: Optional[str] = None,
 ) -> tuple[Status, Optional[str]]:
     """(status, one-line error) of a finished trial process.
 
     ``invalid``: the config was refused (exit code 2, or a result error starting with
     ``config:``); ``oom``: result status oom; ``crash``: a signal, an exit without a result
-    file, or any other error; ``hang``: our timeout fired first.
+    file, or any other error; ``hang``: one of our timeouts fired first (``timeout_reason`` says which).
     """
     if interrupted:
         return Status.INTERRUPTED, "interrupted: the tuner was stopped while the trial ran"
     if timed_out:
-        return (
-            Status.HANG,
-            f"no result after {timeout_s:.0f} s (--trial-timeout); trial process group killed"
-            if timeout_s is not None
-            else "trial timed out; process group killed",
-        )
+        why = timeout_reason or (_total_timeout(timeout_s) if timeout_s is not None else "trial timed out")
+        return Status.HANG, f"{why}; trial process group killed"
     if result is not None:
         status, error = result.get("status"), result.get("error")
         if status == "ok":
@@ -179,6 +177,60 @@ def _trial_env(extra_env: Optional[dict]) -> dict:
     return env
 
 
+class StepWatch:
+    """The step lines a trial's log gains (``step_line``: a regex matched per line; rank 0 logs one line
+    per PPO step): how many so far and when the last one arrived."""
+
+    def __init__(self, path: Path, step_line: str):
+        self.path = Path(path)
+        self.pattern = re.compile(step_line)
+        self.offset = 0
+        self.partial = b""
+        self.steps = 0
+        self.last: Optional[float] = None
+
+    def poll(self, now: float) -> None:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except OSError:
+            return
+        self.offset += len(data)
+        *lines, self.partial = (self.partial + data).split(b"\n")
+        found = sum(1 for line in lines if self.pattern.search(line.decode(errors="replace")))
+        if found:
+            self.steps += found
+            self.last = now
+
+
+def _total_timeout(total_s: float) -> str:
+    return f"no result after {total_s:g} s (--trial-timeout)"
+
+
+def timeout_reason(
+    elapsed_s: float,
+    watch: Optional[StepWatch],
+    *,
+    total_s: Optional[float],
+    startup_s: Optional[float],
+    step_s: Optional[float],
+    now: float,
+) -> Optional[str]:
+    """Which timeout fires now, as the flag that sets it (None: none)."""
+    if total_s is not None and elapsed_s > total_s:
+        return _total_timeout(total_s)
+    if watch is None:
+        return None
+    if watch.steps == 0:
+        if startup_s is not None and elapsed_s > startup_s:
+            return f"no first step after {startup_s:g} s (--startup-timeout: start-up, model build and one step)"
+        return None
+    if step_s is not None and now - watch.last > step_s:
+        return f"no step for {step_s:g} s after step {watch.steps} (--step-timeout)"
+    return None
+
+
 def launch_trial(
     cmd: Sequence[str],
     *,
@@ -192,8 +244,17 @@ def launch_trial(
     use_nvml: bool = False,
     sample_hz: float = 10.0,
     on_start: Optional[callable] = None,
+    step_line: Optional[str] = None,
+    startup_timeout_s: Optional[float] = None,
+    step_timeout_s: Optional[float] = None,
 ) -> TrialRun:
-    """Run ``cmd`` as one trial and classify it. Never raises for what the trial does."""
+    """Run ``cmd`` as one trial and classify it. Never raises for what the trial does.
+
+    Timeouts (each ``None`` = off): ``timeout_s`` caps the whole trial; with ``step_line`` (a regex for the
+    line the trial logs after each step), ``startup_timeout_s`` caps the time to the first step (imports,
+    model and engine build, the first step) and ``step_timeout_s`` the time between two steps, so a slow
+    start-up is not taken for a hang and a hang mid-run is caught without waiting for the whole cap.
+    """
     trial_dir = Path(trial_dir)
     trial_dir.mkdir(parents=True, exist_ok=True)
     log_path = trial_dir / "train.log"
@@ -230,18 +291,26 @@ def launch_trial(
     sampler = MemorySampler(proc.pid, gpus=gpus, use_nvml=use_nvml, hz=sample_hz)
     sampler.start()
     timed_out = interrupted = False
+    reason = None
+    watch = StepWatch(log_path, step_line) if step_line else None
     while True:
         try:
             rc = proc.wait(timeout=0.2)
             break
         except subprocess.TimeoutExpired:
             pass
+        now = time.monotonic()
+        if watch is not None:
+            watch.poll(now)
         if stop_event is not None and stop_event.is_set():
             interrupted = True
-        elif timeout_s is not None and time.monotonic() - t0 > timeout_s:
-            timed_out = True
+        else:
+            reason = timeout_reason(
+                now - t0, watch, total_s=timeout_s, startup_s=startup_timeout_s, step_s=step_timeout_s, now=now
+            )
+            timed_out = reason is not None
         if timed_out or interrupted:
-            why = "timed out" if timed_out else "interrupted"
+            why = f"timed out ({reason})" if timed_out else "interrupted"
             with open(log_path, "ab") as log:
                 log.write(
                     f"\nppotune search: trial {why} after {time.monotonic() - t0:.1f} s; "
@@ -263,6 +332,7 @@ def launch_trial(
         timed_out=timed_out,
         interrupted=interrupted,
         timeout_s=timeout_s,
+        timeout_reason=reason,
         stderr_hint=_last_error_line(log_path),
     )
     if read_error and status == Status.CRASH and result is None:

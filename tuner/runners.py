@@ -86,6 +86,12 @@ class VerlEngine:
         return {"overrides": [*self.base_overrides, *knobs], "ppotune": opts}
 
 
+#: The line a trial's log gains after each PPO step, per engine: ``ppotune train`` prints
+#: ``step N | ...`` (trainer.tracking); verl's console logger ``step:N - ...`` (behind Ray's coloured
+#: ``(TaskRunner pid=...)`` prefix).
+STEP_LINE = {"ppotune": r"^step \d+", "verl": r"(?:^|\s)step:\d+ - "}
+
+
 @dataclass
 class SubprocessRunner:
     """``ppotune train`` in its own process group (tuner.launch): the trial engine ``ppotune`` (our FSDP
@@ -93,10 +99,12 @@ class SubprocessRunner:
 
     device_kind: str  # cpu | cuda
     nproc: int
-    timeout_s: Optional[float] = 600.0
+    timeout_s: Optional[float] = None  # the whole trial
     grace_s: float = 10.0
     verl: Optional[VerlEngine] = None
     name: str = "ppotune"
+    startup_timeout_s: Optional[float] = 900.0  # to the first step
+    step_timeout_s: Optional[float] = 300.0  # between steps
 
     def __post_init__(self) -> None:
         if self.verl is not None:
@@ -119,6 +127,9 @@ class SubprocessRunner:
             stop_event=stop,
             gpus=gpus,
             use_nvml=self.device_kind == "cuda",
+            step_line=STEP_LINE[self.name],
+            startup_timeout_s=self.startup_timeout_s,
+            step_timeout_s=self.step_timeout_s,
         )
         res = run.result or {}
         summary = res.get("summary") or {}

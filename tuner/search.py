@@ -79,9 +79,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--trial-timeout",
         type=float,
-        default=600.0,
+        default=None,
         metavar="S",
-        help="kill a trial after S seconds and record it as a hang (default 600)",
+        help="kill a trial after S seconds in all and record it as a hang (default: no cap on the whole trial)",
+    )
+    p.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=900.0,
+        metavar="S",
+        help="a hang: no first step after S seconds (start-up, model and engine build, one step; default 900)",
+    )
+    p.add_argument(
+        "--step-timeout",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="a hang: no next step for S seconds once the trial has stepped (default 300)",
     )
     p.add_argument(
         "--memory-limit-gb",
@@ -155,6 +169,10 @@ def _device(base_flat: dict) -> dict:
 
 def options_from_args(args: argparse.Namespace, *, seed: Optional[int] = None) -> SearchOptions:
     """The loop's typed options from the parsed flags (``seed``: this process's, see _process_seed)."""
+    for flag in ("trial_timeout", "startup_timeout", "step_timeout"):
+        value = getattr(args, flag, None)
+        if value is not None and value <= 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be > 0 seconds, got {value:g}")
     return SearchOptions(
         trials=args.trials,
         sampler=args.sampler,
@@ -377,7 +395,13 @@ def run(args: argparse.Namespace) -> int:
 
         tracker = TrialTracker(project="ppotune", group=name, out_dir=out_dir)
     runner = SubprocessRunner(
-        device_kind=device["kind"], nproc=nproc, timeout_s=args.trial_timeout, grace_s=args.kill_grace, verl=verl
+        device_kind=device["kind"],
+        nproc=nproc,
+        timeout_s=args.trial_timeout,
+        grace_s=args.kill_grace,
+        verl=verl,
+        startup_timeout_s=args.startup_timeout,
+        step_timeout_s=args.step_timeout,
     )
     search = Search(
         options=options,

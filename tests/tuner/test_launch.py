@@ -104,6 +104,94 @@ def test_timeout_kills_the_whole_group_including_grandchildren(tmp_path):
     assert "timed out" in (tmp_path / "trial" / "train.log").read_text()
 
 
+STEP = r"^step \d+"
+
+
+@pytest.mark.parametrize(
+    "elapsed, steps, since_last, expected",
+    [
+        (5.0, 0, None, None),  # starting up, within the start-up limit
+        (11.0, 0, None, "--startup-timeout"),  # no first step in time
+        (50.0, 3, 2.0, None),  # a slow start-up is not a hang once steps come
+        (50.0, 3, 21.0, "--step-timeout"),  # stepped, then stuck
+        (101.0, 3, 1.0, "--trial-timeout"),  # the whole-trial cap, whatever the steps
+    ],
+)
+def test_timeout_reason(tmp_path, elapsed, steps, since_last, expected):
+    from tuner.launch import StepWatch, timeout_reason
+
+    watch = StepWatch(tmp_path / "log", STEP)
+    watch.steps, now = steps, 1000.0
+    watch.last = None if since_last is None else now - since_last
+    why = timeout_reason(elapsed, watch, total_s=100.0, startup_s=10.0, step_s=20.0, now=now)
+    assert (why is None) if expected is None else (expected in why)
+
+
+def test_step_lines_of_both_engines(tmp_path):
+    """What each engine's trial log shows after a step (verl's line as it reached a real trial log)."""
+    from tuner.launch import StepWatch
+    from tuner.runners import STEP_LINE
+
+    log = tmp_path / "train.log"
+    log.write_bytes(
+        b"step 1 (warm-up) | timing_s/step=0.6657 | perf/throughput=695.5\n"
+        b"ppotune train: ok | throughput 1776.1 tokens/s/GPU | step 0.28 s\n"
+        b"\x1b[36m(TaskRunner pid=30282)\x1b[0m step:1 - global_seqlen/min:478 - global_seqlen/max:478\n"
+        b"(TaskRunner pid=30282) training step:1 of 3\n"
+        b"step:2 - global_seqlen/min:523 - timing_s/step:1.2\npartial line step 3 |"
+    )
+    found = {}
+    for engine, pattern in STEP_LINE.items():
+        watch = StepWatch(log, pattern)
+        watch.poll(1.0)
+        found[engine] = watch.steps
+    assert found == {"ppotune": 1, "verl": 2}
+
+
+def test_step_timeout_catches_a_trial_stuck_after_its_first_step(tmp_path):
+    r = run(
+        tmp_path,
+        """
+        import time
+        print("step 1 (warm-up) | timing_s/step=0.5", flush=True)
+        print("not a step line: step counting", flush=True)
+        time.sleep(300)
+    """,
+        timeout_s=None,
+        grace_s=1.0,
+        step_line=STEP,
+        startup_timeout_s=60.0,
+        step_timeout_s=1.5,
+    )
+    assert r.status == "hang" and "no step for 1.5 s after step 1 (--step-timeout)" in r.error, r.error
+    assert 1.5 <= r.duration_s < 15
+
+
+def test_startup_timeout_and_steady_steps(tmp_path):
+    """No first step within the start-up limit is a hang; steps closer than the step limit are not,
+    however long the trial runs."""
+    stuck = run(
+        tmp_path, "import time; time.sleep(300)", timeout_s=None, grace_s=1.0, step_line=STEP, startup_timeout_s=1.5
+    )
+    assert stuck.status == "hang" and "--startup-timeout" in stuck.error, stuck.error
+    steady = run(
+        tmp_path,
+        """
+        import time
+        time.sleep(1.0)  # start-up
+        for i in range(6):
+            print(f"step {i + 1} | timing_s/step=0.4", flush=True)
+            time.sleep(0.4)
+    """,
+        timeout_s=None,
+        grace_s=1.0,
+        step_line=STEP,
+        startup_timeout_s=1.8,
+        step_timeout_s=1.2,
+    )
+    assert steady.status != "hang" and steady.duration_s > 2.4, (steady.status, steady.error)
+
+
 def test_sigterm_ignoring_trial_is_sigkilled_after_grace(tmp_path):
     r = run(
         tmp_path,
@@ -220,3 +308,11 @@ def test_sampler_reads_the_process_tree(tmp_path):
     assert 0.14 < peaks.external_peak_gb < 0.28
     assert peaks.tree_rss_peak_gb > 0.28  # two children of 150 MB each, summed
     assert len(peaks.pids_seen) >= 3
+
+
+@pytest.mark.parametrize("flag", ["--startup-timeout", "--step-timeout", "--trial-timeout"])
+def test_a_timeout_must_be_positive(cli, tmp_path, flag):
+    r = cli("search", "configs/tiny_cpu.yaml", "--space", "search_spaces/tiny_cpu.yaml", "--trials", 1,
+            flag, 0, "--out", tmp_path / "out")  # fmt: skip
+    assert r.returncode == 2 and r.stderr.strip() == f"ppotune search: {flag} must be > 0 seconds, got 0"
+    assert not (tmp_path / "out").exists()  # nothing was started
