@@ -296,6 +296,7 @@ def build_roles(cfg, tokenizer, device, world: int, notes: list[str]):
     from .config import PRECISIONS, effective_config
     from .models import load_actor, load_critic, num_params
     from .parallel import ShardKnobs, shard_model, torch_dtype
+    from .rollout import Sampling
     from .step import ActorLoss, MicroBatching, Plans, Roles, StepSettings, Trainee, make_entropy_fn
 
     cfg = effective_config(cfg)  # null follow-keys filled in: every value below is what the run uses
@@ -460,12 +461,17 @@ def build_roles(cfg, tokenizer, device, world: int, notes: list[str]):
         ),
     )
     settings = StepSettings(
-        temperature=ro.temperature,
-        top_p=ro.top_p,
-        top_k=ro.top_k,
-        do_sample=ro.do_sample,
-        ignore_eos=ro.ignore_eos,
-        max_response_length=cfg.data.max_response_length,
+        sampling=Sampling(
+            max_response_length=cfg.data.max_response_length,
+            temperature=ro.temperature,
+            top_p=ro.top_p,
+            top_k=ro.top_k,
+            do_sample=ro.do_sample,
+            ignore_eos=ro.ignore_eos,
+            pad_id=tokenizer.pad_token_id,
+            eos_id=tokenizer.eos_token_id,
+            vocab_limit=len(tokenizer),
+        ),
         ppo_mini_batch_size_per_gpu=a.ppo_mini_batch_size * n // world,
         critic_mini_batch_size_per_gpu=c.ppo_mini_batch_size * n // world,
         ppo_epochs=a.ppo_epochs,
@@ -489,9 +495,6 @@ def build_roles(cfg, tokenizer, device, world: int, notes: list[str]):
         ),
         train_batch_size=cfg.data.train_batch_size,
         rollout_n=n,
-        pad_id=tokenizer.pad_token_id,
-        eos_id=tokenizer.eos_token_id,
-        vocab_limit=len(tokenizer),
     )
     roles = Roles(
         actor=Trainee(

@@ -40,7 +40,7 @@ from .parallel import (
     move_optimizer_state,
     move_params,
 )
-from .rollout import generate_responses
+from .rollout import Sampling, generate_responses
 
 if TYPE_CHECKING:
     from .vllm_rollout import VLLMRollout
@@ -141,12 +141,7 @@ class ActorLoss:
 class StepSettings:
     """The global (algorithm) settings of a step; identical under every knob setting."""
 
-    temperature: float
-    top_p: float
-    top_k: int
-    do_sample: bool
-    ignore_eos: bool
-    max_response_length: int
+    sampling: Sampling  # the rollout's
     ppo_mini_batch_size_per_gpu: int  # sequences, = ppo_mini_batch_size * n / world_size
     critic_mini_batch_size_per_gpu: int
     ppo_epochs: int
@@ -160,9 +155,6 @@ class StepSettings:
     actor_loss: ActorLoss
     train_batch_size: int
     rollout_n: int
-    pad_id: int
-    eos_id: int
-    vocab_limit: int
 
 
 # --------------------------------------------------------------------------- forward passes
@@ -537,22 +529,11 @@ class Roles:
         self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Responses and their mask sampled from the actor with this run's rollout settings."""
-        s = self.settings
-        sampling = dict(
-            max_response_length=s.max_response_length,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k,
-            do_sample=s.do_sample,
-            ignore_eos=s.ignore_eos,
-            pad_id=s.pad_id,
-            eos_id=s.eos_id,
-            vocab_limit=s.vocab_limit,
-        )
+        sampling = self.settings.sampling
         if self.rollout is not None:
-            return self.rollout.generate(prompt_ids, prompt_mask, **sampling)
+            return self.rollout.generate(prompt_ids, prompt_mask, sampling)
         with resident(self.actor, device):
-            return generate_responses(self.actor.sharded, prompt_ids, prompt_mask, **sampling)
+            return generate_responses(self.actor.sharded, prompt_ids, prompt_mask, sampling)
 
     def update_critic(self, batch: dict, *, prompt_width: int, device: torch.device) -> dict:
         """:func:`update_critic` of the critic with this run's plan and settings."""
@@ -580,7 +561,7 @@ class Roles:
             mini_per_gpu=s.ppo_mini_batch_size_per_gpu,
             epochs=s.ppo_epochs,
             prompt_width=prompt_width,
-            temperature=s.temperature,
+            temperature=s.sampling.temperature,
             device=device,
         )
 
@@ -625,13 +606,18 @@ def ppo_step(
     # step 3. log-probs of the behaviour policy (the actor before this update)
     with meter.phase("old_log_prob"):
         batch["old_log_probs"], entropy = compute_old_log_probs(
-            roles.actor, batch, roles.plans.rollout_log_prob, prompt_width=P, temperature=s.temperature, device=device
+            roles.actor,
+            batch,
+            roles.plans.rollout_log_prob,
+            prompt_width=P,
+            temperature=s.sampling.temperature,
+            device=device,
         )
 
     # step 4. log-probs of the frozen reference policy, for the KL penalty
     with meter.phase("ref"):
         batch["ref_log_probs"] = compute_log_probs(
-            roles.ref, batch, roles.plans.ref, prompt_width=P, temperature=s.temperature, device=device
+            roles.ref, batch, roles.plans.ref, prompt_width=P, temperature=s.sampling.temperature, device=device
         )
 
     # step 5. critic values

@@ -25,6 +25,8 @@ from typing import Iterable, Optional
 
 import torch
 
+from .rollout import Sampling
+
 __all__ = ["EnginePlan", "engine_plan", "cpu_kv_cache_bytes", "VLLMRollout", "DTYPE_BYTES"]
 
 GiB = 1024**3
@@ -173,43 +175,35 @@ class VLLMRollout:
         self,
         prompt_ids: torch.Tensor,
         prompt_mask: torch.Tensor,
-        *,
-        max_response_length: int,
-        temperature: float,
-        top_p: float,
-        top_k: int,
-        do_sample: bool,
-        ignore_eos: bool,
-        pad_id: int,
-        eos_id: int,
-        vocab_limit: int,
+        sampling: Sampling,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Left-padded prompts (B, P) -> responses (B, R) right-padded with ``pad_id``, response_mask (B, R):
         1 for every generated token, the EOS that ended a response included (as HF ``generate``)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        greedy = not do_sample or temperature == 0
+        s, R = sampling, sampling.max_response_length
+        greedy = not s.do_sample or s.temperature == 0
         params = SamplingParams(
             n=1,  # the batch already holds each prompt rollout.n times
-            temperature=0.0 if greedy else temperature,
-            top_p=1.0 if greedy else top_p,
-            top_k=top_k if top_k > 0 and not greedy else 0,
-            max_tokens=max_response_length,
+            temperature=0.0 if greedy else s.temperature,
+            top_p=1.0 if greedy else s.top_p,
+            top_k=s.top_k if s.top_k > 0 and not greedy else 0,
+            max_tokens=R,
             # ignore_eos: EOS cannot be sampled before max_response_length, exactly as HF's min_new_tokens
-            min_tokens=max_response_length if ignore_eos else 0,
-            stop_token_ids=[eos_id],
+            min_tokens=R if s.ignore_eos else 0,
+            stop_token_ids=[s.eos_id],
             # the embedding may be padded past the tokenizer: never sample ids that decode to nothing
-            allowed_token_ids=list(range(vocab_limit)) if vocab_limit < self.vocab_size else None,
+            allowed_token_ids=list(range(s.vocab_limit)) if s.vocab_limit < self.vocab_size else None,
             detokenize=False,
         )
         rows = [ids[m.bool()].tolist() for ids, m in zip(prompt_ids.cpu(), prompt_mask.cpu())]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=r) for r in rows], params, use_tqdm=False)
         B = len(rows)
-        responses = torch.full((B, max_response_length), pad_id, dtype=torch.long)
-        mask = torch.zeros((B, max_response_length), dtype=torch.long)
+        responses = torch.full((B, R), s.pad_id, dtype=torch.long)
+        mask = torch.zeros((B, R), dtype=torch.long)
         for i, out in enumerate(outs):
-            tokens = list(out.outputs[0].token_ids)[:max_response_length]
+            tokens = list(out.outputs[0].token_ids)[:R]
             responses[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
             mask[i, : len(tokens)] = 1
         return responses.to(prompt_ids.device), mask.to(prompt_ids.device)

@@ -119,10 +119,10 @@ def run_variant(overrides: dict, *, world: int, rank: int, device: torch.device)
     init_actor, init_critic = state_dict(roles.actor, device), state_dict(roles.critic, device)
     P, s, plans = cfg.data.max_prompt_length, roles.settings, roles.plans
     batch["old_log_probs"], old_entropy = compute_old_log_probs(
-        roles.actor, batch, plans.rollout_log_prob, prompt_width=P, temperature=s.temperature, device=device
+        roles.actor, batch, plans.rollout_log_prob, prompt_width=P, temperature=s.sampling.temperature, device=device
     )
     batch["ref_log_probs"] = compute_log_probs(
-        roles.ref, batch, plans.ref, prompt_width=P, temperature=s.temperature, device=device
+        roles.ref, batch, plans.ref, prompt_width=P, temperature=s.sampling.temperature, device=device
     )
     batch["values"] = compute_values(roles.critic, batch, plans.critic_forward, prompt_width=P, device=device)
     batch["returns"] = batch["values"] + batch.pop("return_noise")

@@ -115,7 +115,7 @@ def run_variant(base: str, overrides: dict, steps: int, device: torch.device, re
         from trainer.step import assemble_batch, compute_log_probs
 
         s = roles.settings
-        resp = torch.full((ids.shape[0], s.max_response_length), 7, device=device)
+        resp = torch.full((ids.shape[0], s.sampling.max_response_length), 7, device=device)
         batch = assemble_batch(ids, mask, resp, torch.ones_like(resp))
         result["relocation"] = relocation_check(
             roles,
@@ -124,7 +124,7 @@ def run_variant(base: str, overrides: dict, steps: int, device: torch.device, re
                 batch,
                 roles.plans.rollout_log_prob,
                 prompt_width=cfg.data.max_prompt_length,
-                temperature=s.temperature,
+                temperature=s.sampling.temperature,
                 device=device,
             ),
         )

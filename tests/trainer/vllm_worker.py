@@ -60,23 +60,12 @@ def main(out: str, strategy: str) -> None:
     prompt_ids, prompt_mask = left_pad(
         [ds.input_ids[i] for i in mine], cfg.data.max_prompt_length, tokenizer.pad_token_id
     )
-    s = roles.settings
-    sampling = dict(
-        max_response_length=s.max_response_length,
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=s.top_k,
-        do_sample=False,
-        pad_id=s.pad_id,
-        eos_id=s.eos_id,
-        vocab_limit=s.vocab_limit,
-    )
 
     def both() -> dict:
         roles.update_weights(device)
         v_resp, v_mask = roles.generate(prompt_ids, prompt_mask, device)
         with resident(roles.actor, device):
-            h_resp, h_mask = generate_responses(roles.actor.sharded, prompt_ids, prompt_mask, **sampling)
+            h_resp, h_mask = generate_responses(roles.actor.sharded, prompt_ids, prompt_mask, roles.settings.sampling)
         return {
             "vllm": v_resp.tolist(),
             "vllm_mask": v_mask.tolist(),
