@@ -12,14 +12,11 @@ measured steps of each run, then the median over runs) and each ratio to (a).
 """
 
 import argparse
-import json
 import statistics
 import subprocess
-import sys
-import tempfile
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from demo_train import train_summary
+
 # Longer responses and a heavier prompt tail than the demo, so padding is a real share of the work.
 COMMON = [
     "data.max_prompt_length=96",
@@ -87,37 +84,12 @@ def fastest(candidates: dict, steps: int, nproc: int) -> object:
     return max((k for k in got if got[k]), key=lambda k: got[k])
 
 
-def run_once(overrides: list[str], steps: int, nproc: int) -> float:
-    with tempfile.TemporaryDirectory() as d:
-        result = Path(d) / "r.json"
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "tuner.cli",
-                "train",
-                str(ROOT / "configs" / "tiny_cpu.yaml"),
-                *COMMON,
-                *overrides,
-                "--nproc",
-                str(nproc),
-                "--steps",
-                str(steps),
-                "--warmup",
-                "1",
-                "--result",
-                str(result),
-            ],
-            cwd=ROOT,
-            check=True,
-            capture_output=True,
-        )
-        r = json.loads(result.read_text())
-        # the update phases are what the knobs change; generation is identical in both
-        s = r["summary"]
-        return s["throughput"], s["timing_s"]["update_actor"] + s["timing_s"]["update_critic"] + s["timing_s"][
-            "old_log_prob"
-        ] + s["timing_s"]["ref"] + s["timing_s"]["values"]
+def run_once(overrides: list[str], steps: int, nproc: int) -> tuple[float, float]:
+    """(tokens/s/GPU, seconds of the phases the knobs change): the update phases and the forward passes;
+    generation is identical in every configuration."""
+    s = train_summary([*COMMON, *overrides], steps=steps, nproc=nproc)
+    t = s["timing_s"]
+    return s["throughput"], t["update_actor"] + t["update_critic"] + t["old_log_prob"] + t["ref"] + t["values"]
 
 
 def main() -> None:

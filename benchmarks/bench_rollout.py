@@ -10,14 +10,10 @@ seconds, weight-push seconds, step seconds, tokens/s/GPU and peak memory, then t
 """
 
 import argparse
-import json
 import statistics
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from demo_train import train_summary
+
 # Longer responses than the demo, so generation is a real share of the step.
 COMMON = [
     "data.max_response_length=128",
@@ -41,20 +37,10 @@ FIELDS = ("gen", "update_weights", "step", "throughput", "peak GB")
 
 
 def run_once(overrides: list[str], steps: int, nproc: int) -> dict:
-    with tempfile.TemporaryDirectory() as d:
-        result = Path(d) / "r.json"
-        subprocess.run(
-            [sys.executable, "-m", "tuner.cli", "train", str(ROOT / "configs" / "tiny_cpu.yaml"), *COMMON, *overrides]
-            + ["--nproc", str(nproc), "--steps", str(steps), "--warmup", "1", "--result", str(result)],
-            cwd=ROOT,
-            check=True,
-            capture_output=True,
-        )
-        s = json.loads(result.read_text())["summary"]
-        t = s["timing_s"]
-        return dict(
-            zip(FIELDS, (t["gen"], t["update_weights"], t["step"], s["throughput"], s["peak_memory_gb"]), strict=True)
-        )
+    s = train_summary([*COMMON, *overrides], steps=steps, nproc=nproc)
+    t = s["timing_s"]
+    values = (t["gen"], t["update_weights"], t["step"], s["throughput"], s["peak_memory_gb"])
+    return dict(zip(FIELDS, values, strict=True))
 
 
 def main() -> None:
