@@ -157,7 +157,14 @@ class TrialRecord:
     throughput: Optional[float] = None  # tokens/s/GPU, median over the measured steps
     throughput_cv: Optional[float] = None
     step_s: Optional[float] = None
-    peak_memory_gb: Optional[float] = None  # the memory objective (external sampler vs in-process, the larger)
+    throughput_ci: Optional[list] = None  # [low, high]: the 90% interval of the throughput (tokens/s/GPU)
+    measured_steps: Optional[int] = None  # steps measured (warm-up left out); fewer than asked when tight early
+    pruned: Optional[str] = None  # why the trial stopped measuring early (it could not reach the front)
+    lengths: dict = field(default_factory=dict)  # prompt/response token-length percentiles the trial saw
+    constraint: Optional[float] = None  # graded: peak / limit - 1 (<= 0 feasible); > 0 how far over
+    peak_memory_gb: Optional[float] = (
+        None  # the memory objective (GPU: NVML vs allocator, the larger; CPU: RSS above the post-start level)
+    )
     memory_source: Optional[str] = None  # nvml | psutil (the tuner's external sampler)
     memory: dict = field(default_factory=dict)  # peaks by source (external_peak_gb, allocated_peak_gb, ...)
     timing_s: dict = field(default_factory=dict)  # phase -> median seconds
@@ -211,6 +218,8 @@ MEASUREMENT_FIELDS = (
     "throughput",
     "throughput_cv",
     "step_s",
+    "throughput_ci",
+    "measured_steps",
     "peak_memory_gb",
     "memory_source",
     "memory",
