@@ -278,6 +278,13 @@ class PPOTuneSection:
 
     device: str = "auto"  # auto | cpu | cuda
     warmup_steps: int = 0  # leading steps excluded from the result summary
+    # A trial's measurement (`ppotune search` sets these; a training run leaves them off): stop before
+    # total_training_steps once the 90% interval of the per-step throughput is within +/- precision of
+    # its median (after min_measured_steps), or once a point of `front` ([trial, throughput low, peak GB],
+    # what the study measured) beats this trial for sure at no more memory. None: run every step.
+    precision: Optional[float] = None
+    min_measured_steps: int = 3
+    front: list = field(default_factory=list)
     memory_limit_gb: Optional[float] = None  # a real cap per process (GPU fraction / CPU rlimit)
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     synthetic: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)
@@ -680,6 +687,18 @@ def validate_config(cfg: PPOConfig, *, source: Optional[str] = None) -> None:
             "ppotune.warmup_steps",
             f"must be in [0, total_training_steps={cfg.trainer.total_training_steps}), got {cfg.ppotune.warmup_steps}",
         )
+    if cfg.ppotune.precision is not None and not 0 < cfg.ppotune.precision < 1:
+        fail("ppotune.precision", f"must be in (0, 1) (a share of the median) or null, got {cfg.ppotune.precision}")
+    if cfg.ppotune.min_measured_steps < 2:
+        fail(
+            "ppotune.min_measured_steps",
+            f"must be >= 2 (an interval needs two steps), got {cfg.ppotune.min_measured_steps}",
+        )
+    if any(
+        not isinstance(p, (list, tuple)) or len(p) != 3 or not all(isinstance(x, (int, float)) for x in p)
+        for p in cfg.ppotune.front
+    ):
+        fail("ppotune.front", "must be a list of [trial, throughput, peak_memory_gb] number triples")
     if cfg.ppotune.memory_limit_gb is not None and cfg.ppotune.memory_limit_gb <= 0:
         fail("ppotune.memory_limit_gb", "must be > 0")
     t = cfg.ppotune.tiny

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-__all__ = ["PhaseMeter", "actor_mfu", "peak_flops", "rss_gb", "vm_data_bytes"]
+__all__ = ["PhaseMeter", "actor_mfu", "peak_flops", "rss_gb", "rss_now_gb", "vm_data_bytes"]
 
 GB = 1024**3
 
@@ -74,6 +74,12 @@ def _read_status(field: str) -> int | None:
 
 def rss_gb() -> float | None:
     v = _read_status("VmHWM")
+    return None if v is None else v / GB
+
+
+def rss_now_gb() -> float | None:
+    """Resident memory of this process now (VmRSS)."""
+    v = _read_status("VmRSS")
     return None if v is None else v / GB
 
 

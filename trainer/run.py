@@ -144,10 +144,10 @@ def _train(cfg, rank: int, rank_file: Path, state: dict) -> None:
 
     from .config import config_to_dict, world_size
     from .data import PromptDataset, PromptLoader, left_pad, load_rows
-    from .metrics import PhaseMeter, actor_mfu, peak_flops
+    from .metrics import PhaseMeter, actor_mfu, peak_flops, rss_now_gb
     from .models import load_tokenizer
     from .step import ppo_step
-    from .summary import summarize_steps
+    from .summary import stop_reason, summarize_steps
     from .tracking import StepLogger
 
     notes: list[str] = state["notes"]
@@ -170,6 +170,7 @@ def _train(cfg, rank: int, rank_file: Path, state: dict) -> None:
     # stacks do not eat the budget differently on a machine with more cores.
     torch.ones(1 << 16).sum()
     _apply_memory_limit(cfg.ppotune.memory_limit_gb, device, notes)
+    rss_start = rss_now_gb() or 0.0  # CPU: the memory objective is the resident memory gained after this
     world = dist.get_world_size()
     if world != world_size(cfg):
         notes.append(
@@ -203,6 +204,7 @@ def _train(cfg, rank: int, rank_file: Path, state: dict) -> None:
     peak = peak_flops(state["environment"]["device_name"]) if use_cuda else None
     total_steps, warmup = cfg.trainer.total_training_steps, cfg.ppotune.warmup_steps
     my_rows = rows_of_rank(cfg, cfg.data.train_batch_size * n, world, rank)
+    lengths: dict[str, list] = {"prompt": [], "response": []}
     for step in range(1, total_steps + 1):
         # every rank draws the same global batch, repeats each prompt n times, and takes its slice
         global_idx = [i for i in loader.next() for _ in range(n)]
@@ -217,8 +219,10 @@ def _train(cfg, rank: int, rank_file: Path, state: dict) -> None:
         metrics = ppo_step(roles, prompt_ids.to(device), prompt_mask.to(device), truths, meter, device)
         step_s = time.perf_counter() - t0
         # memory: max over ranks of each phase's peak (one collective)
+        above_start = max(meter.memory.values(), default=0.0) - rss_start  # CPU: what this step added
         mem = torch.tensor(
-            [meter.memory.get(p, 0.0) for p in PHASES] + [meter.allocated_peak, meter.reserved_peak, step_s],
+            [meter.memory.get(p, 0.0) for p in PHASES]
+            + [rss_start, above_start, meter.allocated_peak, meter.reserved_peak, step_s],
             dtype=torch.float64,
             device=device,
         )
@@ -226,6 +230,13 @@ def _train(cfg, rank: int, rank_file: Path, state: dict) -> None:
         mem = mem.tolist()
         step_s = mem[-1]  # the slowest rank sets the step time
         sum_sq = metrics.pop("_sum_seqlen_sq")
+        mine_lengths = metrics.pop("_lengths")
+        if step > warmup and len(lengths["prompt"]) < MAX_LENGTHS_KEPT:
+            everyone = [None] * world
+            dist.all_gather_object(everyone, mine_lengths)
+            for prompt_lens, response_lens in everyone:
+                lengths["prompt"] += prompt_lens
+                lengths["response"] += response_lens
         row = {"step": step, "warmup": step <= warmup, "timing_s/step": step_s}
         row.update({f"timing_s/{p}": meter.timing.get(p, 0.0) for p in PHASES})
         row["perf/throughput"] = metrics["perf/total_num_tokens"] / (step_s * world)
@@ -244,12 +255,25 @@ def _train(cfg, rank: int, rank_file: Path, state: dict) -> None:
             row["perf/peak_rss_gb"] = None
         else:
             row["perf/peak_rss_gb"] = max(mem[: len(PHASES)])
+            row["perf/rss_start_gb"], row["perf/peak_rss_above_start_gb"] = mem[-5], mem[-4]
         row.update(metrics)
         state["steps"].append(row)
-        state["summary"] = summarize_steps(state["steps"], device_type=device.type)
+        summary = state["summary"] = summarize_steps(state["steps"], device_type=device.type, lengths=lengths)
+        # every rank decides alike: the inputs (step time, tokens, peaks) were all-reduced above
+        stop = stop_reason(
+            [s["perf/throughput"] for s in state["steps"] if not s["warmup"]],
+            peak_memory_gb=summary["peak_memory_gb"],
+            precision=cfg.ppotune.precision,
+            min_steps=cfg.ppotune.min_measured_steps,
+            front=cfg.ppotune.front,
+        )
+        if stop and step < total_steps:
+            summary["stopped_early"] = f"{stop} (after step {step} of {total_steps})"
         if rank == 0:
             write_json_atomic(rank_file, state)
         logger.log(row)
+        if stop:
+            break
 
     state["phase"] = "save"
     if cfg.trainer.default_local_dir:
@@ -270,6 +294,9 @@ def rows_of_rank(cfg, num_rows: int, world: int, rank: int) -> list[int]:
     group = mini_batch_group(eff.actor_rollout_ref.actor.ppo_mini_batch_size * n, eff.critic.ppo_mini_batch_size * n)
     return rank_rows(num_rows, group, world, rank)
 
+
+#: sequences whose lengths a run keeps for its summary (the first measured steps' worth)
+MAX_LENGTHS_KEPT = 100_000
 
 #: rollout keys only a vLLM engine reads (said in the notes when set on an HF-generate run)
 VLLM_ONLY_KEYS = (

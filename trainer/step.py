@@ -678,4 +678,9 @@ def ppo_step(
     metrics["response_length/mean"] = glob[3] / glob[1]
     metrics["perf/total_num_tokens"] = int(glob[2])
     metrics["_sum_seqlen_sq"] = glob[4]
+    # this rank's sequences (the run gathers them: the length distribution the measurement saw)
+    metrics["_lengths"] = (
+        batch["attention_mask"][:, :P].sum(-1).tolist(),
+        response_mask.sum(-1).tolist(),
+    )
     return metrics

@@ -135,16 +135,26 @@ class SubprocessRunner:
         summary = res.get("summary") or {}
         mem = run.memory
         inner_peak = summary.get("peak_memory_gb")
-        peaks = [p for p in (mem.external_peak_gb, inner_peak) if p is not None]
+        # GPU: NVML sees what the allocator does not (CUDA context, NCCL): the larger. CPU: the RSS gained
+        # above the post-start level, what the knobs change (the process tree's absolute RSS is kept beside)
+        above_start = summary.get("memory_source") == "rss_above_start"
+        peaks = [p for p in (None if above_start else mem.external_peak_gb, inner_peak) if p is not None]
         notes = list(res.get("notes") or [])
+        stopped = summary.get("stopped_early") or ""
+        if stopped:
+            notes.append(f"measured {summary.get('num_measured_steps')} steps: {stopped}")
         if run.leftover_pids:
             notes.append(f"processes still alive after cleanup: {run.leftover_pids}")
         record = TrialRecord(
             throughput=summary.get("throughput"),
             throughput_cv=summary.get("throughput_cv"),
             step_s=summary.get("step_s"),
+            throughput_ci=summary.get("throughput_ci"),
+            measured_steps=summary.get("num_measured_steps"),
+            pruned=stopped if stopped.startswith("pruned") else None,
+            lengths=summary.get("lengths") or {},
             peak_memory_gb=max(peaks) if peaks else None,
-            memory_source=mem.external_source,
+            memory_source="rss_above_start" if above_start else mem.external_source,
             memory={
                 "external_peak_gb": mem.external_peak_gb,
                 "external_source": mem.external_source,
@@ -155,6 +165,7 @@ class SubprocessRunner:
                 "allocated_peak_gb": summary.get("peak_memory_allocated_gb"),
                 "reserved_peak_gb": summary.get("peak_memory_reserved_gb"),
                 "rss_peak_gb": summary.get("peak_rss_gb"),
+                "rss_start_gb": summary.get("rss_start_gb"),
                 "samples": mem.samples,
             },
             timing_s=summary.get("timing_s") or {},

@@ -27,6 +27,7 @@ import psutil
 
 from trainer.config import apply_overrides, config_from_dict, config_to_dict, flatten
 from trainer.contracts import STUDY_SCHEMA_VERSION, ExitCode, Status, StorageError, TrialRecord, parse_storage
+from trainer.summary import MIN_MEASURED_STEPS
 from tuner import study as st
 from tuner.decide import count_progress
 from tuner.loop import SAMPLERS, Search, SearchOptions, TrialEvent, build_sampler
@@ -74,8 +75,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--out", default="ppotune_out", help="output dir: trials/, the default storage (default ppotune_out)"
     )
     p.add_argument("--nproc", type=int, default=None, help="processes (GPUs) per trial (default: the base config's)")
-    p.add_argument("--steps", type=int, default=3, help="PPO steps per trial, warm-up included (default 3)")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=8,
+        help="PPO steps per trial at most, warm-up included (default 8; fewer when the measurement is tight)",
+    )
     p.add_argument("--warmup", type=int, default=1, help="leading steps left out of the measurement (default 1)")
+    p.add_argument(
+        "--precision",
+        type=float,
+        default=0.05,
+        metavar="P",
+        help="a trial stops measuring once its 90%% throughput interval is within +/-P of the median (after "
+        f"{MIN_MEASURED_STEPS} measured steps), or once a measured config beats it at no more memory; 0: run "
+        "every --steps step (default 0.05)",
+    )
     p.add_argument(
         "--trial-timeout",
         type=float,
@@ -169,6 +184,8 @@ def _device(base_flat: dict) -> dict:
 
 def options_from_args(args: argparse.Namespace, *, seed: Optional[int] = None) -> SearchOptions:
     """The loop's typed options from the parsed flags (``seed``: this process's, see _process_seed)."""
+    if getattr(args, "precision", None) is not None and not 0 <= args.precision < 1:
+        raise ValueError(f"--precision must be in [0, 1) (0: measure every step), got {args.precision:g}")
     for flag in ("trial_timeout", "startup_timeout", "step_timeout"):
         value = getattr(args, flag, None)
         if value is not None and value <= 0:
@@ -281,6 +298,7 @@ def _study_attrs(
         "nproc": base_nested["trainer"]["n_gpus_per_node"],
         "steps": args.steps,
         "warmup": args.warmup,
+        "precision": args.precision or None,
         "device": device,
         "memory_limit_gb": args.memory_limit_gb,
         "penalty_memory_gb": penalty_gb,
@@ -314,6 +332,7 @@ def run(args: argparse.Namespace) -> int:
             "trainer.total_training_steps": args.steps,
             "ppotune.warmup_steps": args.warmup,
             "ppotune.memory_limit_gb": args.memory_limit_gb,
+            "ppotune.precision": args.precision or None,
         }
         trial_base = config_to_dict(
             config_from_dict(apply_overrides(base_nested, trial_extra), source=args.base_config)
