@@ -33,6 +33,7 @@ sys.path.insert(0, str(REPO))
 import yaml  # noqa: E402
 
 from trainer.summary import interval  # noqa: E402
+from tuner.confirm import log_interval  # noqa: E402
 
 BASE = REPO / "configs" / "tiny_cpu.yaml"
 SPACE = REPO / "search_spaces" / "tiny_cpu.yaml"
@@ -71,8 +72,9 @@ def train(config: Path, overrides: list[str], *, steps: int, result: Path, log: 
 
 
 def fmt_ratio(xs: list[float]) -> str:
-    ci = interval(xs)
-    return f"{statistics.median(xs):.2f}x (90% interval {ci[0]:.2f}-{ci[1]:.2f}, {len(xs)} rounds)"
+    """The median of paired ratios and its 90% interval, as the search's confirmation computes them."""
+    mid, ci = log_interval(xs)
+    return f"{mid:.2f}x (90% interval {ci[0]:.2f}-{ci[1]:.2f}, {len(xs)} rounds)"
 
 
 def main() -> int:

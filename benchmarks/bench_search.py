@@ -1,33 +1,49 @@
-"""How well do the samplers do with a quarter of a grid's budget?
+"""How much of a grid's trial-seconds does each sampler need to find (nearly) its best config?
 
-1. Runs the FULL grid of a small space once with ``ppotune search --sampler grid`` (real
-   trials: ``ppotune train`` on the tiny preset, 2 CPU processes, with a memory cap under
-   which the wide model OOMs).
-2. Replays ``ppotune search``'s own loop (the same :class:`tuner.loop.Search`: ask/tell,
-   constraints, duplicates, inferred OOM, exploration) with TPE, NSGA-II and random search,
-   a quarter of the grid's trials each, for several seeds. The baseline trial is left out
-   of the replay so that every trial is the sampler's own choice (the baseline config is
-   in the grid like any other). Trials are NOT
-   re-run: each launch is answered by :class:`tuner.runners.ReplayRunner` (the public runner
-   seam) from the grid's real measurements (status, throughput, memory, seconds). A config
-   the grid run did not launch because it was inferred OOM is answered as an OOM costing
-   the seconds of the OOM it was inferred from.
-3. Prints, per sampler: best feasible throughput found / the grid's best, how often the
-   grid's best was found, and the trial-seconds the search would have spent.
+Replays ``ppotune search``'s own loop over a RECORDED grid: no trial is re-run; each launch is
+answered by :class:`tuner.runners.ReplayRunner` (the public runner seam) with one of the config's
+recorded repeats at random (status, throughput, memory, seconds: the noise is kept). A config the
+recording inferred as OOM is answered as an OOM costing the seconds of the OOM it was inferred from.
+The baseline trial is left out, so every trial is the sampler's own choice. Three samplers:
 
-    python benchmarks/bench_search.py [--out bench_out] [--seeds 10] [--reuse]
+* ``ours``: ``tuner.loop.Search`` with TPE as ``ppotune search`` runs it: power-of-two knobs as
+  ordered exponents, rejections before launch (invalid, inferred OOM, duplicate) free and resampled,
+  a duplicate answered with its twin's values, the graded memory constraint;
+* ``tpe-plain``: the same TPE sampler fed the way a plain Optuna loop would: power-of-two knobs as
+  categoricals, invalid configs FAIL and count, every proposal launched (duplicates re-run, no OOM
+  inference), OOM/hang COMPLETE with a binary constraint;
+* ``random``: ``tuner.loop.Search`` with Optuna's random sampler (rejections free, no config twice).
+
+For each, over ``--seeds`` seeds: the true quality of the config the search would pick (the one
+with the highest measured throughput so far; its true value is the median of its recorded
+repeats) relative to the grid's best, once 10%, 15% and 25% of the grid's trial-seconds are spent,
+and the trial-seconds spent when the pick first reaches 97% of the grid's best.
+
+The recording: ``--study-db`` (an Optuna storage: a .db/.log file or URL) with ``--study`` (one or
+more studies of the same space and base: the repeats); or ``--data`` (the JSON-lines file of
+``benchmarks/record_grid.py``, with its space and base config); by default the 24-config grid of
+``SPACE`` below, recorded once for real into ``--out`` (about 3 minutes on 2 CPU cores).
+
+    python benchmarks/bench_search.py [--seeds 20] [--out bench_out] [--reuse]
+    python benchmarks/bench_search.py --study-db bench_out/study.db --study bench-grid
+    python benchmarks/bench_search.py --data benchmarks/data/grid_tiny_cpu.jsonl
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import random
 import statistics
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -35,11 +51,12 @@ sys.path.insert(0, str(REPO))
 import optuna  # noqa: E402
 
 from trainer.config import apply_overrides, config_from_dict, config_to_dict, flatten  # noqa: E402
-from trainer.contracts import DIRECTIONS, Status, TrialRecord  # noqa: E402
-from tuner.decide import count_progress  # noqa: E402
-from tuner.loop import Search, SearchOptions, build_sampler  # noqa: E402
-from tuner.runners import ReplayRunner  # noqa: E402
-from tuner.space import base_flat_config, load_space  # noqa: E402
+from trainer.contracts import CONSTRAINT_KEY, DIRECTIONS, Status, TrialRecord, parse_storage  # noqa: E402
+from tuner import decide  # noqa: E402
+from tuner.loop import Search, SearchOptions, TrialEvent, build_sampler  # noqa: E402
+from tuner.runners import Recorded, ReplayRunner, TrialRequest  # noqa: E402
+from tuner.space import Space, base_flat_config, load_space, space_from_dict  # noqa: E402
+from tuner.storage import open_storage  # noqa: E402
 from tuner.study import StudyLock  # noqa: E402
 
 SPACE = textwrap.dedent("""
@@ -53,144 +70,301 @@ SPACE = textwrap.dedent("""
 STEPS, WARMUP, NPROC, CAP_GB = 4, 1, 2, 0.25
 BASE = REPO / "configs" / "tiny_cpu.yaml"
 STUDY = "bench-grid"
+LEVELS = (0.10, 0.15, 0.25)  # shares of the grid's trial-seconds
+TARGET = 0.97  # "found": the pick's true throughput is at least this share of the grid's best
+SAMPLERS = ("ours", "tpe-plain", "random")
 
 
-def run_grid(out: Path, space_path: Path, n: int) -> None:
-    cmd = [
-        sys.executable,
-        "-m",
-        "tuner.cli",
-        "search",
-        str(BASE),
-        "--space",
-        str(space_path),
-        "--sampler",
-        "grid",
-        "--trials",
-        str(n),
-        "--steps",
-        str(STEPS),
-        "--warmup",
-        str(WARMUP),
-        "--nproc",
-        str(NPROC),
-        "--memory-limit-gb",
-        str(CAP_GB),
-        "--out",
-        str(out),
-        "--study",
-        STUDY,
-        "--seed",
-        "0",
-        "--trial-timeout",
-        "300",
-    ]
-    print("$", " ".join(cmd), flush=True)
-    subprocess.run(cmd, cwd=REPO, check=True)
+# --------------------------------------------------------------------------- the recording
+@dataclass
+class Recording:
+    space: Space
+    trial_base: dict  # nested: what a trial runs, before its overrides
+    flat: dict
+    penalty_gb: float
+    table: dict  # identity -> [Recorded]: ReplayRunner's table
+    label: str
+
+    def truth(self) -> dict:
+        """identity -> the config's true throughput (median of its ok repeats), 0.0 where it is not
+        feasible (fewer than half its repeats ran)."""
+        out = {}
+        for ident, rs in self.table.items():
+            ok = [r.throughput for r in rs if r.status == Status.OK and r.throughput]
+            out[ident] = statistics.median(ok) if ok and 2 * len(ok) >= len(rs) else 0.0
+        return out
+
+    def grid_s(self) -> float:
+        """What one launch of every config costs: the grid's trial-seconds."""
+        return sum(statistics.mean(r.duration_s for r in rs) for rs in self.table.values())
 
 
-def replay(
-    sampler: str, seed: int, budget: int, space, trial_base, flat, grid: optuna.Study
-) -> tuple[float, float, int]:
-    """``ppotune search``'s own loop (tuner.loop.Search) with every launch answered by the replay runner."""
-    storage = optuna.storages.InMemoryStorage()
-    study = optuna.create_study(
-        storage=storage, directions=list(DIRECTIONS), sampler=build_sampler(sampler, seed=seed, n_trials=budget)
+def _trial_base(base_nested: dict, *, steps: int, warmup: int, cap_gb: Optional[float]) -> dict:
+    extra = {"trainer.total_training_steps": steps, "ppotune.warmup_steps": warmup, "ppotune.memory_limit_gb": cap_gb}
+    return config_to_dict(config_from_dict(apply_overrides(base_nested, extra)))
+
+
+def from_studies(storage: str, names: list[str]) -> Recording:
+    """One or more ``ppotune search`` studies of the same space and base: each a repeat of the grid."""
+    spec = parse_storage(storage)
+    opened = open_storage(spec, read_only=True)
+    if not names:
+        names = [s.study_name for s in optuna.get_all_study_summaries(opened)]
+    studies = [optuna.load_study(study_name=n, storage=opened) for n in names]
+    attrs = studies[0].user_attrs
+    space = space_from_dict(attrs["space"])
+    trial_base = _trial_base(
+        attrs["base_config"], steps=attrs["steps"], warmup=attrs["warmup"], cap_gb=attrs.get("memory_limit_gb")
     )
-    runner = ReplayRunner.from_study(grid, space, flat, rng=random.Random(seed))
+    flat = flatten(trial_base)
+    table: dict = {}
+    for s in studies:
+        for ident, rs in ReplayRunner.from_study(s, space, flat).table.items():
+            table.setdefault(ident, []).extend(rs)
+    penalty = float(attrs.get("penalty_memory_gb") or 64.0)
+    return Recording(space, trial_base, flat, penalty, table, f"{spec.display} studies {', '.join(names)}")
+
+
+def from_jsonl(data: Path) -> Recording:
+    """``benchmarks/record_grid.py``'s data file (one JSON line per recorded trial), with its space and base."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import record_grid as rg
+
+    space = load_space(rg.SPACE)
+    trial_base = _trial_base(
+        base_flat_config(str(rg.BASE), nproc=rg.NPROC)[0], steps=rg.STEPS, warmup=rg.WARMUP, cap_gb=rg.CAP_GB
+    )
+    flat = flatten(trial_base)
+    rows = [json.loads(line) for line in Path(data).read_text().splitlines() if line.strip()]
+    by_trial = {(r.get("repeat"), r.get("number")): r for r in rows}
+    table: dict = {}
+    for i, row in enumerate(rows):
+        status, phase = Status(row["status"]), row.get("oom_phase")
+        if status == Status.INFERRED_OOM:  # what launching it would have done: the OOM it follows from
+            status = Status.OOM
+            phase = by_trial.get((row.get("repeat"), row.get("inferred_from")), {}).get("oom_phase")
+        seconds = float(row.get("duration_s") or 0.0)
+        entry = Recorded(status, row.get("throughput"), row.get("peak_memory_gb"), seconds, i, phase)
+        table.setdefault(space.identity({**flat, **row["overrides"]}), []).append(entry)
+    return Recording(space, trial_base, flat, rg.CAP_GB, table, str(data))
+
+
+def record_default(out: Path, reuse: bool) -> Recording:
+    """The default recording: every config of SPACE once, for real (``ppotune search --sampler grid``)."""
+    space_path = out / "bench_space.yaml"
+    space_path.write_text(SPACE)
+    space = load_space(space_path)
+    flat = flatten(_trial_base(base_flat_config(BASE, nproc=NPROC)[0], steps=STEPS, warmup=WARMUP, cap_gb=CAP_GB))
+    n_grid = space.size(flat)
+    storage = f"sqlite:///{out / 'study.db'}"
+    done = 0
+    if reuse and (out / "study.db").exists():
+        study = optuna.load_study(study_name=STUDY, storage=storage)
+        done = len(ReplayRunner.from_study(study, space, flat).table)
+    if done < n_grid:
+        cmd = [
+            sys.executable, "-m", "tuner.cli", "search", str(BASE), "--space", str(space_path),
+            "--sampler", "grid", "--trials", str(n_grid), "--steps", str(STEPS), "--warmup", str(WARMUP),
+            "--nproc", str(NPROC), "--memory-limit-gb", str(CAP_GB), "--out", str(out), "--study", STUDY,
+            "--seed", "0", "--trial-timeout", "300", "--confirm", "0",
+        ]  # fmt: skip
+        print("$", " ".join(cmd), flush=True)
+        subprocess.run(cmd, cwd=REPO, check=True)
+    return from_studies(storage, [STUDY])
+
+
+# --------------------------------------------------------------------------- one replayed search
+@dataclass
+class Run:
+    events: list  # (trial-seconds spent after the trial, its identity, its measured throughput or None)
+    launched: int
+
+
+class _StopAt:
+    """A SearchObserver that stops the search once ``cap_s`` trial-seconds are spent."""
+
+    def __init__(self, cap_s: float):
+        self.cap_s, self.spent, self.search = cap_s, 0.0, None
+
+    def trial_done(self, event: TrialEvent) -> None:
+        self.spent += float(event.record.duration_s or 0.0)
+        if self.spent >= self.cap_s:
+            self.search.stop_event.set()
+
+    def message(self, text: str) -> None:
+        pass
+
+
+def run_search(sampler: str, seed: int, rec: Recording, *, hint: int, cap_s: float) -> Run:
+    """``ppotune search``'s own loop (tuner.loop.Search), every launch answered by the replay runner."""
+    storage = optuna.storages.InMemoryStorage()
+    name = "tpe" if sampler == "ours" else sampler
+    study = optuna.create_study(
+        storage=storage, directions=list(DIRECTIONS), sampler=build_sampler(name, seed=seed, n_trials=hint)
+    )
+    runner = ReplayRunner(rec.table, rng=random.Random(seed))
+    stop = _StopAt(cap_s)
     search = Search(
-        options=SearchOptions(trials=budget, sampler=sampler, seed=seed),
+        options=SearchOptions(trials=10 * len(rec.table), sampler=name, seed=seed),
         study=study,
         storage=storage,
         lock=StudyLock(None),
-        space=space,
-        trial_base=trial_base,
-        trial_flat=flat,
+        space=rec.space,
+        trial_base=rec.trial_base,
+        trial_flat=rec.flat,
         runner=runner,
-        penalty_gb=64.0,
+        penalty_gb=rec.penalty_gb,
+        observer=stop,
     )
+    stop.search = search
     search.run()
-    ok = [t.values[0] for t in study.get_trials() if TrialRecord.from_user_attrs(t.user_attrs).status == Status.OK]
-    return (max(ok) if ok else 0.0), runner.spent_s, runner.launched
+    events, spent = [], 0.0
+    for t in sorted(study.get_trials(), key=lambda t: t.number):
+        r = TrialRecord.from_user_attrs(t.user_attrs)
+        spent += float(r.duration_s or 0.0)
+        ident = rec.space.identity({**rec.flat, **(r.overrides or {})})
+        events.append((spent, ident, r.throughput if r.status == Status.OK else None))
+    return Run(events, runner.launched)
+
+
+def run_plain_tpe(seed: int, rec: Recording, *, hint: int, cap_s: float) -> Run:
+    """A plain Optuna ask/tell loop with the same TPE sampler: categorical powers of two, every
+    proposal launched, invalid configs FAIL (and count), OOM/hang COMPLETE with a binary constraint."""
+    study = optuna.create_study(directions=list(DIRECTIONS), sampler=build_sampler("tpe", seed=seed, n_trials=hint))
+    runner = ReplayRunner(rec.table, rng=random.Random(seed))
+    events, spent = [], 0.0
+    never = threading.Event()
+    while spent < cap_s and len(events) < 20 * len(rec.table):
+        trial = study.ask()
+        params, eff = {}, dict(rec.flat)
+        for knob in rec.space.knobs:
+            if not rec.space.active(knob, eff):
+                continue
+            if knob.type in ("int", "float"):
+                value = knob.suggest(trial)
+            else:
+                value = trial.suggest_categorical(knob.key, list(knob.choices))
+            params[knob.key] = eff[knob.key] = value
+        cand = rec.space.complete(params, rec.flat)
+        ident = rec.space.identity(cand.effective)
+        verdict = decide.judge(
+            cand, number=trial.number, space=rec.space, trial_base=rec.trial_base, trial_flat=rec.flat, known={}
+        )
+        if not verdict.launch:
+            study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            events.append((spent, ident, None))
+            continue
+        out = runner.run(TrialRequest(trial.number, verdict.config, ident, Path("trials")), never)
+        spent += float(out.record.duration_s or 0.0)
+        if out.status == Status.OK:
+            trial.set_constraint(CONSTRAINT_KEY, -1.0)
+            study.tell(trial, [float(out.record.throughput), float(out.record.peak_memory_gb or 0.0)])
+        elif out.status.complete:
+            trial.set_constraint(CONSTRAINT_KEY, 1.0)
+            study.tell(trial, [0.0, rec.penalty_gb])
+        else:
+            study.tell(trial, state=optuna.trial.TrialState.FAIL)
+        events.append((spent, ident, out.record.throughput if out.status == Status.OK else None))
+    return Run(events, runner.launched)
+
+
+def found_at(run: Run, truth: dict, budget_s: float) -> float:
+    """True throughput of the pick (highest measured so far) once ``budget_s`` trial-seconds are spent."""
+    best_measured, pick = -1.0, None
+    for spent, ident, measured in run.events:
+        if spent > budget_s:
+            break
+        if measured is not None and measured > best_measured:
+            best_measured, pick = measured, ident
+    return truth.get(pick, 0.0) if pick is not None else 0.0
+
+
+def seconds_to(run: Run, truth: dict, target: float) -> float:
+    """Trial-seconds spent when the pick's true throughput first reaches ``target`` (inf: never)."""
+    best_measured, pick = -1.0, None
+    for spent, ident, measured in run.events:
+        if measured is not None and measured > best_measured:
+            best_measured, pick = measured, ident
+        if pick is not None and truth.get(pick, 0.0) >= target:
+            return spent
+    return math.inf
+
+
+def _median(xs: list) -> float:
+    return statistics.median(xs) if xs else math.nan
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="bench_out")
-    ap.add_argument("--seeds", type=int, default=10)
-    ap.add_argument("--reuse", action="store_true", help="reuse the grid study in --out if it is complete")
+    ap.add_argument("--seeds", type=int, default=20)
+    ap.add_argument("--out", default="bench_out", help="where the default grid is recorded")
+    ap.add_argument("--reuse", action="store_true", help="reuse the default grid in --out if it is complete")
+    ap.add_argument("--study-db", help="a recorded grid: Optuna storage (.db/.log file or URL)")
+    ap.add_argument("--study", action="append", default=[], help="its study (repeat the flag for repeats; default all)")
+    ap.add_argument("--data", help="a recorded grid: benchmarks/record_grid.py's JSON-lines file")
+    ap.add_argument("--cap", type=float, default=1.0, help="stop each replay after this share of the grid's seconds")
+    ap.add_argument("--samplers", default=",".join(SAMPLERS), help=f"comma-separated, of {', '.join(SAMPLERS)}")
     a = ap.parse_args()
-    out = Path(a.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    space_path = out / "bench_space.yaml"
-    space_path.write_text(SPACE)
-    space = load_space(space_path)
-    base_nested, _ = base_flat_config(BASE, nproc=NPROC)
-    trial_base = config_to_dict(
-        config_from_dict(
-            apply_overrides(
-                base_nested,
-                {
-                    "trainer.total_training_steps": STEPS,
-                    "ppotune.warmup_steps": WARMUP,
-                    "ppotune.memory_limit_gb": CAP_GB,
-                },
-            )
-        )
-    )
-    flat = flatten(trial_base)
-    n_grid = space.size(flat)
-    storage = f"sqlite:///{out / 'study.db'}"
-
     t0 = time.monotonic()
-    done = 0
-    if a.reuse and (out / "study.db").exists():
-        done = count_progress(optuna.load_study(study_name=STUDY, storage=storage).get_trials())
-    if done < n_grid:
-        run_grid(out, space_path, n_grid)
-    grid_wall = time.monotonic() - t0
-    grid = optuna.load_study(study_name=STUDY, storage=storage)
-    table = ReplayRunner.from_study(grid, space, flat).table
-    assert len(table) == n_grid, f"the grid run measured {len(table)} of {n_grid} configs"
-    ok = [r for rs in table.values() for r in rs if r.status == Status.OK]
-    best = max(r.throughput for r in ok)
-    grid_s = sum(rs[0].duration_s for rs in table.values())
-    recs = [TrialRecord.from_user_attrs(t.user_attrs) for t in grid.get_trials()]
-    grid_launched_s = sum(float(r.duration_s or 0) for r in recs)
-    statuses: dict = {}
-    for r in recs:
-        statuses[str(r.status)] = statuses.get(str(r.status), 0) + 1
-    budget = max(1, round(n_grid / 4))
-
-    print()
+    if a.study_db:
+        rec = from_studies(a.study_db, a.study)
+    elif a.data:
+        rec = from_jsonl(Path(a.data))
+    else:
+        out = Path(a.out).resolve()
+        out.mkdir(parents=True, exist_ok=True)
+        rec = record_default(out, a.reuse)
+    truth = rec.truth()
+    grid = {rec.space.identity(c.effective) for c in rec.space.grid(rec.flat)}
+    missing = len(grid - set(rec.table))
+    best = max(truth.values())
+    grid_s = rec.grid_s()
+    repeats = [len(rs) for rs in rec.table.values()]
+    n_feasible = sum(1 for v in truth.values() if v > 0)
+    hint = max(1, round(LEVELS[-1] * len(grid)))  # the --trials a user would give for a quarter of the grid
+    gaps = f", {missing} NOT recorded (answered crash)" if missing else ""
     print(
-        f"grid: {n_grid} configs (tiny preset, {NPROC} CPU procs, {STEPS} steps incl. {WARMUP} warm-up, "
-        f"memory cap {CAP_GB} GiB): {len(ok)} feasible; trials by status {dict(sorted(statuses.items()))}"
+        f"recording: {rec.label}: {len(rec.table)} configs ({min(repeats)}-{max(repeats)} repeats each), "
+        f"{n_feasible} feasible; space size {len(grid)}{gaps}"
     )
     print(
-        f"grid: best feasible throughput {best:.1f} tokens/s/GPU; trial-seconds spent {grid_launched_s:.0f} s "
-        f"(inferred OOMs cost 0; launching every config would cost {grid_s:.0f} s); wall {grid_wall:.0f} s"
+        f"grid: best feasible throughput {best:.1f} tokens/s/GPU (median of its repeats); one launch of every "
+        f"config costs {grid_s:.0f} trial-s; budgets " + ", ".join(f"{x:.0%} = {x * grid_s:.0f} s" for x in LEVELS)
     )
     print(
-        f"samplers: budget {budget} trials (a quarter of the grid, every one the sampler's choice), "
-        f"seeds 0..{a.seeds - 1}; values looked up from the grid's REAL measurements (no trial re-run)"
+        f"replays: {a.seeds} seeds each; TPE built for --trials {hint}; each launch answered by one recorded "
+        f"repeat at random; found = the TRUE throughput (median of repeats) of the config with the best "
+        f"measured throughput so far / the grid's best"
     )
-    print(
-        f"{'sampler':8} {'found/best mean':>15} {'min':>6} {'max':>6} {'hit best':>9} {'trial-s mean':>13} "
-        f"{'launched':>9}"
-    )
-    for sampler in ("tpe", "nsga2", "random"):
-        ratios, spent, hits, launched = [], [], 0, []
+    head = " ".join(f"{'@' + format(x, '.0%'):>14}" for x in LEVELS)
+    print(f"{'sampler':10} {head} {'trial-s to ' + format(TARGET, '.0%'):>18} {'(share of grid)':>15} {'launched':>9}")
+    to97: dict = {}
+    for sampler in [s for s in a.samplers.split(",") if s]:
+        found = {x: [] for x in LEVELS}
+        secs, launched = [], []
         for seed in range(a.seeds):
-            found, s, n = replay(sampler, seed, budget, space, trial_base, flat, grid)
-            ratios.append(found / best)
-            spent.append(s)
-            launched.append(n)
-            hits += found >= best
+            if sampler == "tpe-plain":
+                run = run_plain_tpe(seed, rec, hint=hint, cap_s=a.cap * grid_s)
+            else:
+                run = run_search(sampler, seed, rec, hint=hint, cap_s=a.cap * grid_s)
+            for x in LEVELS:
+                found[x].append(found_at(run, truth, x * grid_s) / best)
+            secs.append(seconds_to(run, truth, TARGET * best))
+            launched.append(run.launched)
+        cells = []
+        for x in LEVELS:
+            hits = sum(v >= TARGET for v in found[x])
+            cells.append(f"{_median(found[x]):6.3f} [{hits:2d}/{a.seeds}]")
+        med = _median(secs)
+        to97[sampler] = med
+        share = f"{med / grid_s:.0%}" if math.isfinite(med) else f">{a.cap:.0%}"
         print(
-            f"{sampler:8} {statistics.mean(ratios):15.3f} {min(ratios):6.3f} {max(ratios):6.3f} "
-            f"{hits:>4}/{a.seeds:<4} {statistics.mean(spent):13.0f} {statistics.mean(launched):9.1f}"
+            f"{sampler:10} {' '.join(f'{c:>14}' for c in cells)} {med:18.0f} {share:>15} "
+            f"{statistics.mean(launched):9.1f}"
         )
+    if math.isfinite(to97.get("ours", math.inf)) and math.isfinite(to97.get("random", math.inf)) and to97["ours"]:
+        print(f"random / ours, trial-seconds to {TARGET:.0%}: {to97['random'] / to97['ours']:.2f}x")
+    print(f"(found: median [seeds at >= {TARGET:.0%}]; trial-s: median over seeds; wall {time.monotonic() - t0:.0f} s)")
     return 0
 
 

@@ -7,7 +7,7 @@ grid`` study of its own (real ``ppotune train`` trials, every step measured: ``-
 then writes one JSON line per trial to the data file that is committed with the repository:
 
     {"repeat", "number", "status", "overrides", "throughput", "throughput_ci", "peak_memory_gb",
-     "duration_s", "inferred_from"}
+     "duration_s", "inferred_from", "oom_phase"}
 
 An inferred OOM (never launched) is written with the seconds of the OOM it was inferred from,
 which is what launching it would have cost. Re-running the command resumes unfinished repeats.
@@ -84,6 +84,7 @@ def export(out: Path, repeats: int, data: Path) -> int:
                     "peak_memory_gb": rec.peak_memory_gb,
                     "duration_s": seconds,
                     "inferred_from": rec.inferred_from,
+                    "oom_phase": rec.oom_phase,
                 }
             )
     data.parent.mkdir(parents=True, exist_ok=True)

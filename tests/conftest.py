@@ -92,6 +92,8 @@ def real_search(tmp_path_factory, cli) -> Path:
         1,
         "--out",
         out,
+        "--confirm",  # one interleaved round (the default 3 would triple the confirmation's cost here)
+        1,
         "--report",
         timeout=1800,
     )

@@ -120,7 +120,12 @@ def test_status_sets():
     complete = {s for s in Status if s.complete}
     assert complete == {Status.OK, Status.OOM, Status.INFERRED_OOM, Status.HANG}
     assert {s for s in Status if s.feasible} == {Status.OK}
-    assert {s for s in Status if not s.counted} == {Status.INTERRUPTED, Status.DUPLICATE, Status.OVER_BUDGET}
+    assert {s for s in Status if not s.counted} == {
+        Status.INTERRUPTED,
+        Status.DUPLICATE,
+        Status.OVER_BUDGET,
+        Status.INFERRED_OOM,
+    }
     assert {s for s in Status if s.measured} == {Status.OK, Status.OOM, Status.HANG}
     assert not Status.INFERRED_OOM.launched and not Status.DUPLICATE.launched and not Status.INVALID.launched
     assert Status.OK == "ok" and f"{Status.INFERRED_OOM}" == "inferred_oom" and json.dumps(Status.HANG) == '"hang"'
@@ -171,6 +176,9 @@ def test_trial_record_round_trip_and_forward_compatibility():
         ({"status": "interrupted"}, False),
         ({"status": "duplicate", "duplicate_of": 1}, False),
         ({"status": "ok", "confirm_of": 2}, False),
+        ({"status": "inferred_oom", "inferred_from": 1, "duration_s": 0.0}, False),
+        ({"status": "invalid", "duration_s": 0.0}, False),  # refused before launch
+        ({"status": "invalid", "duration_s": 4.2, "returncode": 2}, True),  # launched, exit 2
     ],
 )
 def test_trial_record_counted(attrs, counted):

@@ -69,7 +69,8 @@ STUDY_SCHEMA_VERSION = 1
 
 #: The study's objectives: throughput (tokens/s/GPU) up, peak memory (GB per GPU) down.
 DIRECTIONS = ("maximize", "minimize")
-#: ``trial.constraints == {CONSTRAINT_KEY: 1.0}`` for an infeasible trial, ``-1.0`` for a feasible one.
+#: ``trial.constraints[CONSTRAINT_KEY]``: <= 0 feasible, > 0 infeasible; graded (``TrialRecord.constraint``,
+#: ``tuner.decide.constraint``): peak / limit - 1 for a measured trial, larger the further over for an OOM.
 CONSTRAINT_KEY = "infeasible"
 #: The share of the device memory a recommended config keeps free (report and export).
 DEFAULT_HEADROOM = 0.10
@@ -96,9 +97,9 @@ class Status(str, enum.Enum):
     INFERRED_OOM = "inferred_oom"  # at least as memory-hungry as a known OOM: never launched
     HANG = "hang"  # no result before the trial timeout; the process group was killed
     CRASH = "crash"  # a signal, an exit without a result, an error not due to the config
-    INVALID = "invalid"  # refused before launch (space constraint, config validation) or exit 2
+    INVALID = "invalid"  # refused before launch (space constraint, config validation; 0 s) or exit 2
     INTERRUPTED = "interrupted"  # the tuner stopped or died while it ran: enqueued again
-    DUPLICATE = "duplicate"  # the sampler proposed a config already in the study: not run
+    DUPLICATE = "duplicate"  # the sampler proposed a config already in the study: not run, the twin's values
     OVER_BUDGET = "over_budget"  # asked in a race with another worker that filled --trials: not run
 
     def __str__(self) -> str:  # "ok", not "Status.OK", in f-strings on every Python version
@@ -106,7 +107,9 @@ class Status(str, enum.Enum):
 
     @property
     def complete(self) -> bool:
-        """Told to Optuna as COMPLETE (TPE learns from it); the others are FAIL."""
+        """Always told to Optuna as COMPLETE (TPE learns from it). Two more are COMPLETE when they can
+        be: ``invalid`` refused before launch (penalized) and ``duplicate`` of a COMPLETE twin (its
+        values); the trial's Optuna state says. The others are FAIL."""
         return self in _COMPLETE
 
     @property
@@ -116,8 +119,10 @@ class Status(str, enum.Enum):
 
     @property
     def counted(self) -> bool:
-        """Counts toward ``--trials`` (an interrupted trial's retry counts instead; a duplicate was never run)."""
-        return self not in (Status.INTERRUPTED, Status.DUPLICATE, Status.OVER_BUDGET)
+        """Counts toward ``--trials`` (an interrupted trial's retry counts instead; a duplicate and an
+        inferred OOM were never run). ``invalid`` counts only when launched (exit 2): one refused
+        before launch (0 s) does not, see :attr:`TrialRecord.counted`."""
+        return self not in (Status.INTERRUPTED, Status.DUPLICATE, Status.OVER_BUDGET, Status.INFERRED_OOM)
 
     @property
     def measured(self) -> bool:
@@ -205,8 +210,14 @@ class TrialRecord:
 
     @property
     def counted(self) -> bool:
-        """Counts toward ``--trials`` (also while RUNNING: no status yet). ``--confirm`` re-runs never do."""
-        return (self.status is None or self.status.counted) and self.confirm_of is None
+        """Counts toward ``--trials`` (also while RUNNING: no status yet). ``--confirm`` re-runs never do,
+        nor does anything rejected before launch (duplicate, inferred OOM, invalid at 0 s): the sampler
+        is asked again instead."""
+        if self.confirm_of is not None:
+            return False
+        if self.status is Status.INVALID:
+            return bool(self.duration_s)  # exit 2 of a launched trial; 0 s: refused before launch
+        return self.status is None or self.status.counted
 
 
 _FIELD_NAMES = tuple(f.name for f in dataclasses.fields(TrialRecord))

@@ -16,8 +16,11 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import yaml
 
@@ -26,7 +29,7 @@ from .contracts import RESULT_SCHEMA_VERSION, ExitCode
 from .proc import die_with_parent, write_json_atomic
 from .summary import summarize_steps
 
-__all__ = ["add_arguments", "run", "build_result", "error_result"]
+__all__ = ["add_arguments", "run", "build_result", "error_result", "serve", "JobDir", "serve_layout", "warm_refusal"]
 
 _TAIL_LINES = 60
 
@@ -72,6 +75,13 @@ def add_arguments(p) -> None:
         default=None,
         metavar="PY",
         help="--engine verl: the interpreter of the verl environment (default: this one)",
+    )
+    p.add_argument(
+        "--serve",
+        default=None,
+        metavar="JOBDIR",
+        help="a warm job: start CONFIG's processes once and run, one after another, the trials requested in "
+        "JOBDIR (what ppotune search does unless --cold; see trainer/serve.py)",
     )
 
 
@@ -153,6 +163,9 @@ def build_result(
 
 
 def run(args) -> int:
+    if args.serve and args.engine != "ppotune":
+        print("ppotune train: error: --serve runs ppotune's own trainer (--engine ppotune)", file=sys.stderr)
+        return ExitCode.USAGE
     if args.engine == "verl":
         from .verl_engine import run as run_verl
 
@@ -172,40 +185,15 @@ def run(args) -> int:
             write_json_atomic(result_path, error_result(f"config: {e}"))
         return ExitCode.USAGE
     config = config_to_dict(cfg)
+    if args.serve:
+        return serve(Path(args.serve), config)
     nproc = cfg.trainer.n_gpus_per_node
     if result_path:
         result_path.parent.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="ppotune_run_", dir=result_path.parent if result_path else None))
     cfg_file = workdir / "config.yaml"
     cfg_file.write_text(yaml.safe_dump(config, sort_keys=False))
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        "--module",
-        "trainer.run",
-        str(cfg_file),
-        "--rank-dir",
-        str(workdir),
-    ]
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH", "")]
-    ).rstrip(os.pathsep)
-    env.setdefault("TORCHELASTIC_ERROR_FILE", str(workdir / "torchelastic_error.json"))
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env=env,
-        text=True,
-        bufsize=1,
-        # torchrun ends with us even if we are SIGKILLed (it then SIGTERMs its ranks)
-        preexec_fn=lambda: die_with_parent(signal.SIGTERM),
-    )
+    proc = _torchrun(["trainer.run", str(cfg_file), "--rank-dir", str(workdir)], nproc=nproc, workdir=workdir)
     tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
 
     def forward(signum, _frame):
@@ -224,31 +212,298 @@ def run(args) -> int:
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-    rank_files = {}
-    for r in range(nproc):
-        f = workdir / f"rank{r}.json"
-        if f.is_file():
-            try:
-                rank_files[r] = json.loads(f.read_text())
-            except json.JSONDecodeError:
-                pass
+    rank_files = _read_rank_files(workdir, nproc)
     result = build_result(
         rank_files, config=config, nproc=nproc, returncode=returncode, wall_s=time.time() - t0, log_tail="\n".join(tail)
     )
     if result_path:
         write_json_atomic(result_path, result)
     shutil.rmtree(workdir, ignore_errors=True)  # the result holds everything the rank files had
+    out, err = _outcome_lines(result)
+    for line in out:
+        print(line)
+    for line in err:
+        print(line, file=sys.stderr)
+    return _exit_code(result)
+
+
+def _outcome_lines(result: dict) -> tuple[list[str], list[str]]:
+    """What ``ppotune train`` says about a finished run: (stdout lines, stderr lines)."""
     s = result["summary"]
-    if result["status"] == "ok":
-        thr = s.get("throughput")
-        print(
-            f"ppotune train: ok | throughput {thr:.1f} tokens/s/GPU | step {s.get('step_s'):.2f} s | "
-            f"peak memory {s.get('peak_memory_gb'):.2f} GB ({s.get('memory_source')})"
-            if thr is not None
-            else "ppotune train: ok"
+    if result["status"] != "ok":
+        return [], [f"ppotune train: {result['status']}: {result['error']}"]
+    thr = s.get("throughput")
+    head = (
+        f"ppotune train: ok | throughput {thr:.1f} tokens/s/GPU | step {s.get('step_s'):.2f} s | "
+        f"peak memory {s.get('peak_memory_gb'):.2f} GB ({s.get('memory_source')})"
+        if thr is not None
+        else "ppotune train: ok"
+    )
+    return [head, *(f"note: {note}" for note in result["notes"])], []
+
+
+def _exit_code(result: dict) -> int:
+    return {"ok": ExitCode.OK, "oom": ExitCode.OOM}.get(result["status"], ExitCode.ERROR)
+
+
+def _read_rank_files(rank_dir: Path, nproc: int) -> dict[int, dict]:
+    rank_files = {}
+    for r in range(nproc):
+        f = rank_dir / f"rank{r}.json"
+        if f.is_file():
+            try:
+                rank_files[r] = json.loads(f.read_text())
+            except (OSError, json.JSONDecodeError):
+                pass
+    return rank_files
+
+
+def _torchrun(module_argv: list[str], *, nproc: int, workdir: Path) -> subprocess.Popen:
+    """``python -m torch.distributed.run --standalone`` of ``nproc`` ranks running ``python -m MODULE ARGS``;
+    its output (the ranks' too) on a pipe, line by line."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "--module"]
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH", "")]
+    ).rstrip(os.pathsep)
+    env.setdefault("TORCHELASTIC_ERROR_FILE", str(workdir / "torchelastic_error.json"))
+    return subprocess.Popen(
+        [*cmd, *module_argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+        text=True,
+        bufsize=1,
+        # torchrun ends with us even if we are SIGKILLed (it then SIGTERMs its ranks)
+        preexec_fn=lambda: die_with_parent(signal.SIGTERM),
+    )
+
+
+# --------------------------------------------------------------------------- a warm job (--serve)
+@dataclass(frozen=True)
+class JobDir:
+    """The files through which a warm job (``ppotune train CONFIG --serve JOBDIR``) is driven, named once
+    for its three parties: the tuner (``tuner.warm.WarmRunner``), this launcher and the ranks (trainer/serve.py).
+
+    The tuner writes request ``n`` (``{config, result, log}``: the trial's complete config, where its result
+    JSON and its log go), one at a time, or ``stop``. The launcher validates it (a refused config is
+    answered at once and never reaches the ranks), writes the trial's config beside the ranks' status files
+    in ``trial_dir(k)`` and hands it to the ranks as their next task ``k`` (``{config, rank_dir}``, or
+    ``{stop: true}``); once every rank's status file says ``done`` (or the job ended), it writes the
+    trial's result JSON where the request said and takes the next request.
+    """
+
+    root: Path
+    #: how often the launcher and the ranks look for their next file (seconds)
+    POLL_S = 0.02
+
+    def request(self, seq: int) -> Path:
+        return self.root / "requests" / f"{seq:06d}.json"
+
+    def task(self, seq: int) -> Path:
+        return self.root / "tasks" / f"{seq:06d}.json"
+
+    def trial_dir(self, seq: int) -> Path:
+        return self.root / f"trial{seq:06d}"
+
+    @property
+    def stop(self) -> Path:
+        """Touched by the tuner: end the job once the trial in flight (if any) is done."""
+        return self.root / "stop"
+
+    @property
+    def setup_dir(self) -> Path:
+        """The ranks' status files when the job fails before its first trial (process group, device)."""
+        return self.root / "setup"
+
+    def make(self) -> "JobDir":
+        for d in (self.root / "requests", self.root / "tasks", self.setup_dir):
+            d.mkdir(parents=True, exist_ok=True)
+        return self
+
+
+def serve_layout(config: dict) -> dict:
+    """What a warm job's processes fix for all of its trials (a complete nested config -> the keys): a trial
+    whose layout differs needs other processes, so it runs in another job."""
+    return {
+        "nproc": config["trainer"]["n_gpus_per_node"],
+        "nnodes": config["trainer"]["nnodes"],
+        "device": config["ppotune"]["device"],
+        "dist_timeout_s": config["ppotune"]["dist_timeout_s"],
+    }
+
+
+def warm_refusal(config: dict) -> Optional[str]:
+    """Why this (complete, nested) config cannot run as a trial of a warm job, or None."""
+    if config["actor_rollout_ref"]["rollout"]["name"] == "vllm":
+        return (
+            "actor_rollout_ref.rollout.name=vllm: a process keeps its in-process vLLM engine alive on purpose "
+            "(trainer/vllm_rollout.py), so each vLLM trial gets fresh processes"
         )
-        for note in result["notes"]:
-            print(f"note: {note}")
-        return ExitCode.OK
-    print(f"ppotune train: {result['status']}: {result['error']}", file=sys.stderr)
-    return ExitCode.OOM if result["status"] == "oom" else ExitCode.ERROR
+    if config["trainer"]["nnodes"] != 1:
+        return "trainer.nnodes > 1: a warm job is one node's processes (torchrun --standalone)"
+    return None
+
+
+class _LinePump(threading.Thread):
+    """torchrun's output (the ranks' too), line by line, to our stdout (the job's log) and to the log of the
+    trial in flight; keeps that trial's last lines for its result's ``log_tail``."""
+
+    def __init__(self, proc: subprocess.Popen):
+        super().__init__(name="ppotune-serve-output", daemon=True)
+        self.proc = proc
+        self._lock = threading.Lock()
+        self._file = None
+        self._tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
+
+    def run(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._write(line)
+
+    def _write(self, line: str) -> None:
+        with self._lock:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            if self._file is not None:
+                self._file.write(line)
+                self._file.flush()
+            self._tail.append(line.rstrip("\n"))
+
+    def begin(self, log: Optional[str]) -> None:
+        """From now on the output also goes to ``log`` (the trial's train.log), after what is there."""
+        with self._lock:
+            self._file = open(log, "a") if log else None
+            self._tail.clear()
+
+    def end(self, lines: list[str]) -> None:
+        """Write the trial's last ``lines`` (what ``ppotune train`` says about a run) and close its log."""
+        for line in lines:
+            self._write(line + "\n")
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+            self._file = None
+
+    def tail(self) -> str:
+        with self._lock:
+            return "\n".join(self._tail)
+
+
+def serve(job_root: Path, config: dict) -> int:
+    """``ppotune train CONFIG --serve JOBDIR``: one torchrun whose ranks (trainer/serve.py) start once and
+    then run trial after trial as :class:`JobDir` hands them over, each trial the same code a cold
+    ``ppotune train`` runs, with the same result JSON.
+
+    An OOM, a crash or a signal ends the job the way it ends a cold run: the trial in flight gets its result
+    from the ranks' status files and the job exits with that run's exit code (3 OOM, 1 else); the tuner starts
+    another job for the next trial. A trial whose config is refused (exit code 2 when cold) gets a ``config:``
+    error result and the job goes on. ``stop`` (or SIGTERM) ends it; exit code 0 when no trial failed.
+    """
+    refusal = warm_refusal(config)
+    if refusal:
+        print(f"ppotune train: error: --serve: {refusal}", file=sys.stderr)
+        return ExitCode.USAGE
+    job = JobDir(job_root.resolve()).make()
+    layout = serve_layout(config)
+    cfg_file = job.root / "job.yaml"
+    cfg_file.write_text(yaml.safe_dump(config, sort_keys=False))
+    proc = _torchrun(
+        ["trainer.serve", str(cfg_file), "--job-dir", str(job.root)], nproc=layout["nproc"], workdir=job.root
+    )
+    pump = _LinePump(proc)
+    pump.start()
+
+    def forward(signum, _frame):
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)  # torchrun passes it on; the trial in flight still gets its result
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    failed: Optional[dict] = None
+    seq = tasks = 0  # requests answered; tasks handed to the ranks (a refused request is not one)
+    try:
+        while True:
+            request = _next_request(job, seq + 1, proc)
+            if request is None:
+                break
+            seq += 1
+            result, ended, handed = _serve_trial(job, seq, tasks + 1, request, layout, proc, pump)
+            tasks += handed
+            write_json_atomic(Path(request["result"]), result)
+            if ended:
+                failed = result
+                break
+        if proc.poll() is None:
+            write_json_atomic(job.task(tasks + 1), {"stop": True})
+        returncode = proc.wait()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    pump.join(timeout=10)
+    if failed is not None:
+        return _exit_code(failed)
+    return ExitCode.OK if returncode == 0 else ExitCode.ERROR
+
+
+def _next_request(job: JobDir, seq: int, proc: subprocess.Popen) -> Optional[dict]:
+    """Request ``seq`` once it is there (answered even if the job has ended meanwhile); None on ``stop`` or
+    when the job ended with no request waiting."""
+    path = job.request(seq)
+    while True:
+        if path.is_file():
+            try:
+                return json.loads(path.read_text())
+            except (OSError, json.JSONDecodeError):  # written through a rename: only a broken writer
+                return {"result": str(path.with_suffix(".result.json")), "config": None, "log": None}
+        if job.stop.exists() or proc.poll() is not None:
+            return None
+        time.sleep(JobDir.POLL_S)
+
+
+def _serve_trial(
+    job: JobDir, seq: int, task: int, request: dict, layout: dict, proc: subprocess.Popen, pump: _LinePump
+) -> tuple[dict, bool, bool]:
+    """Run request ``seq`` in the job as the ranks' task ``task``: -> (its result, whether the job ended with
+    it, whether it was handed to the ranks)."""
+    t0 = time.time()
+    pump.begin(request.get("log"))
+    try:
+        if not request.get("config"):
+            raise ConfigError("config", f"request {seq} of {job.root} names no config file")
+        cfg = load_config(request["config"])  # the trust boundary, as for a cold run
+    except ConfigError as e:
+        pump.end([f"ppotune train: error: {e}"])
+        return error_result(f"config: {e}", wall_s=time.time() - t0), False, False
+    config = config_to_dict(cfg)
+    if serve_layout(config) != layout or warm_refusal(config):
+        why = warm_refusal(config) or f"its layout {serve_layout(config)} is not this job's {layout}"
+        pump.end([f"ppotune train: error: not a trial for this warm job: {why}"])
+        return (
+            error_result(f"not a trial for this warm job: {why}", config=config, wall_s=time.time() - t0),
+            False,
+            False,
+        )
+    nproc = layout["nproc"]
+    rank_dir = job.trial_dir(task)
+    rank_dir.mkdir(parents=True, exist_ok=True)
+    (rank_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    write_json_atomic(job.task(task), {"config": str(rank_dir / "config.yaml"), "rank_dir": str(rank_dir)})
+    while True:
+        files = _read_rank_files(rank_dir, nproc)
+        if len(files) == nproc and all(f.get("done") for f in files.values()):
+            returncode, ended = 0, False
+            break
+        if proc.poll() is not None:
+            returncode, ended = proc.wait(), True
+            pump.join(timeout=10)  # every line the ranks wrote is in the log and the tail
+            files = _read_rank_files(rank_dir, nproc) or _read_rank_files(job.setup_dir, nproc)
+            break
+        time.sleep(JobDir.POLL_S)
+    result = build_result(
+        files, config=config, nproc=nproc, returncode=returncode, wall_s=time.time() - t0, log_tail=pump.tail()
+    )
+    out, err = _outcome_lines(result)
+    pump.end(out + err)
+    shutil.rmtree(rank_dir, ignore_errors=True)  # the result holds everything the rank files had
+    return result, ended, True

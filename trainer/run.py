@@ -1,6 +1,8 @@
 """One rank of a PPO run (started by torchrun via ``ppotune train``).
 
-setup -> steps (the first ``ppotune.warmup_steps`` marked warm-up) -> optional HF checkpoint -> cleanup.
+:func:`start_rank` (device, process group) -> :func:`run_trial` (memory cap, data, models, steps --
+the first ``ppotune.warmup_steps`` marked warm-up -- optional HF checkpoint) -> cleanup. A warm job
+(trainer/serve.py) runs the same two functions: :func:`start_rank` once, :func:`run_trial` per trial.
 Each rank writes ``<rank-dir>/rank<r>.json``: its status (ok | oom | error), and on rank 0 the
 per-step metrics, rewritten after every step so a later failure keeps what was measured.
 An OOM anywhere is caught, recorded, and the rank exits at once (code 3): its peers, blocked in
@@ -19,12 +21,26 @@ import socket
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, NoReturn, Optional
 
 from .contracts import PHASES, ExitCode
 from .proc import die_with_parent, leave_rank, write_json_atomic
 
-__all__ = ["main", "is_oom_error"]
+__all__ = [
+    "main",
+    "is_oom_error",
+    "start_rank",
+    "run_trial",
+    "RankProcess",
+    "MemoryLevel",
+    "malloc_trim",
+    "model_loads",
+    "fail",
+    "new_state",
+    "on_sigterm_write",
+]
 
 _OOM_MARKERS = (
     "out of memory",
@@ -48,9 +64,9 @@ def is_oom_error(exc: BaseException) -> bool:
     return name == "OutOfMemoryError" or any(m in text for m in _OOM_MARKERS)
 
 
-def _apply_memory_limit(limit_gb: float | None, device, notes: list[str]) -> None:
+def _apply_memory_limit(limit_gb: float | None, device, notes: list[str], *, base_bytes: int) -> None:
     """A real cap: on GPU the allocator's per-process fraction; on CPU RLIMIT_DATA, ``limit_gb`` of
-    private writable memory above what the rank holds once torch and the process group are up.
+    private writable memory above ``base_bytes`` (what the rank holds once torch and the process group are up).
 
     RLIMIT_DATA, not RLIMIT_AS: address-space reservations (malloc arenas, thread stacks) make an
     AS cap fire at a different point on every run; a data cap fails where the memory is used.
@@ -59,17 +75,18 @@ def _apply_memory_limit(limit_gb: float | None, device, notes: list[str]) -> Non
         return
     import torch
 
-    from .metrics import vm_data_bytes
-
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, limit_gb * 1024**3 / total), device)
         return
-    base = vm_data_bytes() or 0
+    base = base_bytes  # in use: a run first reuses what malloc holds free, then grows VmData up to the cap
     cap = int(base + limit_gb * 1024**3)
-    resource.setrlimit(resource.RLIMIT_DATA, (cap, cap))
+    # the soft limit (what the kernel enforces): a warm job lifts it again after the trial (serve.py)
+    hard = resource.getrlimit(resource.RLIMIT_DATA)[1]
+    resource.setrlimit(resource.RLIMIT_DATA, (cap if hard == resource.RLIM_INFINITY else min(cap, hard), hard))
     notes.append(
-        f"ppotune.memory_limit_gb: CPU cap is RLIMIT_DATA = {base / 1024**3:.2f} GiB held at start-up + {limit_gb} GiB"
+        f"ppotune.memory_limit_gb: CPU cap is RLIMIT_DATA = {base / 1024**3:.2f} GiB in use at the start "
+        f"+ {limit_gb} GiB"
     )
 
 
@@ -94,6 +111,42 @@ def _environment(device, world: int) -> dict:
     }
 
 
+def new_state() -> dict:
+    """A rank's status file, before anything ran: an error until the run says otherwise."""
+    return {"status": "error", "error": None, "phase": "setup", "steps": [], "notes": [], "environment": None}
+
+
+def on_sigterm_write(current: dict) -> None:
+    """On SIGTERM write ``current["state"]`` to ``current["rank_file"]`` and exit. torchrun SIGTERMs the peers
+    of a failed rank: say so, so the launcher can tell the rank that died first (no status file) from the
+    ones that were stopped. ``current`` is read when the signal comes (a warm job points it at each trial)."""
+
+    def handler(signum, _frame):
+        state = current["state"]
+        state["error"] = f"stopped by signal {signum} (torchrun ends the other ranks when one fails)"
+        try:
+            write_json_atomic(current["rank_file"], state)
+        finally:
+            os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def fail(exc: BaseException, rank: int, rank_file: Path, state: dict) -> NoReturn:
+    """Record a failure in the rank's status file and leave at once (3 for an OOM, 1 else)."""
+    oom = is_oom_error(exc)
+    state["status"] = "oom" if oom else "error"
+    state["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"[:500]
+    state["traceback"] = traceback.format_exc()[-4000:]
+    try:
+        write_json_atomic(rank_file, state)
+    except OSError:
+        pass
+    print(f"[rank {rank}] {state['status']} in phase {state['phase']}: {state['error']}", file=sys.stderr, flush=True)
+    # Peers may be blocked in a collective: leave now, torchrun ends them.
+    os._exit(ExitCode.OOM if oom else ExitCode.ERROR)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="trainer.run")
     ap.add_argument("config")
@@ -102,55 +155,83 @@ def main(argv: list[str] | None = None) -> int:
     die_with_parent(signal.SIGKILL)  # torchrun died (even by SIGKILL): no orphan rank keeps a GPU
     rank = int(os.environ.get("RANK", "0"))
     rank_file = Path(args.rank_dir) / f"rank{rank}.json"
-    state = {"status": "error", "error": None, "phase": "setup", "steps": [], "notes": [], "environment": None}
-
-    def on_sigterm(signum, _frame):
-        # torchrun SIGTERMs the peers of a failed rank: say so, so the launcher can tell the rank
-        # that died first (no status file) from the ones that were stopped.
-        state["error"] = f"stopped by signal {signum} (torchrun ends the other ranks when one fails)"
-        try:
-            write_json_atomic(rank_file, state)
-        finally:
-            os._exit(128 + signum)
-
-    signal.signal(signal.SIGTERM, on_sigterm)
+    state = new_state()
+    on_sigterm_write({"state": state, "rank_file": rank_file})
     try:
+        import torch.distributed as dist
+
         from .config import load_config
 
         cfg = load_config(args.config, validate=False)  # `ppotune train` validated it and wrote this file
-        _train(cfg, rank, rank_file, state)
+        run_trial(cfg, start_rank(cfg), rank, rank_file, state)
+        dist.destroy_process_group()
         state["status"] = "ok"
         write_json_atomic(rank_file, state)
         leave_rank()
     except BaseException as exc:  # noqa: BLE001 - every failure becomes data for the launcher
-        oom = is_oom_error(exc)
-        state["status"] = "oom" if oom else "error"
-        state["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"[:500]
-        state["traceback"] = traceback.format_exc()[-4000:]
-        try:
-            write_json_atomic(rank_file, state)
-        except OSError:
-            pass
-        print(
-            f"[rank {rank}] {state['status']} in phase {state['phase']}: {state['error']}", file=sys.stderr, flush=True
-        )
-        # Peers may be blocked in a collective: leave now, torchrun ends them.
-        os._exit(ExitCode.OOM if oom else ExitCode.ERROR)
+        fail(exc, rank, rank_file, state)
 
 
-def _train(cfg, rank: int, rank_file: Path, state: dict) -> None:
+def malloc_trim() -> None:
+    """Hand the free memory glibc's malloc still holds back to the OS (``malloc_trim(0)``); no-op elsewhere."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+def _malloc_free_bytes() -> int:
+    """Bytes glibc's malloc holds free in its arenas (``mallinfo2().fordblks``); 0 where unknown (not glibc)."""
+    import ctypes
+
+    class _Mallinfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in
+                    ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                     "keepcost")]  # fmt: skip
+
+    try:
+        fn = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return 0
+    fn.restype = _Mallinfo2
+    return int(fn().fordblks)
+
+
+@dataclass(frozen=True)
+class MemoryLevel:
+    """A rank's host memory at one moment: resident (GiB), and private writable bytes in use: VmData (what
+    RLIMIT_DATA counts) less what malloc holds free (memory the process reuses before it asks the OS for more,
+    so a cap counted from VmData alone would let a run use it on top of the limit)."""
+
+    rss_gb: float
+    data_bytes: int
+
+    @classmethod
+    def now(cls) -> "MemoryLevel":
+        from .metrics import rss_now_gb, vm_data_bytes
+
+        return cls(rss_now_gb() or 0.0, (vm_data_bytes() or 0) - _malloc_free_bytes())
+
+    def __sub__(self, other: "MemoryLevel") -> "MemoryLevel":
+        return MemoryLevel(self.rss_gb - other.rss_gb, self.data_bytes - other.data_bytes)
+
+
+@dataclass(frozen=True)
+class RankProcess:
+    """What a rank sets up once, before any trial: its device and the process group."""
+
+    device: Any  # torch.device
+    world: int
+    environment: dict  # the result's ``environment``
+
+
+def start_rank(cfg) -> RankProcess:
+    """The device and the process group (``ppotune.device``, ``ppotune.dist_timeout_s``) of this rank."""
     import torch
     import torch.distributed as dist
 
-    from .config import config_to_dict, world_size
-    from .data import PromptDataset, PromptLoader, left_pad, load_rows
-    from .metrics import PhaseMeter, actor_mfu, peak_flops, rss_now_gb
-    from .models import load_tokenizer
-    from .step import ppo_step
-    from .summary import stop_reason, summarize_steps
-    from .tracking import StepLogger
-
-    notes: list[str] = state["notes"]
     want = cfg.ppotune.device
     use_cuda = torch.cuda.is_available() if want == "auto" else want == "cuda"
     if use_cuda and not torch.cuda.is_available():
@@ -166,17 +247,62 @@ def _train(cfg, rank: int, rank_file: Path, state: dict) -> None:
         timeout=datetime.timedelta(seconds=cfg.ppotune.dist_timeout_s),
         **({"device_id": device} if use_cuda else {}),
     )
-    # The cap counts from here: the runtime's own threads (intra-op pool, gloo) are up, so their
+    # The cap counts from after this: the runtime's own threads (intra-op pool, gloo) are up, so their
     # stacks do not eat the budget differently on a machine with more cores.
     torch.ones(1 << 16).sum()
-    _apply_memory_limit(cfg.ppotune.memory_limit_gb, device, notes)
-    rss_start = rss_now_gb() or 0.0  # CPU: the memory objective is the resident memory gained after this
     world = dist.get_world_size()
+    return RankProcess(device=device, world=world, environment=_environment(device, world))
+
+
+def run_trial(
+    cfg,
+    proc: RankProcess,
+    rank: int,
+    rank_file: Path,
+    state: dict,
+    *,
+    weights=None,
+    first_use: Optional[MemoryLevel] = None,
+) -> MemoryLevel:
+    """One run on a started rank: memory cap, data, models built with the config's knobs, the steps, the
+    optional checkpoint; ``state`` (the rank's status file) filled as it goes. Everything it builds is
+    garbage once it returns; -> the memory level it started from (after its imports).
+
+    The CPU memory objective and the CPU cap count from that level. A warm job (trainer/serve.py) passes
+    ``weights`` (its copy of the loaded weights) and, after its first trial, ``first_use``: what that trial
+    left behind in a process that gave back all it built (kernels, caches, lazily built state: memory a cold
+    run allocates in its own figure); a later trial then counts from its start less that, as a cold run would.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from .config import config_to_dict, world_size
+    from .data import PromptDataset, PromptLoader, left_pad, load_rows
+    from .metrics import PhaseMeter, actor_mfu, peak_flops
+    from .models import load_tokenizer
+    from .step import ppo_step
+    from .summary import stop_reason, summarize_steps
+    from .tracking import StepLogger
+
+    notes: list[str] = state["notes"]
+    device, world = proc.device, proc.world
+    use_cuda = device.type == "cuda"
+    malloc_trim()  # freed memory malloc still holds would be reused without showing as growth: give it back first
+    start = MemoryLevel.now()
+    counted_from = start if first_use is None else start - first_use
+    if first_use is not None:
+        notes.append(
+            f"warm job: memory counted from this trial's start less the first trial's first-use memory "
+            f"({first_use.rss_gb * 1024:.1f} MiB resident, {first_use.data_bytes / 2**20:.1f} MiB RLIMIT_DATA), "
+            "which a cold run counts in its own figure"
+        )
+    _apply_memory_limit(cfg.ppotune.memory_limit_gb, device, notes, base_bytes=counted_from.data_bytes)
+    rss_start = counted_from.rss_gb  # CPU: the memory objective is the resident memory gained after this
     if world != world_size(cfg):
         notes.append(
             f"trainer.n_gpus_per_node x nnodes = {world_size(cfg)} but torchrun started {world} ranks; using {world}"
         )
-    state["environment"] = _environment(device, world)
+    state["environment"] = proc.environment
     meter = PhaseMeter(
         device,
         on_phase=lambda name: state.__setitem__("phase", name),
@@ -198,7 +324,10 @@ def _train(cfg, rank: int, rank_file: Path, state: dict) -> None:
     )
     loader = PromptLoader(len(dataset), cfg.data.train_batch_size, seed=cfg.trainer.seed)
 
-    roles, shape_info = build_roles(cfg, tokenizer, device, world, notes)
+    roles, shape_info = build_roles(cfg, tokenizer, device, world, notes, weights=weights)
+    # Sampling starts from the same state however the models came to be (loaded, or copied in a warm job;
+    # FSDP1 or FSDP2): the responses, so the tokens each step processes, never depend on the build path.
+    torch.manual_seed(cfg.trainer.seed + rank)
     a, n = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout.n
     logger = StepLogger(cfg, rank=rank, config_dict=config_to_dict(cfg))
     peak = peak_flops(state["environment"]["device_name"]) if use_cuda else None
@@ -280,7 +409,7 @@ def _train(cfg, rank: int, rank_file: Path, state: dict) -> None:
         _save_checkpoint(cfg, roles, tokenizer, device, rank)
     logger.finish()
     dist.barrier()
-    dist.destroy_process_group()
+    return start
 
 
 def rows_of_rank(cfg, num_rows: int, world: int, rank: int) -> list[int]:
@@ -314,14 +443,32 @@ VLLM_ONLY_KEYS = (
 )
 
 
-def build_roles(cfg, tokenizer, device, world: int, notes: list[str]):
-    """Load, shard and equip actor, ref and critic with this config's knobs; -> (Roles, model shape info)."""
+def model_loads(cfg, rank: int) -> dict:
+    """role -> (loader, path, keyword arguments): how :func:`build_roles` loads each model on ``rank``.
+
+    Rank 0 loads the weights; the others build the architecture on the meta device and get their shards
+    from rank 0 (verl: rank-0 load + sync_module_states). The reference model starts as the actor."""
+    from .config import effective_config
+    from .models import load_actor, load_critic
+
+    cfg = effective_config(cfg)
+    max_pos = cfg.data.max_prompt_length + cfg.data.max_response_length
+    kw = dict(tiny=cfg.ppotune.tiny, max_positions=max_pos, seed=cfg.trainer.seed, meta=rank != 0)
+    actor = (load_actor, cfg.actor_rollout_ref.model.path, kw)
+    return {"actor": actor, "ref": actor, "critic": (load_critic, cfg.critic.model.path, kw)}
+
+
+def build_roles(cfg, tokenizer, device, world: int, notes: list[str], *, weights=None):
+    """Load, shard and equip actor, ref and critic with this config's knobs; -> (Roles, model shape info).
+
+    ``weights``: where a warm job keeps a copy of the loaded weights (``load(loader, path, tokenizer, **kw)``
+    returns a fresh model, as the loader would, without reading the checkpoint again)."""
     import torch
     import torch.distributed as dist
 
     from . import core
     from .config import PRECISIONS, effective_config
-    from .models import load_actor, load_critic, num_params
+    from .models import num_params
     from .parallel import ShardKnobs, shard_model, torch_dtype
     from .rollout import Sampling
     from .step import ActorLoss, MicroBatching, Plans, Roles, StepSettings, Trainee, make_entropy_fn
@@ -333,7 +480,7 @@ def build_roles(cfg, tokenizer, device, world: int, notes: list[str]):
     # Rank 0 loads the weights; the others build the architecture on the meta device and get their
     # shards from rank 0 (verl: rank-0 load + sync_module_states). One model at a time, each sharded
     # before the next is built: host memory holds one full model, on one rank.
-    kw = dict(tiny=cfg.ppotune.tiny, max_positions=max_pos, seed=cfg.trainer.seed, meta=dist.get_rank() != 0)
+    loads = model_loads(cfg, dist.get_rank())
 
     def knobs(fc, strategy, gc, *, compute_offload):
         mp = fc.mixed_precision
@@ -350,9 +497,11 @@ def build_roles(cfg, tokenizer, device, world: int, notes: list[str]):
             wrap_min_num_params=fc.wrap_policy.min_num_params,
         )
 
-    def build(load, path, fc, name, shard_knobs, *, frozen=False):
+    def build(role, fc, name, shard_knobs, *, frozen=False):
         """-> (the model's HF config, its parameter count, the sharded model)."""
-        model = load(path, tokenizer, **kw).to(torch_dtype(fc.model_dtype))  # master weights (model_dtype)
+        load, path, kw = loads[role]
+        model = load(path, tokenizer, **kw) if weights is None else weights.load(load, path, tokenizer, **kw)
+        model = model.to(torch_dtype(fc.model_dtype))  # master weights (model_dtype)
         model.requires_grad_(not frozen)
         count = num_params(model)  # before sharding: afterwards a rank sees only its shards
         return model.config, count, shard_model(model, shard_knobs, device=device, name=name, notes=notes)
@@ -409,8 +558,7 @@ def build_roles(cfg, tokenizer, device, world: int, notes: list[str]):
                 notes.append(f"actor_rollout_ref.rollout.{key}: no effect with rollout.name=hf (vLLM-only knob)")
 
     shape, n_params, actor = build(
-        load_actor,
-        mdl.path,
+        "actor",
         a.fsdp_config,
         "actor_rollout_ref.actor.fsdp_config",
         knobs(
@@ -419,16 +567,14 @@ def build_roles(cfg, tokenizer, device, world: int, notes: list[str]):
     )
     head_dim = getattr(shape, "head_dim", None) or shape.hidden_size // shape.num_attention_heads
     _, _, ref = build(
-        load_actor,
-        mdl.path,
+        "ref",
         ref_cfg.fsdp_config,
         "actor_rollout_ref.ref.fsdp_config",
         knobs(ref_cfg.fsdp_config, a.strategy, False, compute_offload=True),
         frozen=True,
     )
     _, _, critic = build(
-        load_critic,
-        c.model.path,
+        "critic",
         c.fsdp,
         "critic.fsdp",
         knobs(c.fsdp, c.strategy, c.model.enable_gradient_checkpointing, compute_offload=c.fsdp.offload_policy),

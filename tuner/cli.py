@@ -23,6 +23,7 @@ _COMMANDS = {
     "space": ("tuner.space_cli", "validate a search space YAML and print its size"),
     "report": ("tuner.results.report", "write the Pareto report (HTML, PNG, CSV, summary.md) of a study"),
     "export": ("tuner.results.export", "write the chosen config: best_config.yaml, verl overrides, why.md"),
+    "validate": ("tuner.validate", "run the exported config against the baseline, interleaved: PASS/FAIL vs the study"),
     "storage-proxy": ("tuner.proxy", "serve a study database to many workers through Optuna's gRPC proxy"),
     "make-preset": ("trainer.presets", "write a tiny offline job (model, tokenizer, data, reward) for an engine: verl"),
 }

@@ -7,8 +7,13 @@ sampler: :mod:`tuner.loop` does that and calls these.
 
 * :func:`known_configs` -- which configs the study already holds, and the trial that measured each;
 * :func:`judge` -- launch it, or record it at zero cost as ``invalid`` (space constraint or
-  config validation), ``duplicate`` (already measured) or ``inferred_oom`` (at least as
-  memory-hungry as a known OOM on every monotone knob);
+  config validation), ``duplicate`` (already measured: answered with its twin's values) or
+  ``inferred_oom`` (at least as memory-hungry as a known OOM on every monotone knob). None of
+  these consumes ``--trials``: the loop records it and asks the sampler again;
+* :func:`constraint` -- the graded constraint Optuna gets (``<= 0`` feasible, ``> 0`` how far over);
+* :func:`seen_configs` -- every config the study holds, measured or rejected (space exhaustion);
+* :func:`incumbent`, :func:`distance` -- the fastest measured config, and how many ordered steps
+  apart two configs are (where the loop explores once the sampler only repeats measured configs);
 * :func:`stop_reason` -- the budget: when a search process stops asking;
 * :func:`over_budget` -- after an ``ask()`` taken without a cross-process lock: was the
   trial asked past the budget by a race with another worker?
@@ -22,12 +27,31 @@ from typing import Iterable, Optional
 from optuna.trial import FrozenTrial, TrialState
 
 from trainer.config import ConfigError, apply_overrides, config_from_dict, config_to_dict
-from trainer.contracts import Status, TrialRecord
+from trainer.contracts import CONSTRAINT_KEY, PHASES, Status, TrialRecord
 from tuner.space import Candidate, Space
 
-__all__ = ["Verdict", "known_configs", "judge", "counted", "count_progress", "stop_reason", "over_budget"]
+__all__ = [
+    "Verdict",
+    "known_configs",
+    "seen_configs",
+    "distance",
+    "incumbent",
+    "judge",
+    "constraint",
+    "counted",
+    "count_progress",
+    "stop_reason",
+    "over_budget",
+    "INVALID_CONSTRAINT",
+]
 
 _IN_STUDY = (TrialState.COMPLETE, TrialState.FAIL, TrialState.RUNNING)
+#: The constraint of a config refused before launch: further over than any OOM (those grade 1..~2.1),
+#: so TPE ranks it last among the infeasible trials.
+INVALID_CONSTRAINT = 4.0
+#: An OOM's constraint is 1 + (phases it did not get through) / len(PHASES); "setup" (model build,
+#: sharding) comes before every phase of the step.
+_OOM_SETUP = "setup"
 
 
 @dataclass(frozen=True)
@@ -38,6 +62,8 @@ class Verdict:
     reason: Optional[str] = None  # one line, stored as the trial's ``error``
     source: Optional[int] = None  # DUPLICATE: the trial holding the measurement; INFERRED_OOM: the OOM
     config: Optional[dict] = None  # launch: the validated nested config the trial runs (parsed once, here)
+    constraint: Optional[float] = None  # not launched and told COMPLETE: its graded constraint (see constraint())
+    values: Optional[tuple] = None  # DUPLICATE of a COMPLETE twin: the twin's objective values (else FAIL)
 
     @property
     def launch(self) -> bool:
@@ -47,7 +73,8 @@ class Verdict:
 # --------------------------------------------------------------------------- the budget
 def counted(t: FrozenTrial) -> bool:
     """Does this trial count toward ``--trials``? Finished or running trials, except interrupted
-    ones (their retry counts), duplicates (never run) and ``--confirm`` re-runs."""
+    ones (their retry counts), what was rejected before launch (duplicates, inferred OOMs, invalid
+    configs at 0 s) and ``--confirm`` re-runs (:attr:`TrialRecord.counted`)."""
     return t.state in _IN_STUDY and TrialRecord.from_user_attrs(t.user_attrs).counted
 
 
@@ -70,7 +97,10 @@ def stop_reason(
     if timeout_s is not None and elapsed_s > timeout_s:
         return f"--timeout {timeout_s:g} s reached"
     if free_in_a_row >= max_free_in_a_row:
-        return f"the sampler proposed {max_free_in_a_row} already-measured configs in a row"
+        return (
+            f"the sampler proposed {max_free_in_a_row} configs in a row that were not run "
+            "(already measured, invalid or inferred OOM)"
+        )
     return None
 
 
@@ -120,6 +150,108 @@ def known_configs(trials: Iterable[FrozenTrial], space: Space, trial_flat: dict)
     return known
 
 
+def seen_configs(trials: Iterable[FrozenTrial], space: Space, trial_flat: dict) -> set[tuple]:
+    """Identities of every config the study holds: measured, running, or rejected before launch
+    (invalid, inferred OOM). An interrupted trial's config is held by its retry; an over-budget ask
+    was never judged; a ``--confirm`` re-run repeats a config already there."""
+    seen = set()
+    for t in trials:
+        if t.state not in _IN_STUDY:
+            continue
+        rec = TrialRecord.from_user_attrs(t.user_attrs)
+        if rec.status in (Status.INTERRUPTED, Status.OVER_BUDGET) or rec.confirm_of is not None:
+            continue
+        eff = effective_of(t, trial_flat)
+        if eff is not None:
+            seen.add(space.identity(eff))
+    return seen
+
+
+def distance(space: Space, eff_a: dict, eff_b: dict) -> float:
+    """How many steps apart two configs of ``space`` are: per knob, the difference of positions in its
+    ordered domain (a power of two: of exponents), 1 for two different unordered choices or a knob active
+    in one config only, 0 where both leave it inactive."""
+    active_a, active_b = space.active_keys(eff_a), space.active_keys(eff_b)
+    total = 0.0
+    for knob in space.knobs:
+        on_a, on_b = knob.key in active_a, knob.key in active_b
+        if on_a != on_b:
+            total += 1.0
+        elif on_a:
+            a, b = eff_a[knob.key], eff_b[knob.key]
+            if knob.type == "categorical" and knob.exponents is None:
+                total += 0.0 if (type(a), a) == (type(b), b) else 1.0
+            else:
+                try:
+                    total += abs(knob.domain().index(a) - knob.domain().index(b))
+                except ValueError:  # a value outside the domain (the base config's): as far as a choice
+                    total += 0.0 if a == b else 1.0
+    return total
+
+
+def incumbent(known: dict[tuple, FrozenTrial], trial_flat: dict) -> Optional[dict]:
+    """The flat effective config of the fastest measured feasible trial (None before one)."""
+    best, best_thr = None, None
+    for t in known.values():
+        rec = TrialRecord.from_user_attrs(t.user_attrs)
+        if t.state == TrialState.COMPLETE and rec.status == Status.OK and rec.throughput is not None:
+            if best_thr is None or rec.throughput > best_thr:
+                best, best_thr = t, rec.throughput
+    return None if best is None else effective_of(best, trial_flat)
+
+
+# --------------------------------------------------------------------------- the graded constraint
+def constraint(record: TrialRecord, *, limit_gb: float, source: Optional[float] = None) -> Optional[float]:
+    """The value told to Optuna as ``CONSTRAINT_KEY`` (<= 0 feasible; > 0 infeasible, larger = further over).
+
+    * ``ok``: ``peak / limit - 1``, at most 0: the trial ran, so it is feasible whatever its peak reads
+      (a GPU cap covers only the caching allocator; NVML also sees the CUDA context);
+    * ``oom``: ``1 + (phases it did not get through) / len(PHASES)`` -- an OOM in the first phase of
+      the step is further over than one in the last, an OOM while building (``setup``) further still,
+      one with no phase recorded 1 -- or ``peak / limit - 1`` when that is larger;
+    * ``inferred_oom``: ``source``, its OOM's constraint (1 when unknown); ``duplicate``: ``source``,
+      its twin's;
+    * ``invalid`` (refused before launch): :data:`INVALID_CONSTRAINT`; ``hang``: 1;
+    * anything else (crash, interrupted, ...): None, it is told FAIL.
+
+    ``limit_gb``: the study's ``penalty_memory_gb`` (``--memory-limit-gb`` or the device's memory).
+    """
+    status = record.status
+    over = None
+    if record.peak_memory_gb and limit_gb and limit_gb > 0:
+        over = float(record.peak_memory_gb) / float(limit_gb) - 1.0
+    if status == Status.OK:
+        return min(over, 0.0) if over is not None else -1.0
+    if status == Status.OOM:
+        n = len(PHASES)
+        if record.oom_phase in PHASES:
+            not_reached = n - PHASES.index(record.oom_phase)  # the phase it died in did not get through either
+        elif record.oom_phase == _OOM_SETUP:
+            not_reached = n + 1
+        else:
+            not_reached = 0
+        grade = 1.0 + not_reached / n
+        return max(grade, over) if over is not None else grade
+    if status in (Status.INFERRED_OOM, Status.DUPLICATE):
+        return float(source) if source is not None else 1.0
+    if status == Status.INVALID:
+        return INVALID_CONSTRAINT
+    if status == Status.HANG:
+        return 1.0
+    return None
+
+
+def constraint_of(t: FrozenTrial) -> Optional[float]:
+    """The constraint a COMPLETE trial was told (older studies: the binary -1/+1), else None."""
+    if t.state != TrialState.COMPLETE:
+        return None
+    rec = TrialRecord.from_user_attrs(t.user_attrs)
+    if rec.constraint is not None:
+        return float(rec.constraint)
+    value = t.constraints.get(CONSTRAINT_KEY) if t.constraints else None
+    return None if value is None else float(value)
+
+
 # --------------------------------------------------------------------------- one candidate
 def judge(
     cand: Candidate,
@@ -135,24 +267,33 @@ def judge(
 
     A ``--confirm`` re-run is checked for validity only: it repeats a measured config on purpose.
     """
+    invalid = INVALID_CONSTRAINT
     if cand.error:
-        return Verdict(Status.INVALID, f"space: {cand.error}")
+        return Verdict(Status.INVALID, f"space: {cand.error}", constraint=invalid)
     if cand.violated:
-        return Verdict(Status.INVALID, f"space: constraint not satisfied: {cand.violated}")
+        return Verdict(Status.INVALID, f"space: constraint not satisfied: {cand.violated}", constraint=invalid)
     try:
         config = config_to_dict(config_from_dict(apply_overrides(trial_base, cand.overrides)))
     except ConfigError as e:
-        return Verdict(Status.INVALID, f"config: {e}")
+        return Verdict(Status.INVALID, f"config: {e}", constraint=invalid)
     if is_confirm:
         return Verdict(config=config)
     prev = known.get(space.identity(cand.effective))
     if prev is not None and prev.number != number:
         rec = TrialRecord.from_user_attrs(prev.user_attrs)
         what = rec.status or prev.state.name.lower()
+        # A finished twin answers for it: COMPLETE with the twin's values and constraint, so TPE sees the
+        # point again at no cost (a FAIL would be invisible to it). A twin still RUNNING (another slot or
+        # worker) has no values yet, and waiting would hold this slot for a whole trial to learn nothing
+        # new; TPE's constant liar already counts the running twin, so the duplicate is FAIL, as is the
+        # duplicate of a FAIL twin (a crash).
+        twin = prev.state == TrialState.COMPLETE and prev.values is not None
         return Verdict(
             Status.DUPLICATE,
             f"duplicate: the sampler proposed the config of trial {prev.number} ({what}); not run",
             source=prev.number,
+            values=tuple(prev.values) if twin else None,
+            constraint=constraint_of(prev) if twin else None,
         )
     for t in known.values():
         if t.state != TrialState.COMPLETE or TrialRecord.from_user_attrs(t.user_attrs).status != Status.OOM:
@@ -164,5 +305,6 @@ def judge(
                 f"inferred OOM: at least as memory-hungry as trial {t.number} "
                 "(an OOM) on every monotone knob; not launched",
                 source=t.number,
+                constraint=constraint(TrialRecord(status=Status.INFERRED_OOM), limit_gb=0.0, source=constraint_of(t)),
             )
     return Verdict(config=config)

@@ -35,7 +35,20 @@ from trainer.contracts import ExitCode, Status
 from trainer.proc import PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, kill_descendants, prctl
 from tuner.memory import MemoryPeaks, MemorySampler
 
-__all__ = ["TrialRun", "train_command", "launch_trial", "classify", "log_tail", "REPO_ROOT"]
+__all__ = [
+    "TrialRun",
+    "train_command",
+    "launch_trial",
+    "classify",
+    "log_tail",
+    "read_result",
+    "start_reaped",
+    "terminate_reaped",
+    "kill_leftovers",
+    "StepWatch",
+    "timeout_reason",
+    "REPO_ROOT",
+]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -127,7 +140,8 @@ def classify(
     return Status.CRASH, f"exited with code {returncode} without a result file"
 
 
-def _read_result(path: Path) -> tuple[Optional[dict], Optional[str]]:
+def read_result(path: Path) -> tuple[Optional[dict], Optional[str]]:
+    """(the result JSON, None) or (None, why it could not be read); (None, None) when there is none."""
     if not path.is_file():
         return None, None
     try:
@@ -262,30 +276,9 @@ def launch_trial(
     if result_path.exists():
         result_path.unlink()
     t0 = time.monotonic()
-    wrapper = [
-        sys.executable,
-        "-m",
-        "tuner.launch",
-        "--reap",
-        "--ppid",
-        str(os.getpid()),
-        "--grace",
-        repr(float(grace_s)),
-        "--",
-        *cmd,
-    ]
     with open(log_path, "ab") as log:
         log.write(f"$ {' '.join(cmd)}\n".encode())
-        log.flush()
-        proc = subprocess.Popen(
-            wrapper,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-            env=_trial_env(extra_env),
-            cwd=str(REPO_ROOT),
-        )
+    proc = start_reaped(cmd, log_path=log_path, grace_s=grace_s, extra_env=extra_env)
     if on_start is not None:
         on_start(proc.pid)
     sampler = MemorySampler(proc.pid, gpus=gpus, use_nvml=use_nvml, hz=sample_hz)
@@ -316,16 +309,12 @@ def launch_trial(
                     f"\nppotune search: trial {why} after {time.monotonic() - t0:.1f} s; "
                     f"terminating its process group\n".encode()
                 )
-            rc = _terminate(proc, grace_s, sampler)
+            rc = terminate_reaped(proc, grace_s, sampler.pids_seen)
             break
     duration = time.monotonic() - t0
     peaks = sampler.stop()
-    leftovers = _alive(peaks.pids_seen)
-    if leftovers:  # the wrapper should have done this; be certain
-        _signal_all(leftovers, signal.SIGKILL)
-        time.sleep(0.2)
-        leftovers = _alive(leftovers)
-    result, read_error = _read_result(result_path)
+    leftovers = kill_leftovers(peaks.pids_seen)  # the wrapper should have done this; be certain
+    result, read_error = read_result(result_path)
     status, error = classify(
         rc,
         result,
@@ -352,8 +341,48 @@ def launch_trial(
     )
 
 
-def _terminate(proc: subprocess.Popen, grace_s: float, sampler: MemorySampler) -> Optional[int]:
-    """SIGTERM the wrapper (it terminates its tree), then SIGKILL whatever is left."""
+def start_reaped(
+    cmd: Sequence[str], *, log_path: Path, grace_s: float, extra_env: Optional[dict] = None
+) -> subprocess.Popen:
+    """Start ``cmd`` under the reaper (``python -m tuner.launch --reap``) in a new session, its output
+    appended to ``log_path``: it dies with this process, even by SIGKILL, and leaves no orphan."""
+    wrapper = [
+        sys.executable,
+        "-m",
+        "tuner.launch",
+        "--reap",
+        "--ppid",
+        str(os.getpid()),
+        "--grace",
+        repr(float(grace_s)),
+        "--",
+        *cmd,
+    ]
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(
+            wrapper,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env=_trial_env(extra_env),
+            cwd=str(REPO_ROOT),
+        )
+
+
+def kill_leftovers(pids: Sequence[int]) -> list[int]:
+    """SIGKILL any of ``pids`` still alive; -> the ones that survive even that (should be [])."""
+    leftovers = _alive(pids)
+    if leftovers:
+        _signal_all(leftovers, signal.SIGKILL)
+        time.sleep(0.2)
+        leftovers = _alive(leftovers)
+    return leftovers
+
+
+def terminate_reaped(proc: subprocess.Popen, grace_s: float, known_pids: set) -> Optional[int]:
+    """SIGTERM the wrapper (it terminates its tree), then SIGKILL whatever is left (``known_pids``: the
+    tree's processes seen while it ran, in case the wrapper itself is gone)."""
     try:
         proc.send_signal(signal.SIGTERM)
     except ProcessLookupError:
@@ -362,7 +391,7 @@ def _terminate(proc: subprocess.Popen, grace_s: float, sampler: MemorySampler) -
         return proc.wait(timeout=grace_s + 5.0)
     except subprocess.TimeoutExpired:
         pass
-    pids = sampler.pids_seen | {p.pid for p in _tree(proc.pid)}
+    pids = set(known_pids) | {p.pid for p in _tree(proc.pid)}
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):

@@ -26,11 +26,19 @@ import yaml
 
 from trainer.contracts import Status, TrialRecord
 from tuner.decide import effective_of
-from tuner.launch import launch_trial, train_command
+from tuner.launch import TrialRun, launch_trial, train_command
 from tuner.memory import visible_gpus
 from tuner.space import Space
 
-__all__ = ["TrialRequest", "TrialOutcome", "TrialRunner", "SubprocessRunner", "ReplayRunner"]
+__all__ = [
+    "TrialRequest",
+    "TrialOutcome",
+    "TrialRunner",
+    "SubprocessRunner",
+    "ReplayRunner",
+    "trial_record",
+    "STEP_LINE",
+]
 
 
 @dataclass(frozen=True)
@@ -62,6 +70,66 @@ class TrialRunner(Protocol):
 
 
 # --------------------------------------------------------------------------- the real thing
+def trial_record(run: TrialRun, *, config_path: Path, gpus: Optional[list[str]], engine: str) -> TrialRecord:
+    """The measurement fields of a launched trial's user attrs, from its run (process, memory sampler,
+    result JSON): the same for a cold trial and a trial of a warm job (tuner.warm)."""
+    res = run.result or {}
+    summary = res.get("summary") or {}
+    mem = run.memory
+    inner_peak = summary.get("peak_memory_gb")
+    # GPU: NVML sees what the allocator does not (CUDA context, NCCL): the larger. CPU: the RSS gained
+    # above the post-start level, what the knobs change (the process tree's absolute RSS is kept beside)
+    above_start = summary.get("memory_source") == "rss_above_start"
+    # a ppotune trial on CPU that never finished a step (an OOM at build) has no figure on that basis:
+    # the tree's absolute RSS is not comparable with the others' objective, so it is kept aside only
+    absolute_only = engine == "ppotune" and mem.external_source == "psutil" and not above_start
+    external = None if above_start or absolute_only else mem.external_peak_gb
+    peaks = [p for p in (external, inner_peak) if p is not None]
+    notes = list(res.get("notes") or [])
+    stopped = summary.get("stopped_early") or ""
+    if stopped:
+        notes.append(f"measured {summary.get('num_measured_steps')} steps: {stopped}")
+    if run.leftover_pids:
+        notes.append(f"processes still alive after cleanup: {run.leftover_pids}")
+    record = TrialRecord(
+        throughput=summary.get("throughput"),
+        throughput_cv=summary.get("throughput_cv"),
+        step_s=summary.get("step_s"),
+        throughput_ci=summary.get("throughput_ci"),
+        measured_steps=summary.get("num_measured_steps"),
+        pruned=stopped if stopped.startswith("pruned") else None,
+        lengths=summary.get("lengths") or {},
+        peak_memory_gb=max(peaks) if peaks else None,
+        memory_source="rss_above_start" if above_start else mem.external_source,
+        memory={
+            "external_peak_gb": mem.external_peak_gb,
+            "external_source": mem.external_source,
+            "device_used_peak_gb": mem.device_used_peak_gb,
+            "process_peak_gb": mem.process_peak_gb,
+            "tree_rss_peak_gb": mem.tree_rss_peak_gb,
+            "process_rss_peak_gb": mem.process_rss_peak_gb,
+            "allocated_peak_gb": summary.get("peak_memory_allocated_gb"),
+            "reserved_peak_gb": summary.get("peak_memory_reserved_gb"),
+            "rss_peak_gb": summary.get("peak_rss_gb"),
+            "rss_start_gb": summary.get("rss_start_gb"),
+            "samples": mem.samples,
+        },
+        timing_s=summary.get("timing_s") or {},
+        notes=notes,
+        error=run.error,
+        log_tail=run.log_tail,
+        log_path=run.log_path,
+        result_path=run.result_path,
+        config_path=str(config_path),
+        duration_s=run.duration_s,
+        returncode=run.returncode,
+        oom_phase=res.get("oom_phase"),
+        gpus=gpus,
+        engine=engine,
+    )
+    return record
+
+
 @dataclass(frozen=True)
 class VerlEngine:
     """How a verl trial runs: the user's verl environment and base overrides (trainer.verl_engine)."""
@@ -116,7 +184,7 @@ class SubprocessRunner:
         config_path, result_path = d / "config.yaml", d / "result.json"
         config = request.config if self.verl is None else self.verl.run_file(request.overrides)
         config_path.write_text(yaml.safe_dump(config, sort_keys=False))
-        gpus = self._gpu_slice(request.slot)
+        gpus = self.gpu_slice(request.slot)
         run = launch_trial(
             train_command(config_path, result_path=result_path, engine=self.name),
             trial_dir=d,
@@ -131,59 +199,11 @@ class SubprocessRunner:
             startup_timeout_s=self.startup_timeout_s,
             step_timeout_s=self.step_timeout_s,
         )
-        res = run.result or {}
-        summary = res.get("summary") or {}
-        mem = run.memory
-        inner_peak = summary.get("peak_memory_gb")
-        # GPU: NVML sees what the allocator does not (CUDA context, NCCL): the larger. CPU: the RSS gained
-        # above the post-start level, what the knobs change (the process tree's absolute RSS is kept beside)
-        above_start = summary.get("memory_source") == "rss_above_start"
-        peaks = [p for p in (None if above_start else mem.external_peak_gb, inner_peak) if p is not None]
-        notes = list(res.get("notes") or [])
-        stopped = summary.get("stopped_early") or ""
-        if stopped:
-            notes.append(f"measured {summary.get('num_measured_steps')} steps: {stopped}")
-        if run.leftover_pids:
-            notes.append(f"processes still alive after cleanup: {run.leftover_pids}")
-        record = TrialRecord(
-            throughput=summary.get("throughput"),
-            throughput_cv=summary.get("throughput_cv"),
-            step_s=summary.get("step_s"),
-            throughput_ci=summary.get("throughput_ci"),
-            measured_steps=summary.get("num_measured_steps"),
-            pruned=stopped if stopped.startswith("pruned") else None,
-            lengths=summary.get("lengths") or {},
-            peak_memory_gb=max(peaks) if peaks else None,
-            memory_source="rss_above_start" if above_start else mem.external_source,
-            memory={
-                "external_peak_gb": mem.external_peak_gb,
-                "external_source": mem.external_source,
-                "device_used_peak_gb": mem.device_used_peak_gb,
-                "process_peak_gb": mem.process_peak_gb,
-                "tree_rss_peak_gb": mem.tree_rss_peak_gb,
-                "process_rss_peak_gb": mem.process_rss_peak_gb,
-                "allocated_peak_gb": summary.get("peak_memory_allocated_gb"),
-                "reserved_peak_gb": summary.get("peak_memory_reserved_gb"),
-                "rss_peak_gb": summary.get("peak_rss_gb"),
-                "rss_start_gb": summary.get("rss_start_gb"),
-                "samples": mem.samples,
-            },
-            timing_s=summary.get("timing_s") or {},
-            notes=notes,
-            error=run.error,
-            log_tail=run.log_tail,
-            log_path=run.log_path,
-            result_path=run.result_path,
-            config_path=str(config_path),
-            duration_s=run.duration_s,
-            returncode=run.returncode,
-            oom_phase=res.get("oom_phase"),
-            gpus=gpus,
-            engine=self.name,
-        )
+        record = trial_record(run, config_path=config_path, gpus=gpus, engine=self.name)
         return TrialOutcome(Status(run.status), record)
 
-    def _gpu_slice(self, slot: int) -> Optional[list[str]]:
+    def gpu_slice(self, slot: int) -> Optional[list[str]]:
+        """The GPUs of a --parallel slot (None on CPU)."""
         if self.device_kind != "cuda":
             return None
         return visible_gpus()[slot * self.nproc : (slot + 1) * self.nproc]
@@ -199,6 +219,7 @@ class Recorded:
     peak_memory_gb: Optional[float]
     duration_s: float
     number: int  # the recorded trial
+    oom_phase: Optional[str] = None  # an OOM: the phase it ran out of memory in (grades its constraint)
 
 
 @dataclass
@@ -227,13 +248,16 @@ class ReplayRunner:
         for t in trials.values():
             rec = TrialRecord.from_user_attrs(t.user_attrs)
             eff = effective_of(t, trial_flat)
-            if rec.status is None or not rec.status.counted or eff is None:
+            # a measurement (an inferred OOM too: answered below as its OOM), not a duplicate, an interrupted
+            # run or an over-budget ask
+            if rec.status is None or not (rec.status.counted or rec.status == Status.INFERRED_OOM) or eff is None:
                 continue
             if rec.status == Status.INFERRED_OOM:
                 src = TrialRecord.from_user_attrs(trials[rec.inferred_from].user_attrs)
-                entry = Recorded(Status.OOM, None, None, float(src.duration_s or 0.0), t.number)
+                entry = Recorded(Status.OOM, None, None, float(src.duration_s or 0.0), t.number, src.oom_phase)
             else:
-                entry = Recorded(rec.status, rec.throughput, rec.peak_memory_gb, float(rec.duration_s or 0.0), t.number)
+                seconds = float(rec.duration_s or 0.0)
+                entry = Recorded(rec.status, rec.throughput, rec.peak_memory_gb, seconds, t.number, rec.oom_phase)
             table.setdefault(space.identity(eff), []).append(entry)
         return cls(table=table, rng=rng or random.Random(0))
 
@@ -255,6 +279,7 @@ class ReplayRunner:
                 peak_memory_gb=got.peak_memory_gb,
                 duration_s=got.duration_s,
                 memory_source="replay",
+                oom_phase=got.oom_phase,
                 engine=self.name,
                 notes=[f"replayed from recorded trial {got.number} (not re-run)"],
             ),

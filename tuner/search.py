@@ -2,9 +2,11 @@
 
 The command line around :class:`tuner.loop.Search`: it parses the flags into
 :class:`tuner.loop.SearchOptions`, loads the space and the base config, opens (or creates) the
-study, and runs the loop with the real trial runner (:class:`tuner.runners.SubprocessRunner`:
-``ppotune train`` in its own process group) and a console observer (one line per trial, a
-progress bar, wandb). Objectives: maximize throughput (tokens/s/GPU), minimize peak memory (GB).
+study, and runs the loop with the real trial runner (:class:`tuner.warm.WarmRunner`: the trials of
+one process layout in one long-lived ``ppotune train --serve`` job; ``--cold``:
+:class:`tuner.runners.SubprocessRunner`, one ``ppotune train`` process group per trial) and a console
+observer (one line per trial, a progress bar, wandb). Objectives: maximize throughput (tokens/s/GPU),
+minimize peak memory (GB).
 
 Output: ``<out>/study.db`` (or ``--storage``), ``<out>/trials/<n>/{config.yaml,train.log,result.json}``.
 """
@@ -29,6 +31,7 @@ from trainer.config import apply_overrides, config_from_dict, config_to_dict, fl
 from trainer.contracts import STUDY_SCHEMA_VERSION, ExitCode, Status, StorageError, TrialRecord, parse_storage
 from trainer.summary import MIN_MEASURED_STEPS
 from tuner import study as st
+from tuner.confirm import DEFAULT_ROUNDS, MAX_FINALISTS
 from tuner.decide import count_progress
 from tuner.loop import SAMPLERS, Search, SearchOptions, TrialEvent, build_sampler
 from tuner.memory import gpu_info, nvml_available, visible_gpus
@@ -36,6 +39,7 @@ from tuner.progress import Display, trial_line
 from tuner.runners import SubprocessRunner, VerlEngine
 from tuner.space import Space, base_flat_config, load_space
 from tuner.storage import close_storage, network_filesystem
+from tuner.warm import WarmRunner
 
 __all__ = ["add_arguments", "run", "options_from_args"]
 
@@ -124,9 +128,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--confirm",
         type=int,
-        default=0,
-        metavar="K",
-        help="after the search, re-run the top K Pareto configs (new trials with confirm_of)",
+        default=DEFAULT_ROUNDS,
+        metavar="R",
+        help="after the search, re-run the finalists (Pareto points under the export headroom and trials within "
+        f"noise of the best, at most {MAX_FINALISTS}) interleaved with the baseline for R rounds; export ranks them "
+        f"by the median of paired throughput ratios to the baseline (default {DEFAULT_ROUNDS}; 0: off)",
     )
     p.add_argument(
         "--parallel",
@@ -134,6 +140,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=1,
         metavar="P",
         help="trials at once on this node, each on its own GPU slice (CPU: plain concurrency)",
+    )
+    p.add_argument(
+        "--cold",
+        action="store_true",
+        help="start every trial's processes afresh (one process group per trial); default: trials of one process "
+        "layout run in a warm job that starts once (faults still end it; vLLM-rollout trials always run cold)",
     )
     p.add_argument(
         "--wandb", action="store_true", help="one wandb run per trial, grouped by study (offline without credentials)"
@@ -362,10 +374,9 @@ def run(args: argparse.Namespace) -> int:
             f"--parallel {options.parallel} x --nproc {nproc} needs {options.parallel * nproc} GPUs; "
             f"{len(visible_gpus())} visible"
         )
-    if device["kind"] == "cuda":
-        penalty = args.memory_limit_gb or device["memory_total_gb"] or 80.0
-    else:
-        penalty = device["memory_total_gb"]
+    # the memory a trial may use: the cap when there is one (on CPU it counts above the post-start level,
+    # as the CPU memory objective does), else the device; the graded constraint is peak / this - 1
+    penalty = args.memory_limit_gb or device["memory_total_gb"] or 80.0
     attrs = _study_attrs(args, space, base_nested, device, penalty, verl)
     name = args.study or st.default_study_name(args.base_config, args.space)
     lock = st.StudyLock(spec.lock_path)
@@ -393,8 +404,9 @@ def run(args: argparse.Namespace) -> int:
     except Exception as e:  # noqa: BLE001 - storage errors come in many types
         return _fail(f"--storage {spec.display}: {type(e).__name__}: {e}")
     bad = _incompatible(study, attrs)
-    if bad:
-        return _fail(bad)
+    foreign = space.foreign_params(study.get_trials(deepcopy=False))
+    if bad or foreign:
+        return _fail(bad or f"study {name!r}: {foreign}")
     options = dataclasses.replace(options, seed=_process_seed(args.seed, created))
     study.sampler = build_sampler(options.sampler, seed=options.seed, n_trials=options.trials)
 
@@ -422,6 +434,8 @@ def run(args: argparse.Namespace) -> int:
         startup_timeout_s=args.startup_timeout,
         step_timeout_s=args.step_timeout,
     )
+    if not args.cold and verl is None:
+        runner = WarmRunner(cold=runner, jobs_dir=out_dir / "jobs")
     search = Search(
         options=options,
         study=study,
@@ -448,6 +462,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         search.run()
     finally:
+        if isinstance(runner, WarmRunner):
+            runner.close()
         search.heartbeat.stop()
         display.close()
         for s, h in old.items():
@@ -495,6 +511,22 @@ def _summary(study: optuna.Study, search: Search) -> None:
             f"  pareto: trial {r['number']}: {r['throughput']:.1f} tok/s/GPU{rel}, {r['peak_memory_gb']:.2f} GB",
             flush=True,
         )
+    _confirm_summary(study)
+
+
+def _confirm_summary(study: optuna.Study) -> None:
+    """The confirmed finalists (study attr ``confirmation``), as export ranks them."""
+    from tuner.confirm import CONFIRMATION_ATTR, describe
+
+    conf = study.user_attrs.get(CONFIRMATION_ATTR)
+    if not conf:
+        return
+    state = "" if conf.get("complete") else " (incomplete: re-run the same command to finish)"
+    print(f"ppotune search: confirmed side by side with baseline #{conf.get('baseline')}{state}:", flush=True)
+    for e in conf.get("finalists") or []:
+        mem = f", peak {e['peak_memory_gb']:.2f} GB" if e.get("peak_memory_gb") is not None else ""
+        failed = f", {e['failed']} re-run(s) not ok: {', '.join(e.get('statuses') or [])}" if e.get("failed") else ""
+        print(f"  confirmed: trial {e['number']}: {describe(e)}{mem}{failed}", flush=True)
 
 
 def _write_report(spec, study_name: str, out_dir: Path) -> None:

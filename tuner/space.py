@@ -30,6 +30,14 @@ and evaluated by walking a whitelist (numbers, strings, true/false/null, dotted 
 
 Semantics:
 
+* A knob whose values are exactly the powers of two ``2**lo .. 2**hi`` (``type: pow2``, or a
+  categorical list such as ``[1, 2, 4, 8]``) is suggested to Optuna as the ordered integer
+  exponent ``lo .. hi`` under the param name ``log2:<dotted key>``, so TPE learns that 32
+  neighbours 64; the value it stands for (``2**exponent``) is what configs, overrides, exports
+  and reports hold. A power-of-two list with gaps (``[1, 2, 8]``) stays categorical: an exponent
+  range would hold values the user left out on purpose, each a wasted proposal. Every mapping
+  between Optuna params and knob values goes through :meth:`Space.to_params` and
+  :func:`from_params` (and :func:`decode_trial` for a whole trial).
 * A knob whose ``when`` is false is *inactive*: it is not an Optuna param and the
   trial keeps the base config's value.
 * A constraint that names an inactive knob is vacuously true (a micro-batch rule does
@@ -43,12 +51,13 @@ Semantics:
 from __future__ import annotations
 
 import ast
+import copy
 import math
 import operator
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import yaml
 
@@ -61,6 +70,9 @@ __all__ = [
     "Candidate",
     "Space",
     "load_space",
+    "LOG2_PREFIX",
+    "from_params",
+    "decode_trial",
 ]
 
 KNOB_TYPES = ("int", "pow2", "float", "categorical", "bool")
@@ -75,6 +87,8 @@ _KNOB_SPEC_KEYS = {
 }
 # Grid enumeration stops counting past this (``space check`` prints ">LIMIT").
 GRID_LIMIT = 1_000_000
+#: The Optuna param name of a power-of-two knob is this + its dotted key; its value is the exponent.
+LOG2_PREFIX = "log2:"
 
 
 class SpaceError(ConfigError):
@@ -230,6 +244,26 @@ class Knob:
     choices: tuple = ()
     order: tuple = ()  # memory order (least hungry first) for pow2/categorical/bool
 
+    @property
+    def exponents(self) -> Optional[tuple[int, int]]:
+        """``(lo, hi)`` when the values are exactly ``2**lo .. 2**hi`` (no gap): suggested as that exponent."""
+        if self.type not in ("pow2", "categorical"):
+            return None
+        return _pow2_exponents(self.choices)
+
+    @property
+    def param(self) -> str:
+        """The Optuna param name: ``log2:<key>`` for a power-of-two knob, else the dotted key."""
+        return LOG2_PREFIX + self.key if self.exponents is not None else self.key
+
+    def encode(self, value: Any) -> Any:
+        """Knob value -> Optuna param value (the exponent of a power-of-two knob)."""
+        if self.exponents is None:
+            return value
+        if not _is_pow2(value):
+            raise ValueError(f"{self.key}: {value!r} is not a power of two")
+        return value.bit_length() - 1
+
     def domain(self) -> list:
         """Every value, in ascending (memory) order."""
         if self.type == "int":
@@ -262,7 +296,10 @@ class Knob:
         return any(type(value) is type(c) and value == c for c in self.choices)
 
     def suggest(self, trial: Any) -> Any:
-        """Optuna define-by-run; the param name is the dotted key."""
+        """Optuna define-by-run under :attr:`param`; returns the knob value (``2**exponent`` for pow2)."""
+        if self.exponents is not None:
+            lo, hi = self.exponents
+            return 1 << trial.suggest_int(self.param, lo, hi)
         if self.type == "int":
             return trial.suggest_int(self.key, self.low, self.high, step=self.step)
         if self.type == "float":
@@ -297,6 +334,9 @@ class Knob:
         text = f"{self.key}: {self.type} {dom} memory={self.memory}"
         if self.memory != "none" and self.type == "categorical":
             text += " order=" + "<".join(str(c) for c in self.order)
+        if self.exponents is not None:
+            lo, hi = self.exponents
+            text += f" (Optuna param {self.param}: {lo}..{hi})"
         if self.when is not None:
             text += f" when {self.when.text}"
         return text
@@ -332,6 +372,47 @@ class Candidate:
 
 def _is_pow2(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x > 0 and x & (x - 1) == 0
+
+
+def _pow2_exponents(values: tuple) -> Optional[tuple[int, int]]:
+    if not values or not all(_is_pow2(v) for v in values):
+        return None
+    exps = sorted(v.bit_length() - 1 for v in values)
+    return (exps[0], exps[-1]) if exps == list(range(exps[0], exps[-1] + 1)) else None
+
+
+def from_params(params: dict) -> dict:
+    """Optuna params -> knob values: ``log2:<key>: e`` becomes ``<key>: 2**e``; other names are the keys.
+
+    Needs no space: the name says how a value is encoded (a study written before power-of-two
+    knobs became exponents, whose params are the plain keys, reads the same)."""
+    out = {}
+    for name, v in params.items():
+        if name.startswith(LOG2_PREFIX):
+            out[name[len(LOG2_PREFIX) :]] = 1 << int(v)
+        else:
+            out[name] = v
+    return out
+
+
+def decode_trial(t: Any) -> Any:
+    """A copy of an Optuna ``FrozenTrial`` whose params are knob values (:func:`from_params`); a
+    power-of-two knob's distribution becomes ``IntDistribution(2**lo, 2**hi, log=True)``, which
+    holds the same values in the same order (importance evaluators read it)."""
+    if not any(name.startswith(LOG2_PREFIX) for name in t.params):
+        return t
+    from optuna.distributions import IntDistribution
+
+    out = copy.copy(t)
+    dists = {}
+    for name, d in t.distributions.items():
+        if name.startswith(LOG2_PREFIX):
+            dists[name[len(LOG2_PREFIX) :]] = IntDistribution(1 << d.low, 1 << d.high, log=True)
+        else:
+            dists[name] = d
+    out.params = from_params(t.params)
+    out.distributions = dists
+    return out
 
 
 def _truthy(value: Any, where: str) -> bool:
@@ -413,14 +494,16 @@ class Space:
         return cand
 
     def suggest(self, trial: Any, base_flat: dict, *, restrict: Optional[set] = None) -> Candidate:
-        """Optuna define-by-run: suggest the active knobs in order (param name = dotted key).
+        """Optuna define-by-run: suggest the active knobs in order (param names: :attr:`Knob.param`).
 
-        ``restrict``: suggest only these keys (the baseline's in-domain knobs).
+        ``restrict``: suggest only these knobs (dotted keys or Optuna param names; e.g. the
+        baseline's in-domain knobs, or the params of the trial a ``--confirm`` re-run repeats).
+        The candidate's ``params`` are knob values (``8``, not the exponent ``3``).
         """
         eff = dict(base_flat)
         params: dict = {}
         for knob in self.knobs:
-            if restrict is not None and knob.key not in restrict:
+            if restrict is not None and knob.key not in restrict and knob.param not in restrict:
                 continue
             try:
                 if not self.active(knob, eff):
@@ -432,16 +515,51 @@ class Space:
             eff[knob.key] = value
         return self.complete(params, base_flat)
 
-    def baseline_params(self, base_flat: dict) -> dict:
+    def baseline_values(self, base_flat: dict) -> dict:
         """The base config's own value of every knob active there and inside the knob's domain."""
-        params = {}
+        values = {}
         for knob in self.knobs:
             try:
                 if self.active(knob, base_flat) and knob.contains(base_flat[knob.key]):
-                    params[knob.key] = base_flat[knob.key]
+                    values[knob.key] = base_flat[knob.key]
             except ExprError:
                 continue
-        return params
+        return values
+
+    def baseline_params(self, base_flat: dict) -> dict:
+        """:meth:`baseline_values` as Optuna params: what the study enqueues as its baseline trial."""
+        return self.to_params(self.baseline_values(base_flat))
+
+    def to_params(self, values: dict) -> dict:
+        """Knob values -> Optuna params (``{key: 8}`` -> ``{"log2:key": 3}``): what ``enqueue_trial`` takes.
+
+        The inverse is :func:`from_params`. Raises ``KeyError`` for a key that is not a knob."""
+        by_key = {k.key: k for k in self.knobs}
+        out = {}
+        for key, v in values.items():
+            if key not in by_key:
+                raise KeyError(f"{key} is not a knob of this space")
+            knob = by_key[key]
+            out[knob.param] = knob.encode(v)
+        return out
+
+    def foreign_params(self, trials: Iterable[Any]) -> Optional[str]:
+        """Why trials already in a study cannot be continued with this space's params, or None.
+
+        A study written before power-of-two knobs were suggested as exponents holds them as
+        categorical params under the plain key; asking on would leave TPE blind to those trials
+        and retries of their params would land on random values. ``trials``: Optuna FrozenTrials."""
+        params = {k.key: k.param for k in self.knobs} | {k.param: k.param for k in self.knobs}
+        for t in trials:
+            for name in t.distributions:
+                want = params.get(name)
+                if want is not None and want != name:
+                    return (
+                        f"trial {t.number} holds knob {name} as the Optuna param {name!r}; this version "
+                        f"suggests it as {want!r} (a power of two as its exponent): the study was written by "
+                        "an older ppotune; report and export still read it, pass --study NAME to search anew"
+                    )
+        return None
 
     def active_keys(self, eff: dict) -> frozenset[str]:
         out = set()
@@ -575,7 +693,7 @@ class Space:
                     _truthy(knob.when(_Resolver(base_flat)), "when")
                 except ExprError as e:
                     raise self._err(f"{knob.key}.when", str(e)) from None
-        probe = self.baseline_params(base_flat)
+        probe = self.baseline_values(base_flat)
         for knob in self.knobs:  # fill every knob so derived/constraints see a value of each
             probe.setdefault(knob.key, knob.domain()[0] if knob.domain_size() else base_flat[knob.key])
         for d in self.derived:

@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"constraints ({len(space.constraints)}):")
         for c in space.constraints:
             print(f"  [{c.index}] {c.expr.text}")
-    baseline = space.baseline_params(flat)
+    baseline = space.baseline_values(flat)
     outside = [short_knob(k.key) for k in space.knobs if k.key not in baseline and space.active(k, flat)]
     if outside:
         print(

@@ -355,17 +355,19 @@ def claim(trial: optuna.trial.Trial) -> None:
 def finish(
     study: optuna.Study, trial: optuna.trial.Trial, record: TrialRecord, *, values: Optional[tuple[float, float]] = None
 ) -> FrozenTrial:
-    """Write the trial's record and tell Optuna: COMPLETE (feasible only if ``ok``) or FAIL.
+    """Write the trial's record and tell Optuna: COMPLETE when there are ``values`` (with the record's
+    graded ``constraint``; a record without one: -1 if ``ok``, else +1), else FAIL.
 
     Only the record's measurement and outcome fields are written: the attrs set when the trial
     was asked (owner, heartbeat, overrides, baseline) stay as they are."""
     status = record.status
     assert isinstance(status, Status), status
+    assert values is not None or not status.complete, status
     for k, v in record.to_user_attrs().items():
         if k not in ASKED_FIELDS and (v is not None or k in MEASUREMENT_FIELDS):
             trial.set_user_attr(k, v)
-    if status.complete:
-        assert values is not None
-        trial.set_constraint(CONSTRAINT_KEY, -1.0 if status.feasible else 1.0)
+    if values is not None:
+        graded = record.constraint if record.constraint is not None else -1.0 if status.feasible else 1.0
+        trial.set_constraint(CONSTRAINT_KEY, float(graded))
         return study.tell(trial, list(values))
     return study.tell(trial, state=TrialState.FAIL)

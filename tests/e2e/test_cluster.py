@@ -47,7 +47,7 @@ def start_worker(tmp_path: Path, storage: str, trials: int, i: int, *extra) -> s
     args = [
         *(TINY_BASE, "--space", space, "--storage", storage, "--study", STUDY, "--trials", trials),
         *("--nproc", 1, "--steps", 1, "--warmup", 0, "--seed", i, "--out", tmp_path / f"node{i}"),
-        *("--heartbeat", HEARTBEAT_S, "--grace", GRACE_S, "--kill-grace", 3, "--trial-timeout", 240),
+        *("--heartbeat", HEARTBEAT_S, "--grace", GRACE_S, "--kill-grace", 3, "--trial-timeout", 240, "--confirm", 0),
         *extra,
     ]
     return subprocess.Popen(
@@ -84,12 +84,21 @@ def check_exact(trials: list, budget: int) -> list:
 
 
 def running_trial_of(out: Path) -> int | None:
-    """The number of a trial of this worker whose PPO ranks are running now."""
+    """The number of a trial of this worker whose PPO ranks are running now: a cold trial's ranks name its
+    directory; a warm job's ranks (trainer.serve, under <out>/jobs) run the trial whose log exists and whose
+    result does not yet."""
     for p in processes_with(str(out / "trials")):
         cmd = " ".join(p.cmdline())
         if "trainer.run" in cmd or "trainer/run" in cmd:
             part = cmd.split(str(out / "trials") + "/", 1)[1]
             return int(part.split("/", 1)[0])
+    if any("trainer.serve" in " ".join(p.cmdline()) for p in processes_with(str(out / "jobs"))):
+        running = [
+            int(d.name)
+            for d in (out / "trials").glob("*")
+            if d.name.isdigit() and (d / "train.log").is_file() and not (d / "result.json").exists()
+        ]
+        return max(running) if running else None
     return None
 
 

@@ -22,10 +22,11 @@ from optuna.trial import TrialState
 
 from support import TINY_BASE, check_report_dir, processes_with, wait_until
 from trainer.config import load_config
-from trainer.contracts import CONSTRAINT_KEY, Status, parse_storage
+from trainer.contracts import CONSTRAINT_KEY, Status, TrialRecord, parse_storage
 from tuner.cli import main
-from tuner.decide import count_progress, counted
+from tuner.decide import constraint, count_progress, counted
 from tuner.results.view import load as load_view
+from tuner.space import from_params, space_from_dict
 
 pytestmark = pytest.mark.slow
 
@@ -52,6 +53,18 @@ def knobs(hidden, micro, fault="none") -> dict:
     return {HIDDEN: hidden, MICRO: micro, FAULT: fault}
 
 
+def point(values: dict) -> dict:
+    """Knob values as the Optuna params to enqueue (the micro-batch is its exponent: tuner.space)."""
+    import yaml
+
+    return space_from_dict(yaml.safe_load(SPACE)).to_params(values)
+
+
+def values(t) -> dict:
+    """A trial's knob values (Optuna holds the power-of-two micro-batch as its exponent)."""
+    return from_params(t.params)
+
+
 def common(d: Path, space: Path, *extra) -> list:
     return [
         TINY_BASE,
@@ -67,6 +80,8 @@ def common(d: Path, space: Path, *extra) -> list:
         0,
         "--kill-grace",
         3,
+        "--confirm",  # the confirmation has its own test (test_confirm_reruns_...); a later --confirm wins
+        0,
         *extra,
     ]
 
@@ -80,7 +95,7 @@ def by_number(study: optuna.Study) -> dict:
 
 
 def trial_where(study, **params) -> list:
-    return [t for t in study.get_trials() if all(t.params.get(k) == v for k, v in params.items())]
+    return [t for t in study.get_trials() if all(values(t).get(k) == v for k, v in params.items())]
 
 
 # --------------------------------------------------------------------------- the shared study
@@ -97,14 +112,15 @@ def shared(tmp_path_factory, cli):
     runs.append(cli("search", *args, "--trials", 1, "--trial-timeout", 180))
     assert runs[-1].returncode == 0, runs[-1].stdout + runs[-1].stderr
     # 2. a real distributed hang, killed at a short trial timeout (resumes the study)
-    load(storage).enqueue_trial(knobs(64, 2, "hang"))
+    load(storage).enqueue_trial(point(knobs(64, 2, "hang")))
     runs.append(cli("search", *args, "--trials", 2, "--trial-timeout", 20))
     assert runs[-1].returncode == 0, runs[-1].stdout + runs[-1].stderr
-    # 3. OOM, inferred OOM, crash, a duplicate of the baseline, an ok trial; then --confirm 1
+    # 3. OOM, inferred OOM, crash, a duplicate of the baseline, an ok trial; then --confirm 1. The inferred
+    # OOM and the duplicate are rejected before launch: free, they do not count toward --trials
     study = load(storage)
     for p in (knobs(1024, 1), knobs(1024, 4), knobs(64, 2, "crash"), BASELINE, knobs(64, 4)):
-        study.enqueue_trial(p)
-    runs.append(cli("search", *args, "--trials", 6, "--trial-timeout", 180, "--confirm", 1))
+        study.enqueue_trial(point(p))
+    runs.append(cli("search", *args, "--trials", 5, "--trial-timeout", 180, "--confirm", 1))
     assert runs[-1].returncode == 0, runs[-1].stdout + runs[-1].stderr
     return SimpleNamespace(
         dir=d, out=d / "out", storage=storage, study=load(storage), runs=runs, seconds=time.monotonic() - t0
@@ -119,10 +135,11 @@ def test_study_completes_with_baseline_first(shared):
     study = shared.study
     first = by_number(study)[0]
     assert first.user_attrs["baseline"] is True and first.user_attrs["status"] == "ok"
-    assert first.params == BASELINE and first.user_attrs["overrides"] == {}
+    assert values(first) == BASELINE and first.user_attrs["overrides"] == {}
+    assert first.params[f"log2:{MICRO}"] == 1  # Optuna holds micro-batch 2 as its exponent
     assert sum(1 for t in study.get_trials() if t.user_attrs.get("baseline")) == 1
-    assert count_progress(study.get_trials()) == 6
-    assert len([t for t in study.get_trials() if counted(t)]) >= 6
+    assert count_progress(study.get_trials()) == 5
+    assert len([t for t in study.get_trials() if counted(t)]) == 5
 
 
 def test_every_trial_has_a_status_and_launched_ones_a_memory_source(shared):
@@ -130,7 +147,11 @@ def test_every_trial_has_a_status_and_launched_ones_a_memory_source(shared):
         assert t.state in (TrialState.COMPLETE, TrialState.FAIL), t
         assert t.user_attrs["status"] in set(Status)
         if t.user_attrs["status"] in ("ok", "oom", "hang", "crash"):
-            assert t.user_attrs["memory_source"] == "psutil"  # no NVML on this machine: the fallback
+            # CPU: a measured trial's objective is the RSS it gained above its post-start level; the outside
+            # view (psutil: no NVML on this machine) stands in where no step measured it
+            source = t.user_attrs["memory_source"]
+            ok = t.user_attrs["status"] == "ok"
+            assert source == "rss_above_start" if ok else source in ("rss_above_start", "psutil")
             mem = t.user_attrs["memory"]
             assert mem["external_source"] == "psutil" and mem["external_peak_gb"] > 0
             assert mem["samples"] >= 10
@@ -139,23 +160,29 @@ def test_every_trial_has_a_status_and_launched_ones_a_memory_source(shared):
 
 
 def test_pareto_front_is_feasible_and_not_empty(shared):
-    front = shared.study.best_trials
+    # a duplicate is told its twin's values: to Optuna it is the same point again, beside its twin
+    front = [t for t in shared.study.best_trials if t.user_attrs["status"] != "duplicate"]
     assert front
     for t in front:
-        assert t.user_attrs["status"] == "ok" and t.constraints == {CONSTRAINT_KEY: -1.0}
+        # graded: peak / limit - 1 (the limit: host RAM on CPU)
+        assert t.user_attrs["status"] == "ok" and -1.0 < t.constraints[CONSTRAINT_KEY] <= 0.0
+        assert t.constraints[CONSTRAINT_KEY] == pytest.approx(t.user_attrs["constraint"])
         assert t.values[0] == pytest.approx(t.user_attrs["throughput"])
         assert t.values[1] == pytest.approx(t.user_attrs["peak_memory_gb"])
-        # the memory objective is the max of the outside and the inside view
+        # CPU: the objective is the inside view, the RSS gained above the post-start level; the outside view (the
+        # largest process's whole RSS, libraries included) is kept beside it
         mem = t.user_attrs["memory"]
-        assert t.values[1] >= mem["external_peak_gb"] and t.values[1] >= mem["rss_peak_gb"]
+        assert 0 < t.values[1] < mem["external_peak_gb"] and t.values[1] < mem["rss_peak_gb"]
 
 
 def test_real_oom_is_infeasible_and_the_study_goes_on(shared):
     (oom,) = status_of(shared.study, "oom")
-    assert oom.params == knobs(1024, 1)
+    assert values(oom) == knobs(1024, 1)
     assert oom.state == TrialState.COMPLETE
-    assert oom.constraints == {CONSTRAINT_KEY: 1.0}
+    # graded by how early in the step it ran out (the 1024-wide model: while building, before every phase)
     penalty = shared.study.user_attrs["penalty_memory_gb"]
+    graded = constraint(TrialRecord.from_user_attrs(oom.user_attrs), limit_gb=penalty)
+    assert oom.constraints[CONSTRAINT_KEY] == pytest.approx(graded) and graded > 1.0
     assert oom.values == [0.0, pytest.approx(penalty)]
     assert "out of memory" in oom.user_attrs["error"]
     assert any(t.number > oom.number and t.user_attrs.get("status") == "ok" for t in shared.study.get_trials())
@@ -164,9 +191,10 @@ def test_real_oom_is_infeasible_and_the_study_goes_on(shared):
 def test_dominating_config_is_inferred_oom_and_never_launched(shared):
     (oom,) = status_of(shared.study, "oom")
     (inf,) = status_of(shared.study, "inferred_oom")
-    assert inf.params == knobs(1024, 4)
+    assert values(inf) == knobs(1024, 4)
     assert inf.user_attrs["inferred_from"] == oom.number
-    assert inf.state == TrialState.COMPLETE and inf.constraints == {CONSTRAINT_KEY: 1.0}
+    assert inf.state == TrialState.COMPLETE and inf.constraints == oom.constraints  # its OOM's constraint
+    assert not counted(inf)
     assert inf.user_attrs["duration_s"] == 0
     assert inf.user_attrs["log_path"] is None and inf.user_attrs["config_path"] is None
     assert not (shared.out / "trials" / str(inf.number)).exists()  # no directory, no log, no process
@@ -175,7 +203,7 @@ def test_dominating_config_is_inferred_oom_and_never_launched(shared):
 
 def test_hang_is_killed_at_the_trial_timeout_with_nothing_left(shared, no_processes_left):
     (hang,) = status_of(shared.study, "hang")
-    assert hang.params == knobs(64, 2, "hang")
+    assert values(hang) == knobs(64, 2, "hang")
     assert hang.state == TrialState.COMPLETE and hang.constraints == {CONSTRAINT_KEY: 1.0}
     assert 20 <= hang.user_attrs["duration_s"] < 20 + 3 + 10
     assert "trial-timeout" in hang.user_attrs["error"] and hang.user_attrs["log_tail"]
@@ -184,15 +212,18 @@ def test_hang_is_killed_at_the_trial_timeout_with_nothing_left(shared, no_proces
 
 def test_crash_is_a_failure_with_reason_and_log(shared):
     (crash,) = status_of(shared.study, "crash")
-    assert crash.params == knobs(64, 2, "crash")
+    assert values(crash) == knobs(64, 2, "crash")
     assert crash.state == TrialState.FAIL
     assert crash.user_attrs["error"] and crash.user_attrs["log_tail"]
 
 
 def test_duplicate_proposal_is_recorded_not_run(shared):
     (dup,) = status_of(shared.study, "duplicate")
-    assert dup.params == BASELINE and dup.user_attrs["duplicate_of"] == 0
-    assert dup.state == TrialState.FAIL and not counted(dup)
+    assert values(dup) == BASELINE and dup.user_attrs["duplicate_of"] == 0
+    # answered with its twin's values and constraint (TPE sees the point again), not run, not counted
+    twin = by_number(shared.study)[0]
+    assert dup.state == TrialState.COMPLETE and not counted(dup) and dup.user_attrs["duration_s"] == 0
+    assert dup.values == twin.values and dup.constraints == twin.constraints
     assert not (shared.out / "trials" / str(dup.number)).exists()
     # each measured config was measured once (the confirm run aside)
     measured = [
@@ -203,23 +234,44 @@ def test_duplicate_proposal_is_recorded_not_run(shared):
     assert len(measured) == len(set(measured))
 
 
-def test_confirm_reruns_the_best_pareto_config(shared):
-    confirms = [t for t in shared.study.get_trials() if "confirm_of" in t.user_attrs]
-    assert len(confirms) == 1
-    (c,) = confirms
-    orig = by_number(shared.study)[c.user_attrs["confirm_of"]]
-    assert orig.user_attrs["status"] == "ok" and c.params == orig.params
-    assert c.user_attrs["overrides"] == orig.user_attrs["overrides"]
-    assert c.user_attrs["status"] == "ok" and c.user_attrs["throughput"] > 0
-    # the original is on the Pareto front of the search's own trials (the confirm run, a re-measurement of
-    # the same config, may dominate it and every other trial: it is left out here)
-    measured = [t for t in status_of(shared.study, "ok") if "confirm_of" not in t.user_attrs]
-    dominators = [
-        t.number
-        for t in measured
-        if t.values[0] >= orig.values[0] and t.values[1] <= orig.values[1] and t.values != orig.values
-    ]
-    assert not dominators, f"#{orig.number} is dominated by {dominators}"
+def test_confirm_reruns_the_finalists_interleaved_with_the_baseline(shared):
+    """--confirm 1: one round, the finalists then the baseline, each a real re-run of the same config (its own
+    trial with confirm_of, outside the budget); their paired ratios are the study attribute ``confirmation``."""
+    study = shared.study
+    trials = by_number(study)
+    reruns = [t for t in study.get_trials() if "confirm_of" in t.user_attrs]
+    measured = [t for t in status_of(study, "ok") if "confirm_of" not in t.user_attrs]
+
+    def dominated(t):
+        return any(o.values[0] >= t.values[0] and o.values[1] <= t.values[1] and o.values != t.values for o in measured)
+
+    conf = study.user_attrs.get("confirmation")
+    if conf is None:  # nothing to confirm: the baseline dominates every other measured config
+        assert not reruns and all(dominated(t) for t in measured if t.number != 0)
+        pytest.skip("the baseline dominated the one other ok trial: nothing was confirmed this time")
+    finalists = [e["number"] for e in conf["finalists"]]
+    assert conf["baseline"] == 0 and conf["rounds"] == 1 and conf["complete"] and finalists
+    for n in finalists:  # a measured config besides the baseline, on the front or within noise of the best
+        assert n != 0 and trials[n].user_attrs["status"] == "ok" and "confirm_of" not in trials[n].user_attrs
+        best = max(measured, key=lambda t: t.values[0]).user_attrs.get("throughput_ci")
+        ci = trials[n].user_attrs.get("throughput_ci")
+        assert not dominated(trials[n]) or (best and ci and ci[1] >= best[0]), n
+    # round 1: the finalists, then the baseline; each re-run is the same config, and no budget trial
+    assert [t.user_attrs["confirm_of"] for t in reruns] == finalists + [0]
+    for c in reruns:
+        orig = trials[c.user_attrs["confirm_of"]]
+        assert c.params == orig.params and c.user_attrs["overrides"] == orig.user_attrs["overrides"]
+        assert not counted(c) and c.user_attrs["baseline"] is False
+        assert c.user_attrs["status"] == "ok" and c.user_attrs["throughput"] > 0
+    # the aggregate, by hand: one round, so the ratio is the finalist's re-run over the baseline's
+    base_thr = reruns[-1].user_attrs["throughput"]
+    for e, c in zip(conf["finalists"], reruns):
+        assert e["trials"] == [c.number] and e["rounds"] == 1 and e["ratio_ci"] is None
+        assert e["ratio"] == pytest.approx(c.user_attrs["throughput"] / base_thr, rel=1e-5)
+        assert e["peak_memory_gb"] == pytest.approx(c.user_attrs["peak_memory_gb"], rel=1e-3)
+    out = shared.runs[-1].stdout
+    assert "confirm round 1/1: " + " ".join(f"#{n}" for n in finalists + [0]) in out
+    assert f"confirmed: trial {finalists[0]}: {conf['finalists'][0]['ratio']:.2f}x the baseline" in out
 
 
 def test_trial_files_follow_the_contract(shared):
@@ -228,7 +280,7 @@ def test_trial_files_follow_the_contract(shared):
     assert Path(ok.user_attrs["config_path"]) == d / "config.yaml"
     assert Path(ok.user_attrs["result_path"]) == d / "result.json"
     cfg = load_config(d / "config.yaml")
-    assert cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu == ok.params[MICRO]
+    assert cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu == values(ok)[MICRO]
     assert cfg.trainer.n_gpus_per_node == 2 and cfg.trainer.total_training_steps == 2
     assert cfg.ppotune.memory_limit_gb == 0.25
     # the trial command carries only the (complete) config and the result path: parsed once
@@ -252,6 +304,19 @@ def test_trial_files_follow_the_contract(shared):
     ):
         assert key in ok.user_attrs, key
     assert set(ok.user_attrs["timing_s"]) >= {"gen", "update_actor", "update_critic", "step"}
+
+
+def test_trials_run_warm_and_a_fault_ends_their_job(shared):
+    """The default runner: the trials of a search share a warm job; an OOM, a crash or a hang ends it."""
+    launched = [t for t in shared.study.get_trials() if t.user_attrs["status"] in ("ok", "oom", "hang", "crash")]
+    notes = {t.number: [n for n in t.user_attrs["notes"] if n.startswith(("warm:", "cold:"))] for t in launched}
+    assert all(len(n) == 1 and n[0].startswith("warm: trial ") for n in notes.values()), notes
+    for t in launched:
+        ended = notes[t.number][0].endswith("the job ended with it")
+        assert ended == (t.user_attrs["status"] != "ok"), (t.number, notes[t.number])
+    # run 3's ok trial started a job; its --confirm re-runs ran in it, without a start-up of their own
+    later = [t for t in launched if " (started for trial " in notes[t.number][0]]
+    assert later and all(t.user_attrs["status"] == "ok" for t in later)
 
 
 def test_study_attrs_follow_the_contract(shared):
@@ -288,7 +353,12 @@ def _start(cli, d, space, trials):
 
 
 def _ranks_running(trial_dir: Path) -> bool:
-    return any("trainer.run" in " ".join(p.cmdline()) for p in processes_with(str(trial_dir)))
+    """The trial's ranks are up: a cold trial's name its directory; a warm job's (trainer.serve, under
+    <out>/jobs) have been handed the trial once its log exists."""
+    if any("trainer.run" in " ".join(p.cmdline()) for p in processes_with(str(trial_dir))):
+        return True
+    jobs = processes_with(str(trial_dir.parent.parent / "jobs"))
+    return any("trainer.serve" in " ".join(p.cmdline()) for p in jobs) and (trial_dir / "train.log").is_file()
 
 
 def test_sigint_then_sigkill_then_resume_loses_and_duplicates_nothing(tmp_path, cli, no_processes_left):
@@ -382,7 +452,8 @@ def test_report_and_export_on_the_real_fault_study(shared, tmp_path):
     assert main(["report", "--storage", shared.storage, "--to", str(tmp_path / "r")]) == 0
     check_report_dir(tmp_path / "r", len(statuses), statuses)
     text = (tmp_path / "r" / "report.html").read_text()
-    assert "confirms #" in text and "same config as #" in text
+    reran = any("confirm_of" in t.user_attrs for t in shared.study.get_trials())  # see test_confirm_reruns_...
+    assert ("confirms #" in text or not reran) and "same config as #" in text
     assert main(["export", "--storage", shared.storage, "--to", str(tmp_path / "e")]) == 0
     why = (tmp_path / "e" / "why.md").read_text()
     assert "nearest out-of-memory config is trial #" in why

@@ -20,6 +20,8 @@ def test_vllm_knob_search_completes_and_flags_sleep_knobs_as_no_effect_on_cpu(tm
         "search_spaces/rollout_vllm.yaml",
         "--trials",
         4,
+        "--confirm",
+        0,
         "--nproc",
         2,
         "--steps",

@@ -125,6 +125,8 @@ def test_verl_search_report_and_export(cli, verl_run_file, tmp_path):
         space,
         "--trials",
         3,
+        "--confirm",
+        0,
         "--sampler",
         "grid",
         "--steps",

@@ -12,12 +12,12 @@ from optuna.trial import TrialState, create_trial
 
 from support import TINY_BASE
 from trainer.config import apply_overrides, config_from_dict, config_to_dict, flatten
-from trainer.contracts import DIRECTIONS, Status, TrialRecord
+from trainer.contracts import CONSTRAINT_KEY, DIRECTIONS, PHASES, Status, TrialRecord
 from tuner import decide
 from tuner import study as st
-from tuner.loop import WAIT, Search, SearchOptions, build_sampler
+from tuner.loop import MAX_CONSECUTIVE_FREE, WAIT, Search, SearchOptions, TrialEvent, build_sampler
 from tuner.runners import Recorded, ReplayRunner
-from tuner.space import base_flat_config, space_from_dict
+from tuner.space import LOG2_PREFIX, base_flat_config, space_from_dict
 
 MICRO = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"
 GC = "actor_rollout_ref.model.enable_gradient_checkpointing"
@@ -40,11 +40,12 @@ def setup():
     return space, trial_base, flatten(trial_base)
 
 
-def frozen(number: int, status: str, overrides: dict, **attrs) -> optuna.trial.FrozenTrial:
+def frozen(number: int, status: str, overrides: dict, *, values=None, constraint=None, **attrs):
     complete = Status(status).complete
     t = create_trial(
         state=TrialState.COMPLETE if complete else TrialState.FAIL,
-        values=[1.0, 1.0] if complete else None,
+        values=(values or [1.0, 1.0]) if complete else None,
+        constraints=None if constraint is None else {CONSTRAINT_KEY: constraint},
         user_attrs={"status": status, "overrides": overrides, **attrs},
     )
     t.number = number
@@ -67,23 +68,38 @@ def test_judge_invalid_duplicate_and_inferred_oom(setup):
     bad = space.complete({MICRO: 8, GC: True}, flat)
     v = decide.judge(bad, number=5, space=space, trial_base=trial_base, trial_flat=flat, known={})
     assert v.status == Status.INVALID and v.reason.startswith("config:") and MICRO in v.reason
+    assert v.constraint == decide.INVALID_CONSTRAINT
 
-    oom = frozen(1, "oom", {MICRO: 2, GC: False})
-    ok = frozen(2, "ok", {MICRO: 1, GC: True})
+    oom = frozen(1, "oom", {MICRO: 2, GC: False}, values=[0.0, 64.0], constraint=1.5, oom_phase="gen")
+    ok = frozen(2, "ok", {MICRO: 1, GC: True}, values=[321.0, 2.5], constraint=-0.9)
     known = decide.known_configs([oom, ok], space, flat)
     assert len(known) == 2
     same = space.complete({MICRO: 1, GC: True}, flat)
     v = decide.judge(same, number=7, space=space, trial_base=trial_base, trial_flat=flat, known=known)
-    assert v.status == Status.DUPLICATE and v.source == 2
+    # a duplicate of a finished trial is answered with the twin's values and constraint
+    assert v.status == Status.DUPLICATE and v.source == 2 and v.values == (321.0, 2.5) and v.constraint == -0.9
     hungrier = space.complete({MICRO: 4, GC: False}, flat)  # bigger micro-batch, no checkpointing
     v = decide.judge(hungrier, number=8, space=space, trial_base=trial_base, trial_flat=flat, known=known)
-    assert v.status == Status.INFERRED_OOM and v.source == 1
+    assert v.status == Status.INFERRED_OOM and v.source == 1 and v.constraint == 1.5  # its OOM's
     lighter = space.complete({MICRO: 4, GC: True}, flat)  # checkpointing on: not comparable to the OOM
     assert decide.judge(lighter, number=9, space=space, trial_base=trial_base, trial_flat=flat, known=known).launch
     # a --confirm re-run repeats a measured config on purpose
     assert decide.judge(
         same, number=10, space=space, trial_base=trial_base, trial_flat=flat, known=known, is_confirm=True
     ).launch
+
+
+def test_a_duplicate_of_a_running_or_failed_twin_has_no_values(setup):
+    space, trial_base, flat = setup
+    running = create_trial(state=TrialState.RUNNING, user_attrs={"overrides": {MICRO: 1, GC: True}})
+    running.number = 3
+    crash = frozen(4, "crash", {MICRO: 2, GC: True})
+    known = decide.known_configs([running, crash], space, flat)
+    for values, twin in (({MICRO: 1, GC: True}, 3), ({MICRO: 2, GC: True}, 4)):
+        v = decide.judge(
+            space.complete(values, flat), number=9, space=space, trial_base=trial_base, trial_flat=flat, known=known
+        )
+        assert v.status == Status.DUPLICATE and v.source == twin and v.values is None and v.constraint is None
 
 
 def test_known_configs_skip_what_is_not_a_measurement(setup):
@@ -93,9 +109,39 @@ def test_known_configs_skip_what_is_not_a_measurement(setup):
         frozen(1, "duplicate", {MICRO: 1}, duplicate_of=3),
         frozen(2, "ok", {MICRO: 1}, confirm_of=3),
         frozen(3, "ok", {MICRO: 1}),
+        frozen(5, "inferred_oom", {MICRO: 4}, inferred_from=6),
+        frozen(7, "invalid", {MICRO: 8}, duration_s=0.0),
     ]
     known = decide.known_configs(trials, space, flat)
     assert [t.number for t in known.values()] == [3]
+    # ... but every config rejected before launch is in the study: the space can run out
+    seen = decide.seen_configs(trials, space, flat)
+    ident = {m: space.identity({**flat, MICRO: m}) for m in (1, 4, 8)}
+    assert seen == set(ident.values())
+
+
+# --------------------------------------------------------------------------- the graded constraint
+def test_graded_constraint_orders_early_oom_over_late_oom_over_feasible():
+    def c(status, **kw):
+        return decide.constraint(TrialRecord(status=Status(status), **kw), limit_gb=10.0)
+
+    setup_oom = c("oom", oom_phase="setup")
+    first = c("oom", oom_phase=PHASES[0])
+    gen = c("oom", oom_phase="gen")
+    last = c("oom", oom_phase=PHASES[-1])
+    unknown = c("oom")
+    assert setup_oom > first > gen > last > unknown == 1.0 > 0.0
+    assert last == pytest.approx(1 + 1 / len(PHASES)) and first == pytest.approx(2.0)
+    # a measured peak far over the limit grades further than its phase says
+    assert c("oom", oom_phase=PHASES[-1], peak_memory_gb=40.0) == pytest.approx(3.0)
+    # measured: peak / limit - 1, never above 0 (it ran, so it fits)
+    assert c("ok", peak_memory_gb=2.5) == pytest.approx(-0.75)
+    assert c("ok", peak_memory_gb=9.0) > c("ok", peak_memory_gb=2.5)
+    assert c("ok", peak_memory_gb=12.0) == 0.0 and c("ok") == -1.0
+    # an inferred OOM takes its OOM's value, an invalid config is further over than any OOM
+    assert decide.constraint(TrialRecord(status=Status.INFERRED_OOM), limit_gb=10.0, source=first) == first
+    assert c("invalid") == decide.INVALID_CONSTRAINT > setup_oom
+    assert c("hang") == 1.0 and c("crash") is None
 
 
 def test_stop_reason():
@@ -107,6 +153,10 @@ def test_stop_reason():
     assert decide.stop_reason(dup, budget=4, **kw) is None  # a duplicate is not counted
     assert "--timeout" in decide.stop_reason(ok, budget=9, **{**kw, "timeout_s": 0.5})
     assert "in a row" in decide.stop_reason(ok, budget=9, **{**kw, "free_in_a_row": 100})
+    rejected = [*ok, frozen(3, "inferred_oom", {}, inferred_from=0), frozen(4, "invalid", {}, duration_s=0.0)]
+    assert decide.stop_reason(rejected, budget=4, **kw) is None  # rejected before launch: not counted
+    launched_invalid = [*ok, frozen(3, "invalid", {}, duration_s=7.5, returncode=2)]
+    assert "holds 4 counted" in decide.stop_reason(launched_invalid, budget=4, **kw)  # exit 2 counts
 
 
 # --------------------------------------------------------------------------- the loop over a replay runner
@@ -124,25 +174,24 @@ def _replay_table(space, flat):
     return table
 
 
-def test_search_loop_over_a_replay_runner(setup):
-    """The real loop (ask -> judge -> run -> tell) with every launch answered from a recording."""
+class Events:
+    """A SearchObserver that keeps what it is told."""
+
+    def __init__(self):
+        self.events: list[TrialEvent] = []
+        self.messages: list[str] = []
+
+    def trial_done(self, event: TrialEvent) -> None:
+        self.events.append(event)
+
+    def message(self, text: str) -> None:
+        self.messages.append(text)
+
+
+def _search(setup, study, storage, runner, *, trials, sampler="grid", observer=None):
     space, trial_base, flat = setup
-    storage = optuna.storages.InMemoryStorage()
-    study = optuna.create_study(
-        storage=storage, directions=list(DIRECTIONS), sampler=build_sampler("grid", seed=0, n_trials=6)
-    )
-    study.enqueue_trial(space.baseline_params(flat), user_attrs={"baseline": True})
-    study.enqueue_trial({MICRO: 1, GC: False})
-    study.enqueue_trial({MICRO: 4, GC: False})  # hungrier than an OOM: never launched
-    study.enqueue_trial(space.baseline_params(flat))  # the sampler repeats the baseline: a duplicate
-    table = _replay_table(space, flat)
-    # in this recording "micro-batch 1 without checkpointing" ran out of memory
-    table[space.identity(space.complete({MICRO: 1, GC: False}, flat).effective)] = [
-        Recorded(Status.OOM, None, None, 3.0, 99)
-    ]
-    runner = ReplayRunner(table, rng=random.Random(0))
-    search = Search(
-        options=SearchOptions(trials=5, sampler="grid", seed=0),
+    return Search(
+        options=SearchOptions(trials=trials, sampler=sampler, seed=0),
         study=study,
         storage=storage,
         lock=st.StudyLock(None),
@@ -151,25 +200,166 @@ def test_search_loop_over_a_replay_runner(setup):
         trial_flat=flat,
         runner=runner,
         penalty_gb=64.0,
+        observer=observer,
     )
+
+
+def test_search_loop_over_a_replay_runner(setup):
+    """The real loop (ask -> judge -> run -> tell) with every launch answered from a recording."""
+    space, trial_base, flat = setup
+    storage = optuna.storages.InMemoryStorage()
+    study = optuna.create_study(
+        storage=storage, directions=list(DIRECTIONS), sampler=build_sampler("grid", seed=0, n_trials=6)
+    )
+    study.enqueue_trial(space.baseline_params(flat), user_attrs={"baseline": True})
+    study.enqueue_trial(space.to_params({MICRO: 1, GC: False}))
+    study.enqueue_trial(space.to_params({MICRO: 4, GC: False}))  # hungrier than an OOM: never launched
+    study.enqueue_trial(space.baseline_params(flat))  # the sampler repeats the baseline: a duplicate
+    table = _replay_table(space, flat)
+    # in this recording "micro-batch 1 without checkpointing" ran out of memory, in its first phase
+    table[space.identity(space.complete({MICRO: 1, GC: False}, flat).effective)] = [
+        Recorded(Status.OOM, None, None, 3.0, 99, PHASES[0])
+    ]
+    runner = ReplayRunner(table, rng=random.Random(0))
+    events = Events()
+    search = _search(setup, study, storage, runner, trials=4, observer=events)
     search.run()
 
     trials = study.get_trials()
     recs = [TrialRecord.from_user_attrs(t.user_attrs) for t in trials]
-    assert decide.count_progress(trials) == 5 and "holds 5 counted" in search.stopped_reason
+    assert decide.count_progress(trials) == 4 and "holds 4 counted" in search.stopped_reason
     statuses = [r.status for r in recs]
     assert statuses[:4] == [Status.OK, Status.OOM, Status.INFERRED_OOM, Status.DUPLICATE]
     assert recs[0].baseline and recs[2].inferred_from == 1 and recs[3].duplicate_of == 0
-    # only launched trials reached the runner: baseline, the OOM and the two grid points after them
+    # the inferred OOM and the duplicate cost nothing and did not count: two more grid points ran instead
+    assert [decide.counted(t) for t in trials] == [True, True, False, False, True, True]
     assert runner.launched == statuses.count(Status.OK) + statuses.count(Status.OOM) == 4
     assert all(r.engine == "replay" for r, s in zip(recs, statuses) if s in (Status.OK, Status.OOM))
     ok = [t for t, r in zip(trials, recs) if r.status == Status.OK]
     assert all(t.values[0] == TrialRecord.from_user_attrs(t.user_attrs).throughput for t in ok)
-    assert trials[1].values == [0.0, 64.0] and trials[2].values == [0.0, 64.0]
-    assert trials[3].state == TrialState.FAIL  # the duplicate: recorded, not run, not counted
-    assert (
-        len({space.identity({**flat, **r.overrides}) for r, t in zip(recs, trials) if decide.counted(t)}) == 5
-    )  # five distinct configs
+    # the OOM's constraint is graded by its phase; the inferred OOM takes it over
+    assert trials[1].values == [0.0, 64.0] and trials[1].constraints[CONSTRAINT_KEY] == pytest.approx(2.0)
+    assert trials[2].values == [0.0, 64.0] and trials[2].constraints == trials[1].constraints
+    assert recs[1].constraint == recs[2].constraint == pytest.approx(2.0)
+    # the duplicate: COMPLETE with its twin's values and constraint (TPE sees it), not run, not counted
+    assert trials[3].state == TrialState.COMPLETE and trials[3].values == trials[0].values
+    assert trials[3].constraints == trials[0].constraints and trials[0].constraints[CONSTRAINT_KEY] < 0
+    assert recs[0].constraint == pytest.approx(recs[0].peak_memory_gb / 64.0 - 1)
+    assert len({space.identity({**flat, **r.overrides}) for r, t in zip(recs, trials) if decide.counted(t)}) == 4
+    # Optuna holds the micro-batch as its exponent; the trials' overrides and the observer see the values
+    assert trials[1].params == {LOG2_PREFIX + MICRO: 0, GC: False} and recs[1].overrides[MICRO] == 1
+    assert [e.params for e in events.events][:3] == [
+        {MICRO: 2, GC: False},
+        {MICRO: 1, GC: False},
+        {MICRO: 4, GC: False},
+    ]
+    assert [e.counted for e in events.events] == [True, True, False, False, True, True]
+
+
+def _wide(space):
+    """The test space with micro-batch 8 too, which the tiny config refuses (4 per GPU does not divide by 8)."""
+    return space_from_dict(
+        {"knobs": {MICRO: {"type": "pow2", "low": 1, "high": 8, "memory": "increasing"}, GC: {"type": "bool"}}}
+    )
+
+
+def test_rejected_configs_never_consume_the_budget_and_the_space_runs_out(setup):
+    """A budget larger than the space: every launchable config is measured once, each invalid and
+    inferred-OOM config recorded at 0 s outside the budget, then the search stops: the space is used up."""
+    space, trial_base, flat = setup
+    storage = optuna.storages.InMemoryStorage()
+    study = optuna.create_study(
+        storage=storage, directions=list(DIRECTIONS), sampler=build_sampler("tpe", seed=0, n_trials=20)
+    )
+    table = _replay_table(space, flat)
+    wide = _wide(space)
+    search = _search((wide, trial_base, flat), study, storage, ReplayRunner(table), trials=20, sampler="tpe")
+    search.run()
+    trials = study.get_trials()
+    recs = [TrialRecord.from_user_attrs(t.user_attrs) for t in trials]
+    assert "every one of the 8 configs" in search.stopped_reason
+    launched = [r for r in recs if r.status in (Status.OK, Status.OOM)]
+    # micro-batch 8 is refused by the config (the per-GPU mini-batch of 4 does not divide by 8)
+    invalid = [t for t, r in zip(trials, recs) if r.status == Status.INVALID]
+    assert invalid and all(r.overrides[MICRO] == 8 for r in recs if r.status == Status.INVALID)
+    assert all(t.state == TrialState.COMPLETE and t.values == [0.0, 64.0] for t in invalid)
+    assert all(t.constraints[CONSTRAINT_KEY] == decide.INVALID_CONSTRAINT for t in invalid)
+    assert decide.count_progress(trials) == len(launched) <= 6  # invalid and inferred OOM are free
+    assert len({space.identity({**flat, **r.overrides}) for r in launched}) == len(launched)
+    assert {r.status for r in recs} <= {Status.OK, Status.OOM, Status.INFERRED_OOM, Status.INVALID, Status.DUPLICATE}
+
+
+def test_free_rejections_in_a_row_stop_the_search(setup):
+    """The stop guard counts every rejection before launch: a sampler that keeps proposing refused
+    configs (here: 150 enqueued copies of an invalid one) stops the process with a clear reason."""
+    space, trial_base, flat = setup
+    wide = _wide(space)
+    storage = optuna.storages.InMemoryStorage()
+    study = optuna.create_study(storage=storage, directions=list(DIRECTIONS))
+    for _ in range(MAX_CONSECUTIVE_FREE + 50):
+        study.enqueue_trial(wide.to_params({MICRO: 8, GC: True}))
+    runner = ReplayRunner(_replay_table(space, flat))
+    search = _search((wide, trial_base, flat), study, storage, runner, trials=5, sampler="random")
+    search.run()
+    assert f"{MAX_CONSECUTIVE_FREE} configs in a row that were not run" in search.stopped_reason
+    trials = study.get_trials()
+    assert runner.launched == 0 and decide.count_progress(trials) == 0
+    assert sum(t.state == TrialState.COMPLETE for t in trials) == MAX_CONSECUTIVE_FREE
+
+
+def test_distance_counts_ordered_steps_and_incumbent_is_the_fastest(setup):
+    space, _, flat = setup
+
+    def eff(micro, gc):
+        return space.complete({MICRO: micro, GC: gc}, flat).effective
+
+    assert decide.distance(space, eff(1, False), eff(4, False)) == 2  # two powers of two apart
+    assert decide.distance(space, eff(2, False), eff(2, True)) == 1
+    assert decide.distance(space, eff(1, True), eff(4, False)) == 3
+    known = decide.known_configs(
+        [
+            frozen(0, "ok", {MICRO: 1, GC: False}, throughput=100.0),
+            frozen(1, "ok", {MICRO: 2, GC: True}, throughput=160.0),
+            frozen(2, "oom", {MICRO: 4, GC: False}),
+        ],
+        space,
+        flat,
+    )
+    assert space.identity(decide.incumbent(known, flat)) == space.identity(eff(2, True))
+    assert decide.incumbent({}, flat) is None
+
+
+def test_after_three_duplicates_in_a_row_the_nearest_unmeasured_config_runs(setup):
+    """TPE stuck on measured configs: after 3 duplicates in a row the tuner enqueues the unmeasured
+    config nearest the fastest measured one (here one step from micro-batch 2 with checkpointing)."""
+    space, _, flat = setup
+    storage = optuna.storages.InMemoryStorage()
+    study = optuna.create_study(storage=storage, directions=list(DIRECTIONS), sampler=optuna.samplers.RandomSampler(0))
+    for micro, gc in [(1, False), (2, True), (1, True), (2, True), (2, True), (2, True)]:
+        study.enqueue_trial(space.to_params({MICRO: micro, GC: gc}))
+    search = _search(setup, study, storage, ReplayRunner(_replay_table(space, flat)), trials=4, sampler="random")
+    search.run()
+    trials = study.get_trials()
+    recs = [TrialRecord.from_user_attrs(t.user_attrs) for t in trials]
+    assert [r.status for r in recs][:6] == [Status.OK] * 3 + [Status.DUPLICATE] * 3
+    explored = recs[6]
+    assert explored.status == Status.OK and decide.counted(trials[6])
+    best = space.complete({MICRO: 2, GC: True}, flat).effective
+    assert decide.distance(space, {**flat, **explored.overrides}, best) == 1
+    assert "holds 4 counted" in search.stopped_reason and len(trials) == 7
+
+
+def test_a_study_from_before_exponents_is_refused_before_any_trial(setup):
+    space, _, flat = setup
+    storage = optuna.storages.InMemoryStorage()
+    study = optuna.create_study(storage=storage, directions=list(DIRECTIONS))
+    old = study.ask()
+    old.suggest_categorical(MICRO, [1, 2, 4])  # how the study was written before: the plain key, categorical
+    study.tell(old, [1.0, 1.0])
+    runner = ReplayRunner(_replay_table(space, flat))
+    with pytest.raises(ValueError, match="log2:") as e:
+        _search(setup, study, storage, runner, trials=3, sampler="random").run()
+    assert "--study NAME" in str(e.value) and runner.launched == 0 and len(study.get_trials()) == 1
 
 
 # --------------------------------------------------------------------------- the budget across workers
@@ -244,8 +434,8 @@ def test_a_waiting_worker_runs_the_retry_of_a_dead_workers_trial(setup):
     study = optuna.create_study(storage=storage, directions=list(DIRECTIONS))
     space, _, flat = setup
     search = _worker(setup, study, storage, trials=2)
-    study.enqueue_trial({MICRO: 1, GC: False})
-    study.enqueue_trial({MICRO: 2, GC: False})  # runs ok in the replay table (micro-batch 4 would OOM)
+    study.enqueue_trial(space.to_params({MICRO: 1, GC: False}))
+    study.enqueue_trial(space.to_params({MICRO: 2, GC: False}))  # runs ok in the replay table (4 would OOM)
     done = study.ask()
     space.suggest(done, flat)
     study.tell(done, [1.0, 1.0])

@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from support import KNOBS, make_demo_study
 from support import REPO as ROOT
-from support import make_demo_study
 from trainer.config import flatten, load_config
+from trainer.contracts import CONSTRAINT_KEY
+from tuner import confirm
 from tuner.cli import main
 
 
@@ -21,6 +23,64 @@ from tuner.cli import main
 def demo_out(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("export_demo")
     make_demo_study(f"sqlite:///{d / 'study.db'}")
+    return d
+
+
+# --confirm 3 on the demo study: finalists #11, #3, #10 (the front under 72 GB, fastest first) and the
+# baseline #0, interleaved; per round: (tokens/s/GPU, peak GB) of #11, #3, #10, #0
+RERUNS = {
+    11: [(2000.0, 63.0), (1900.0, 63.1), (1950.0, 62.9)],
+    3: [(2200.0, 61.0), (2050.0, 61.2), (2150.0, 61.1)],
+    10: [(1800.0, 47.0), (1700.0, 47.1), (1750.0, 47.0)],
+    0: [(1500.0, 52.0), (1400.0, 52.0), (1450.0, 52.1)],
+}
+LENGTHS = {
+    "prompt": {"p10": 12.0, "p50": 20.0, "p90": 41.0, "max": 64.0},
+    "response": {"p10": 8.0, "p50": 16.0, "p90": 30.0, "max": 32.0},
+}
+
+
+def add_confirmation(study, reruns=None, *, rounds: int = 3) -> dict:
+    """Re-runs of the finalists and the baseline written the way ``Search.confirm`` writes them (trials
+    with ``confirm_of``, in the interleaved order), and the study attribute ``confirmation`` it stores."""
+    reruns = RERUNS if reruns is None else reruns
+    members = [n for n in reruns if n != 0]
+    plan = confirm.schedule(members, 0, rounds)
+    originals = {t.number: t for t in study.get_trials()}
+    runs: dict = {n: [] for n in reruns}
+    seen = {n: 0 for n in reruns}
+    for r, order in enumerate(plan):
+        for n in order:
+            thr, peak = reruns[n][seen[n]]
+            seen[n] += 1
+            study.enqueue_trial(dict(originals[n].params))
+            trial = study.ask(KNOBS)
+            ua = dict(originals[n].user_attrs)
+            status = "ok" if thr is not None else "oom"
+            ua.update(
+                status=status,
+                confirm_of=n,
+                baseline=False,
+                throughput=thr,
+                throughput_ci=None if thr is None else [thr * 0.97, thr * 1.03],
+                measured_steps=5,
+                peak_memory_gb=peak,
+                lengths=LENGTHS,
+            )
+            for k, v in ua.items():
+                trial.set_user_attr(k, v)
+            trial.set_constraint(CONSTRAINT_KEY, -1.0 if thr is not None else 1.0)
+            study.tell(trial, [thr or 0.0, peak])
+            runs[n].append(confirm.Rerun(trial.number, status, thr, peak))
+    agg = confirm.aggregate(baseline=0, finalists=members, rounds=rounds, headroom=0.1, runs=runs)
+    study.set_user_attr(confirm.CONFIRMATION_ATTR, agg)
+    return agg
+
+
+@pytest.fixture(scope="module")
+def confirmed_out(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("export_confirmed")
+    add_confirmation(make_demo_study(f"sqlite:///{d / 'study.db'}"))
     return d
 
 
@@ -46,6 +106,63 @@ def test_export_picks_fastest_under_headroom(demo_out, tmp_path):
     for name in ("best_config.yaml", "verl_overrides.txt", "verl_command.sh", "why.md"):
         assert (to / name).is_file()
     assert os.access(to / "verl_command.sh", os.X_OK)
+
+
+def test_without_a_confirmation_export_says_unconfirmed(demo_out, tmp_path, capsys):
+    rc, to = _export(demo_out, tmp_path)
+    assert rc == 0
+    why = (to / "why.md").read_text()
+    assert "**Unconfirmed**: the study holds no confirmation" in why
+    assert "# Unconfirmed: the figure of one short trial" in (to / "best_config.yaml").read_text()
+    assert "unconfirmed: the study holds no confirmation" in capsys.readouterr().out
+
+
+def test_export_picks_the_confirmed_ratio_not_the_single_trial(confirmed_out, tmp_path, capsys):
+    """#11 was the fastest single trial (2150 vs #3's 2100); side by side #3 is faster: its paired
+    ratios 2200/1500, 2050/1400, 2150/1450 = 1.467, 1.464, 1.483 (median 1.467) beat #11's 1.345."""
+    rc, to = _export(confirmed_out, tmp_path)
+    assert rc == 0
+    assert _chosen(to) == 3
+    why = (to / "why.md").read_text()
+    assert "The pick rests on a **confirmation**" in why and "Unconfirmed" not in why
+    assert "Confirmed: **1.47x the baseline (90% interval " in why and ", 3 interleaved rounds)**" in why
+    assert "median 2150.0 tokens/s/GPU" in why and "peak 61.20 GB" in why
+    assert "Trial #11, confirmed: 1.34x the baseline" in why  # the runner-up, by its confirmed figure
+    table = why.split("## Confirmation")[1].split("##")[0]
+    assert "| #3 | 1.47x |" in table and "| #10 | 1.21x |" in table and "| #0 (baseline) | 1.00x |" in table
+    header = (to / "best_config.yaml").read_text()
+    assert "# Confirmed: 1.47x the baseline (90% interval" in header and "ppotune validate best_config.yaml" in header
+    out = capsys.readouterr().out
+    assert "trial #3 (max-throughput)" in out and "confirmed: 1.47x the baseline" in out
+    got = flatten(yaml.safe_load((to / "best_config.yaml").read_text()))
+    assert got["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"] == 4  # #3's knobs
+    assert got["actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"] == 4
+
+
+def test_a_confirmed_peak_over_the_limit_or_a_failed_rerun_is_no_pick(tmp_path):
+    reruns = {**RERUNS, 3: [(2200.0, 61.0), (2050.0, 73.0), (2150.0, 61.1)]}  # one re-run peaked over 72 GB
+    make = make_demo_study(f"sqlite:///{tmp_path / 'a.db'}")
+    add_confirmation(make, reruns)
+    assert main(["export", "--storage", f"sqlite:///{tmp_path / 'a.db'}", "--to", str(tmp_path / "a")]) == 0
+    assert _chosen(tmp_path / "a") == 11
+    assert "#3 not eligible: its re-runs peaked at 73.00 GB" in (tmp_path / "a" / "why.md").read_text()
+    reruns = {**RERUNS, 3: [(2200.0, 61.0), (None, 80.5), (2150.0, 61.1)]}  # one re-run ran out of memory
+    add_confirmation(make_demo_study(f"sqlite:///{tmp_path / 'b.db'}"), reruns)
+    assert main(["export", "--storage", f"sqlite:///{tmp_path / 'b.db'}", "--to", str(tmp_path / "b")]) == 0
+    assert _chosen(tmp_path / "b") == 11
+    assert "#3 not eligible: 1 of its re-runs did not end ok (oom)" in (tmp_path / "b" / "why.md").read_text()
+
+
+def test_other_picks_and_a_tight_headroom_fall_back_and_say_so(confirmed_out, tmp_path):
+    rc, to = _export(confirmed_out, tmp_path / "min", "--pick", "min-memory")
+    assert rc == 0 and _chosen(to) == 5
+    assert "**Unconfirmed**: --pick min-memory ranks the search's single trials" in (to / "why.md").read_text()
+    # 25% headroom: limit 60 GB; of the confirmed configs only #10 (47 GB) and the baseline (52 GB) fit
+    rc, to = _export(confirmed_out, tmp_path / "h25", "--memory-headroom", "0.25")
+    assert rc == 0 and _chosen(to) == 10
+    why = (to / "why.md").read_text()
+    assert "#11 not eligible: not a feasible trial under the memory limit" in why
+    assert "Confirmed: **1.21x the baseline" in why
 
 
 def test_headroom_moves_the_pick(demo_out, tmp_path):

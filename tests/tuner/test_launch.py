@@ -316,3 +316,37 @@ def test_a_timeout_must_be_positive(cli, tmp_path, flag):
             flag, 0, "--out", tmp_path / "out")  # fmt: skip
     assert r.returncode == 2 and r.stderr.strip() == f"ppotune search: {flag} must be > 0 seconds, got 0"
     assert not (tmp_path / "out").exists()  # nothing was started
+
+
+# --------------------------------------------------------------------------- warm jobs (what needs no trial)
+def _nested(*overrides: str) -> dict:
+    from trainer.config import config_to_dict, load_config
+
+    return config_to_dict(load_config(REPO / "configs" / "tiny_cpu.yaml", list(overrides)))
+
+
+def test_what_runs_warm_and_what_a_job_fixes():
+    from trainer.launcher import serve_layout, warm_refusal
+
+    base = _nested()
+    assert warm_refusal(base) is None
+    assert "vLLM engine" in warm_refusal(_nested("actor_rollout_ref.rollout.name=vllm"))
+    assert "nnodes" in warm_refusal(_nested("trainer.nnodes=2"))
+    # the per-GPU knobs change in place; the processes (world size, device, process-group timeout) do not
+    assert serve_layout(_nested("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4")) == serve_layout(base)
+    assert serve_layout(_nested("actor_rollout_ref.actor.strategy=fsdp2")) == serve_layout(base)
+    for other in ("trainer.n_gpus_per_node=1", "ppotune.device=auto", "ppotune.dist_timeout_s=60"):
+        assert serve_layout(_nested(other)) != serve_layout(base), other
+
+
+@pytest.mark.parametrize(
+    "extra, says",
+    [
+        (["actor_rollout_ref.rollout.name=vllm"], "in-process vLLM engine"),
+        (["--engine", "verl"], "--serve runs ppotune's own trainer"),
+    ],
+)
+def test_serve_refuses_what_cannot_run_warm(cli, tmp_path, extra, says):
+    r = cli("train", REPO / "configs" / "tiny_cpu.yaml", *extra, "--serve", tmp_path / "job")
+    assert r.returncode == 2 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not (tmp_path / "job").exists()  # nothing was started

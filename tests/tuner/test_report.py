@@ -180,6 +180,40 @@ def test_report_few_trials_and_unknown_device(tmp_path):
     assert [r["status"] for r in rows] == ["ok", "oom"]
 
 
+def test_report_shows_the_confirmation_intervals_and_lengths(tmp_path):
+    """A study holding a --confirm confirmation (see test_export.add_confirmation): the report ranks by it
+    and shows each figure with its interval, every re-run's own interval and the lengths the trials saw."""
+    from test_export import add_confirmation
+
+    from tuner.cli import main
+
+    add_confirmation(make_demo_study(f"sqlite:///{tmp_path / 'study.db'}"))
+    assert main(["report", "--out", str(tmp_path), "--to", str(tmp_path / "r")]) == 0
+    text = (tmp_path / "r" / "report.html").read_text()
+    # the card and the section: #3's paired ratios 1.467, 1.464, 1.483 (the single trials said 1.40x)
+    assert "best vs baseline, confirmed" in text and ">1.47x<" in text
+    assert "runs at <b>1.47x the baseline (90% interval 1.45–1.48, 3 interleaved rounds)</b>" in text
+    section = text.split("<h2>Finalists confirmed side by side</h2>")[1].split("<h2>")[0]
+    for n, ratio in ((11, "1.34"), (3, "1.47"), (10, "1.21"), (0, "1.00")):
+        assert re.search(rf"<tr><td>#{n}( ★)?</td><td><b>{ratio}x</b>", section), n
+    # every trial's own 90% interval where it has one (the re-runs here): #3's first re-run ran 2200 ± 3%
+    assert "<td>2200.0</td><td>2134.0–2266.0</td>" in text
+    assert "<th>90% interval</th>" in text.split("<h2>Pareto configs</h2>")[1]
+    lengths = text.split("<h2>Sequence lengths the trials saw</h2>")[1].split("<h2>")[0]
+    assert "median over 12 ok trials" in lengths
+    assert "<th class='knob'>prompt</th><td>12</td><td>20</td><td>41</td><td>64</td>" in lengths
+    summary = (tmp_path / "r" / "summary.md").read_text()
+    assert "- confirmed: 1.47x the baseline (90% interval 1.45–1.48, 3 interleaved rounds)" in summary
+    assert "- prompt lengths (12 trials): p10 12, p50 20, p90 41, max 64" in summary
+
+
+def test_report_without_confirmation_says_unconfirmed(demo_report):
+    text = (demo_report / "report.html").read_text()
+    assert "Unconfirmed: the study holds no confirmation" in text and "single trials, unconfirmed" in text
+    assert "No trial recorded its sequence lengths." in text
+    assert "Finalists confirmed side by side" not in text
+
+
 def test_report_errors_are_one_line(tmp_path, capsys):
     from tuner.cli import main
 

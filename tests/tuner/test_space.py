@@ -11,10 +11,13 @@ import pytest
 
 from support import REPO  # noqa: E402
 from tuner.space import (
+    LOG2_PREFIX,
     Expr,
     ExprError,  # noqa: F401  (part of the module's error surface)
     SpaceError,
     base_flat_config,
+    decode_trial,
+    from_params,
     load_space,
     space_from_dict,
 )
@@ -52,7 +55,10 @@ def test_shipped_space_is_valid_against_the_demo_config(path, base_flat):
     for _ in range(5):
         trial = study.ask()
         cand = space.suggest(trial, base_flat)
-        assert set(trial.params) == set(cand.params)
+        assert set(from_params(trial.params)) == set(cand.params)
+        for k in space.knobs:  # a power-of-two knob's value is 2 ** the exponent Optuna holds
+            if k.exponents is not None and k.key in cand.params:
+                assert cand.params[k.key] == 1 << trial.params[k.param] == from_params(trial.params)[k.key]
         assert all(k in cand.overrides for k in cand.params)
         study.tell(trial, [1.0, 1.0])
 
@@ -254,9 +260,10 @@ def test_suggest_is_define_by_run_with_dotted_param_names(cond_space, base_flat)
     for _ in range(20):
         trial = study.ask()
         cand = cond_space.suggest(trial, base_flat)
-        assert trial.params == cand.params
+        assert from_params(trial.params) == cand.params
         seen_dyn.add(trial.params[DYN])
-        assert (MICRO in trial.params) != trial.params[DYN]
+        assert (LOG2_PREFIX + MICRO in trial.params) != trial.params[DYN]
+        assert MICRO not in trial.params  # a power-of-two knob is its exponent, under its own name
         study.tell(trial, [1.0, 1.0])
     assert seen_dyn == {False, True}
     dists = study.trials[0].distributions
@@ -266,15 +273,123 @@ def test_suggest_is_define_by_run_with_dotted_param_names(cond_space, base_flat)
 
 def test_suggest_follows_enqueued_params(cond_space, base_flat):
     study = optuna.create_study(directions=["maximize", "minimize"])
-    params = {DYN: False, MICRO: 4, STRATEGY: "fsdp2", CKPT: True}
-    study.enqueue_trial(params)
+    values = {DYN: False, MICRO: 4, STRATEGY: "fsdp2", CKPT: True}
+    study.enqueue_trial(cond_space.to_params(values))
     trial = study.ask()
     cand = cond_space.suggest(trial, base_flat)
-    assert cand.params == params
+    assert cand.params == values and trial.params[LOG2_PREFIX + MICRO] == 2
 
 
 def test_baseline_params_are_the_base_values_in_the_domain(cond_space, base_flat):
-    assert cond_space.baseline_params(base_flat) == {DYN: False, MICRO: 2, STRATEGY: "fsdp", CKPT: False}
+    values = {DYN: False, MICRO: 2, STRATEGY: "fsdp", CKPT: False}
+    assert cond_space.baseline_values(base_flat) == values
+    # what the study enqueues: the Optuna params, the micro-batch as its exponent
+    assert cond_space.baseline_params(base_flat) == {DYN: False, LOG2_PREFIX + MICRO: 1, STRATEGY: "fsdp", CKPT: False}
+    study = optuna.create_study(directions=["maximize", "minimize"], sampler=optuna.samplers.TPESampler(seed=0))
+    study.enqueue_trial(cond_space.baseline_params(base_flat))
+    trial = study.ask()
+    cand = cond_space.suggest(trial, base_flat)
+    assert cand.params == values and cand.effective[MICRO] == 2
+
+
+# --------------------------------------------------------------------------- powers of two as exponents
+def test_pow2_knobs_are_suggested_as_ordered_exponents(tmp_path, base_flat):
+    """type pow2 and a categorical list of contiguous powers of two: an IntDistribution over the exponent
+    under ``log2:<key>``; every value of the domain reachable; the values (not exponents) everywhere else."""
+    crit = "critic.ppo_micro_batch_size_per_gpu"
+    space = load_space(
+        write(
+            tmp_path,
+            f"""
+        knobs:
+          {MICRO}: {{type: pow2, low: 1, high: 8, memory: increasing}}
+          {crit}: {{type: categorical, choices: [4, 1, 2], memory: increasing}}
+          {STRATEGY}: {{type: categorical, choices: [fsdp, fsdp2]}}
+    """,
+        )
+    )
+    assert space.knob(MICRO).exponents == (0, 3) and space.knob(crit).exponents == (0, 2)
+    assert space.knob(STRATEGY).exponents is None and space.knob(STRATEGY).param == STRATEGY
+    assert space.knob(MICRO).param == LOG2_PREFIX + MICRO
+    assert "Optuna param log2:" in space.knob(MICRO).describe()
+    study = optuna.create_study(directions=["maximize", "minimize"], sampler=optuna.samplers.RandomSampler(seed=0))
+    seen = set()
+    for _ in range(40):
+        trial = study.ask()
+        cand = space.suggest(trial, base_flat)
+        assert cand.params[MICRO] == 1 << trial.params[LOG2_PREFIX + MICRO]
+        assert cand.overrides[MICRO] == cand.effective[MICRO] == cand.params[MICRO]
+        assert cand.params[crit] in (1, 2, 4)
+        seen.add(cand.params[MICRO])
+        study.tell(trial, [1.0, 1.0])
+    assert seen == {1, 2, 4, 8}
+    dist = study.trials[0].distributions[LOG2_PREFIX + MICRO]
+    assert isinstance(dist, optuna.distributions.IntDistribution) and (dist.low, dist.high) == (0, 3)
+    # round trip, for every value of the domain
+    for v in (1, 2, 4, 8):
+        params = space.to_params({MICRO: v, STRATEGY: "fsdp"})
+        assert params == {LOG2_PREFIX + MICRO: v.bit_length() - 1, STRATEGY: "fsdp"}
+        assert from_params(params) == {MICRO: v, STRATEGY: "fsdp"}
+    with pytest.raises(KeyError):
+        space.to_params({"ppotune.tiny.hidden_size": 64})
+    # the identity of a config is its values: unchanged by the encoding
+    a = space.complete({MICRO: 4, crit: 2, STRATEGY: "fsdp"}, base_flat)
+    study.enqueue_trial(space.to_params(a.params))
+    trial = study.ask()
+    b = space.suggest(trial, base_flat)
+    assert space.identity(b.effective) == space.identity(a.effective)
+    assert ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", "4") in space.identity(a.effective)
+
+
+def test_a_pow2_list_with_gaps_stays_categorical(tmp_path, base_flat):
+    """[1, 2, 8]: an exponent range 0..3 would hold 4, which the user left out; it stays a categorical."""
+    space = load_space(write(tmp_path, f"knobs:\n  {MICRO}: {{type: categorical, choices: [1, 2, 8]}}\n"))
+    knob = space.knob(MICRO)
+    assert knob.exponents is None and knob.param == MICRO
+    study = optuna.create_study(directions=["maximize", "minimize"], sampler=optuna.samplers.RandomSampler(seed=0))
+    seen = set()
+    for _ in range(30):
+        trial = study.ask()
+        seen.add(space.suggest(trial, base_flat).params[MICRO])
+        study.tell(trial, [1.0, 1.0])
+    assert seen == {1, 2, 8}
+    assert isinstance(study.trials[0].distributions[MICRO], optuna.distributions.CategoricalDistribution)
+    # a single power of two, or a list with a non-power, is not an exponent range either way round
+    assert space_from_dict({"knobs": {MICRO: {"type": "categorical", "choices": [3, 6]}}}).knob(MICRO).exponents is None
+    assert space_from_dict({"knobs": {MICRO: {"type": "pow2", "low": 4, "high": 4}}}).knob(MICRO).exponents == (2, 2)
+
+
+def test_decoded_trial_has_values_and_an_ordered_distribution(cond_space, base_flat):
+    study = optuna.create_study(directions=["maximize", "minimize"])
+    study.enqueue_trial(cond_space.to_params({DYN: False, MICRO: 8, STRATEGY: "fsdp", CKPT: True}))
+    trial = study.ask()
+    cond_space.suggest(trial, base_flat)
+    study.tell(trial, [1.0, 1.0])
+    raw = study.trials[0]
+    t = decode_trial(raw)
+    assert t.params[MICRO] == 8 and LOG2_PREFIX + MICRO not in t.params
+    assert t.distributions[MICRO] == optuna.distributions.IntDistribution(1, 8, log=True)
+    assert raw.params[LOG2_PREFIX + MICRO] == 3  # the stored trial is untouched
+    plain = optuna.trial.create_trial(
+        params={MICRO: 2}, distributions={MICRO: optuna.distributions.CategoricalDistribution([1, 2])}, values=[1, 1]
+    )
+    assert decode_trial(plain) is plain  # a study from before exponents reads as it is
+
+
+def test_a_study_written_with_categorical_pow2_params_is_refused_clearly(cond_space):
+    old = optuna.trial.create_trial(
+        params={MICRO: 2},
+        distributions={MICRO: optuna.distributions.CategoricalDistribution([1, 2, 4, 8])},
+        values=[1, 1],
+    )
+    msg = cond_space.foreign_params([old])
+    assert msg and "log2:" in msg and "--study" in msg
+    new = optuna.trial.create_trial(
+        params={LOG2_PREFIX + MICRO: 1},
+        distributions={LOG2_PREFIX + MICRO: optuna.distributions.IntDistribution(0, 3)},
+        values=[1, 1],
+    )
+    assert cond_space.foreign_params([new]) is None
 
 
 def test_memory_dominance(cond_space, base_flat):
@@ -348,6 +463,8 @@ def test_space_check_cli_prints_size_and_knobs(cli):
     assert r.returncode == 0, r.stderr
     assert "size: 52 distinct configs" in r.stdout
     assert MICRO in r.stdout and "knobs (6)" in r.stdout
+    assert f"(Optuna param {LOG2_PREFIX}{MICRO}: 0..2)" in r.stdout  # what the dashboard will show
+    assert "outside the space" not in r.stdout  # the base's micro-batch 2 is in the pow2 domain
 
 
 @pytest.mark.parametrize(

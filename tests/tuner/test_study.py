@@ -124,8 +124,35 @@ def test_finish_records_constraints_values_and_states(spec):
         assert trials[s].state == TrialState.FAIL
     # the Pareto front holds only the feasible trial
     assert [t.user_attrs["status"] for t in study.best_trials] == ["ok"]
-    # the duplicate and the over-budget ask are not counted
-    assert count_progress(study.get_trials()) == len(statuses) - 2
+    # the duplicate, the inferred OOM and the over-budget ask are not counted; the invalid one (1 s: launched,
+    # exit 2) is
+    assert count_progress(study.get_trials()) == len(statuses) - 3
+
+
+def test_finish_tells_the_graded_constraint_and_rejections_complete(spec):
+    """COMPLETE whenever there are values: a graded constraint from the record; an invalid config refused
+    before launch and a duplicate of a finished trial are COMPLETE too (TPE learns from them), not counted."""
+    study, _, _ = new_study(spec)
+    told = [
+        (TrialRecord(status=Status.OK, duration_s=5.0, constraint=-0.75), (300.0, 2.0)),
+        (TrialRecord(status=Status.OOM, duration_s=5.0, constraint=1.8, oom_phase="gen"), (0.0, 64.0)),
+        (TrialRecord(status=Status.INVALID, duration_s=0.0, constraint=4.0), (0.0, 64.0)),
+        (TrialRecord(status=Status.DUPLICATE, duration_s=0.0, duplicate_of=0, constraint=-0.75), (300.0, 2.0)),
+        (TrialRecord(status=Status.DUPLICATE, duration_s=0.0, duplicate_of=1), None),  # a running twin: FAIL
+    ]
+    for record, values in told:
+        trial = study.ask()
+        trial.suggest_int("log2:" + P, 0, 2)
+        st.finish(study, trial, record, values=values)
+    trials = study.get_trials()
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 4 + [TrialState.FAIL]
+    assert [t.constraints.get(CONSTRAINT_KEY) for t in trials[:4]] == [-0.75, 1.8, 4.0, -0.75]
+    assert [t.user_attrs.get("constraint") for t in trials] == [-0.75, 1.8, 4.0, -0.75, None]
+    assert trials[3].values == trials[0].values
+    assert [counted(t) for t in trials] == [True, True, False, False, False]
+    # to Optuna the duplicate is the same point again (on its front beside its twin); the report's front,
+    # which reads the status, leaves copies out (tuner.results.view.measured_feasible)
+    assert [t.number for t in study.best_trials] == [0, 3]
 
 
 def test_counted():
@@ -140,7 +167,12 @@ def test_counted():
     assert not counted(ft(TrialState.WAITING))
     assert not counted(ft(TrialState.FAIL, status="interrupted"))
     assert not counted(ft(TrialState.FAIL, status="duplicate", duplicate_of=0))
+    assert not counted(ft(TrialState.COMPLETE, status="duplicate", duplicate_of=0))
     assert not counted(ft(TrialState.COMPLETE, status="ok", confirm_of=3))
+    # rejected before launch: not counted; an invalid config that was launched (exit 2) is
+    assert not counted(ft(TrialState.COMPLETE, status="inferred_oom", inferred_from=1, duration_s=0.0))
+    assert not counted(ft(TrialState.COMPLETE, status="invalid", duration_s=0.0))
+    assert counted(ft(TrialState.FAIL, status="invalid", duration_s=6.5, returncode=2))
 
 
 # --------------------------------------------------------------------------- resume

@@ -3,7 +3,8 @@
 - :func:`compute_importances`: which knobs move throughput and peak memory (PED-ANOVA);
 - :func:`knob_effects`: which knobs changed nothing measurable ("no effect");
 - :func:`search_cost`: trial-seconds by status, and what OOM inference saved;
-- :func:`baseline_vs_best`: the base config against export's pick;
+- :func:`baseline_vs_best`: the base config against export's pick (confirmed figures when it has them);
+- :func:`lengths_seen`: the prompt/response length distribution the trials saw;
 - :func:`build`: all of the above for one report (:class:`ReportData`).
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import statistics
 import warnings
 from typing import Optional
 
@@ -34,6 +36,9 @@ __all__ = [
     "search_cost",
     "BaselineVsBest",
     "baseline_vs_best",
+    "LENGTH_KEYS",
+    "lengths_seen",
+    "merge_lengths",
     "ReportData",
     "build",
 ]
@@ -215,8 +220,9 @@ def search_cost(view: StudyView) -> SearchCost:
 class BaselineVsBest:
     baseline: Optional[pd.Series]  # the baseline trial's row, if any
     best: Optional[pd.Series]  # the chosen trial's row, if any
-    thr_ratio: Optional[float] = None  # best / baseline, when the baseline is feasible
+    thr_ratio: Optional[float] = None  # best / baseline, when the baseline is feasible (single trials)
     mem_ratio: Optional[float] = None
+    confirmed: Optional[dict] = None  # the pick's confirmed figures (tuner.confirm.summarize), when it rests on them
 
 
 def baseline_vs_best(view: StudyView, chosen: Optional[int]) -> BaselineVsBest:
@@ -229,6 +235,37 @@ def baseline_vs_best(view: StudyView, chosen: Optional[int]) -> BaselineVsBest:
     if b is not None and best is not None and b["feasible"] and b["throughput"]:
         out.thr_ratio = best["throughput"] / b["throughput"]
         out.mem_ratio = best["peak_memory_gb"] / b["peak_memory_gb"]
+    return out
+
+
+# --------------------------------------------------------------------------- the data the trials saw
+LENGTH_KEYS = ("p10", "p50", "p90", "max")
+
+
+def lengths_seen(view: StudyView, numbers: Optional[list[int]] = None) -> tuple[dict, int]:
+    """The token-length distribution the study's trials saw (``TrialRecord.lengths``), and how many
+    trials it is from: ``{"prompt": {"p10", "p50", "p90", "max"}, "response": {...}}``, each figure the
+    median over the trials (``max``: the largest). ``numbers``: only these trials (default: every ok
+    trial). Empty when no trial recorded lengths (a study from before they were recorded)."""
+    df = view.trials
+    if numbers is None:
+        numbers = [int(n) for n in df.loc[df["status"] == Status.OK, "number"]] if not df.empty else []
+    seen = [view.record(n).lengths for n in numbers]
+    seen = [x for x in seen if isinstance(x, dict) and x]
+    return merge_lengths(seen), len(seen)
+
+
+def merge_lengths(seen: list[dict]) -> dict:
+    """Several runs' length percentiles as one: the median of each percentile, the largest ``max``."""
+    out: dict = {}
+    for part in sorted({p for x in seen for p in x}):
+        figs = {}
+        for k in LENGTH_KEYS:
+            vals = [float(x[part][k]) for x in seen if isinstance(x.get(part), dict) and x[part].get(k) is not None]
+            if vals:
+                figs[k] = max(vals) if k == "max" else statistics.median(vals)
+        if figs:
+            out[part] = figs
     return out
 
 
@@ -245,7 +282,10 @@ class ReportData:
 
     @property
     def baseline_vs_best(self) -> BaselineVsBest:
-        return baseline_vs_best(self.view, self.pick.chosen if self.pick is not None else None)
+        out = baseline_vs_best(self.view, self.pick.chosen if self.pick is not None else None)
+        if self.pick is not None and self.pick.unconfirmed is None:
+            out.confirmed = self.pick.confirmed
+        return out
 
 
 def build(view: StudyView, *, headroom: float = DEFAULT_HEADROOM) -> ReportData:

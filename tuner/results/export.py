@@ -27,12 +27,23 @@ import yaml
 
 from trainer.config import ConfigError, apply_overrides, config_from_dict, config_to_dict, flatten, verl_override_key
 from trainer.contracts import DEFAULT_HEADROOM, ExitCode, Status, StorageError
-from tuner.results.view import StudyView, add_study_arguments, measured_feasible, missing, pareto_mask, view_from_args
+from tuner.confirm import CONFIRMATION_ATTR, describe, entry_of, rank_confirmed
+from tuner.results.view import (
+    StudyView,
+    add_study_arguments,
+    device_memory_gb,
+    measured_feasible,
+    missing,
+    pareto_mask,
+    view_from_args,
+)
 
 __all__ = [
     "PICKS",
     "Choice",
+    "Fit",
     "NoFit",
+    "headroom_filter",
     "choose",
     "chosen_overrides",
     "best_config",
@@ -74,9 +85,37 @@ class Choice:
     limit_gb: Optional[float]  # peak memory must be <= this; None = no filter
     chosen: int  # trial number
     runner_up: Optional[int]
-    ranking: list[int]  # feasible trials under the limit, best first by ``pick``
+    ranking: list[int]  # feasible trials under the limit, best first by ``pick`` (confirmed: the confirmed ones)
     front: list[int]  # the feasible Pareto front under the limit
     warning: Optional[str] = None
+    confirmation: Optional[dict] = None  # the study's ``confirmation`` attribute (tuner.confirm.aggregate)
+    confirmed: Optional[dict] = None  # the chosen config's confirmed figures (an entry of it), if it has them
+    unconfirmed: Optional[str] = None  # why the pick does not rest on a confirmation (None: it does)
+    left_out: list = dataclasses.field(default_factory=list)  # (number, why): confirmed configs not eligible
+
+
+@dataclasses.dataclass(frozen=True)
+class Fit:
+    """Which trials a recommendation may take: measured feasible ones that keep the headroom free."""
+
+    mask: pd.Series  # over the trials frame's rows
+    limit_gb: Optional[float]  # peak memory must be <= this; None = no filter (device memory unknown)
+    device_gb: Optional[float]
+    device_label: str
+    warning: Optional[str] = None
+
+
+def headroom_filter(df: pd.DataFrame, attrs: dict, headroom: float = DEFAULT_HEADROOM) -> Fit:
+    """:func:`~tuner.results.view.measured_feasible` trials with peak <= (1 - headroom) x the device memory
+    (:func:`~tuner.results.view.device_memory_gb`): the one filter export, the report and the search's
+    ``--confirm`` finalists share."""
+    device_gb, device_label = device_memory_gb(attrs)
+    feasible = measured_feasible(df)
+    if device_gb is None:
+        why = "device memory unknown (no device.memory_total_gb or memory_limit_gb in the study): no headroom filter"
+        return Fit(feasible, None, None, device_label, why)
+    limit = (1.0 - headroom) * device_gb
+    return Fit(feasible & (df["peak_memory_gb"] <= limit + 1e-9), limit, device_gb, device_label)
 
 
 def _pct(f: float) -> str:
@@ -90,36 +129,37 @@ def choose(view: StudyView, *, pick: str = "max-throughput", headroom: float = D
     - ``min-memory``: the smallest peak (ties: faster);
     - ``knee``: the Pareto point furthest above the chord joining the front's ends, both
       objectives scaled to [0, 1] over the front (no point above it: the faster end).
-    Raises :class:`NoFit` when nothing qualifies.
+
+    ``max-throughput`` on a study holding a confirmation (``ppotune search --confirm R``, on by default)
+    ranks the confirmed configs instead, by the median of their paired throughput ratios to the baseline
+    (:func:`tuner.confirm.rank_confirmed`; still only trials under the limit, a confirmed peak over it or a
+    failed re-run leaves a config out); without one, or with no eligible confirmed config, the single
+    trials as above, and ``Choice.unconfirmed`` says why. Raises :class:`NoFit` when nothing qualifies.
     """
     if pick not in PICKS:
         raise ValueError(f"pick must be one of {PICKS}, got {pick!r}")
     if not 0.0 <= headroom < 1.0:
         raise ValueError(f"memory headroom must be in [0, 1), got {headroom}")
     df = view.trials
-    device_gb, device_label = view.device_memory
-    warning = None
     if df.empty:
         raise NoFit(f"study {view.name!r} has no trials")
     feasible = measured_feasible(df)
     if not feasible.any():
         counts = ", ".join(f"{n} {s}" for s, n in df["status"].value_counts().items())
         raise NoFit(f"no feasible trial in study {view.name!r} ({counts})")
-    if device_gb is None:
-        limit = None
-        warning = (
-            "device memory unknown (no device.memory_total_gb or memory_limit_gb in the study): no headroom filter"
+    fit = headroom_filter(df, view.attrs, headroom)
+    device_gb, device_label, limit, under, warning = (
+        fit.device_gb,
+        fit.device_label,
+        fit.limit_gb,
+        fit.mask,
+        fit.warning,
+    )
+    if not under.any():
+        smallest = df.loc[feasible, "peak_memory_gb"].min()
+        raise NoFit(
+            f"no feasible trial keeps {_pct(headroom)} of {device_gb:.1f} GB free (smallest peak: {smallest:.1f} GB)"
         )
-        under = feasible
-    else:
-        limit = (1.0 - headroom) * device_gb
-        under = feasible & (df["peak_memory_gb"] <= limit + 1e-9)
-        if not under.any():
-            smallest = df.loc[feasible, "peak_memory_gb"].min()
-            raise NoFit(
-                f"no feasible trial keeps {_pct(headroom)} of {device_gb:.1f} GB free "
-                f"(smallest peak: {smallest:.1f} GB)"
-            )
     front_mask = pareto_mask(df, among=under)
     cand = df.loc[under, ["number", "throughput", "peak_memory_gb"]].copy()
     if pick == "max-throughput":
@@ -136,6 +176,19 @@ def choose(view: StudyView, *, pick: str = "max-throughput", headroom: float = D
         cand["score"] = (cand["throughput"] - t_lo) / t_span - (cand["peak_memory_gb"] - m_lo) / m_span
         cand = cand.sort_values(["score", "throughput", "number"], ascending=[False, False, True])
     ranking = [int(n) for n in cand["number"]]
+    confirmation = view.attrs.get(CONFIRMATION_ATTR) or None
+    left_out: list = []
+    unconfirmed = None
+    if pick != "max-throughput":
+        unconfirmed = f"--pick {pick} ranks the search's single trials (the confirmation ranks by throughput)"
+    elif not confirmation:
+        unconfirmed = "the study holds no confirmation (ppotune search --confirm 0, or the search has not got there)"
+    else:
+        confirmed, left_out = rank_confirmed(confirmation, eligible=ranking, limit_gb=limit)
+        if confirmed:
+            ranking = [e["number"] for e in confirmed]
+        else:
+            unconfirmed = "no confirmed config is eligible: " + "; ".join(f"#{n} {why}" for n, why in left_out)
     chosen = ranking[0]
     params = {n: view.trial(n).params for n in ranking}
     runner_up = next((n for n in ranking[1:] if params[n] != params[chosen]), None)
@@ -150,6 +203,10 @@ def choose(view: StudyView, *, pick: str = "max-throughput", headroom: float = D
         ranking=ranking,
         front=[int(n) for n in df.loc[front_mask, "number"]],
         warning=warning,
+        confirmation=confirmation,
+        confirmed=entry_of(confirmation, chosen),
+        unconfirmed=unconfirmed,
+        left_out=left_out,
     )
 
 
@@ -254,12 +311,33 @@ def _why_md(view: StudyView, choice: Choice, overrides: dict, lines: list[str]) 
     if choice.limit_gb is not None:
         out.append(
             f"Pick **{choice.pick}** among feasible trials whose peak memory keeps {_pct(choice.headroom)} of the "
-            f"{choice.device_label} free: peak <= {choice.limit_gb:.2f} GB. {len(choice.ranking)} trials qualify; "
-            f"the Pareto front among them: {', '.join(f'#{n}' for n in choice.front)}."
+            f"{choice.device_label} free: peak <= {choice.limit_gb:.2f} GB. {len(df.loc[_under_limit(view, choice)])} "
+            f"trials qualify; the Pareto front among them: {', '.join(f'#{n}' for n in choice.front)}."
         )
     else:
         out.append(f"Pick **{choice.pick}** among all feasible trials ({choice.warning}).")
+    conf = choice.confirmation
+    if choice.unconfirmed is None:
+        out.append(
+            f"The pick rests on a **confirmation**: the finalists and the baseline were re-run interleaved for "
+            f"{conf.get('rounds')} rounds (each round rotated, so no config always ran first), and the ranking "
+            "is the median of each finalist's throughput divided by the same round's baseline throughput."
+            + ("" if conf.get("complete") else " The confirmation is incomplete (the search was interrupted).")
+        )
+    else:
+        out.append(f"**Unconfirmed**: {choice.unconfirmed}. The figures below are single short trials.")
     out += ["", f"## Chosen: trial #{choice.chosen}", ""]
+    if choice.confirmed is not None:
+        c = choice.confirmed
+        tci = c.get("throughput_ci")
+        out += [
+            f"Confirmed: **{describe(c)}**; median {_fmt(c.get('throughput'), '.1f')} tokens/s/GPU"
+            + (f" (90% interval {tci[0]:.1f}–{tci[1]:.1f})" if tci else "")
+            + f", peak {_fmt(c.get('peak_memory_gb'), '.2f')} GB over re-runs "
+            + ", ".join(f"#{n}" for n in c.get("trials") or [])
+            + ".",
+            "",
+        ]
     out += _metrics_table(
         view,
         [choice.chosen]
@@ -271,16 +349,16 @@ def _why_md(view: StudyView, choice: Choice, overrides: dict, lines: list[str]) 
         if b["feasible"] and b["throughput"]:
             out += [
                 "",
-                f"Against the baseline (trial #{int(b['number'])}, the base config): "
+                f"Against the baseline (trial #{int(b['number'])}, the base config), single trials: "
                 f"{r['throughput'] / b['throughput']:.2f}x throughput, "
                 f"{r['peak_memory_gb'] / b['peak_memory_gb']:.2f}x peak memory.",
             ]
         else:
             out += ["", f"The baseline (trial #{int(b['number'])}, the base config) was `{b['status']}`."]
-    confirms = df.loc[df["confirm_of"] == choice.chosen]
-    if not confirms.empty:
-        vals = ", ".join(f"#{int(c['number'])}: {_fmt(c['throughput'], '.1f')}" for _, c in confirms.iterrows())
-        out += ["", f"Re-measured by --confirm: {vals} tokens/s/GPU."]
+    if conf:
+        out += ["", "## Confirmation: finalists re-run side by side with the baseline", ""]
+        out += _confirmation_table(conf)
+        out += [f"- #{n} not eligible: {why}" for n, why in choice.left_out]
     if r["notes"]:
         out += ["", f"Notes from the run: {r['notes']}"]
     if not overrides:
@@ -297,8 +375,26 @@ def _why_md(view: StudyView, choice: Choice, overrides: dict, lines: list[str]) 
         out.append(f"| `{k}` | `{v}` | `{base_flat.get(k, 'n/a')}` |")
 
     out += ["", "## Runner-up", ""]
+    up_confirmed = entry_of(conf, choice.runner_up) if choice.confirmed is not None else None
     if choice.runner_up is None:
         out.append("None: no other feasible config fits the limit.")
+    elif up_confirmed is not None:
+        d = (up_confirmed["throughput"] / choice.confirmed["throughput"] - 1.0) * 100
+        out.append(
+            f"Trial #{choice.runner_up}, confirmed: {describe(up_confirmed)}; median "
+            f"{up_confirmed['throughput']:.1f} tokens/s/GPU ({d:+.1f}% vs chosen), peak "
+            f"{_fmt(up_confirmed.get('peak_memory_gb'), '.2f')} GB."
+        )
+        a, b = choice.confirmed.get("ratio_ci"), up_confirmed.get("ratio_ci")
+        if a and b and b[1] >= a[0]:
+            out.append(
+                "Their confirmed intervals overlap: the two are statistically close; more rounds "
+                "(`ppotune search --confirm R` with a larger R, re-run on the same study) would separate them."
+            )
+        diff = _param_diff(view.trial(choice.chosen).params, view.trial(choice.runner_up).params)
+        if diff:
+            out += ["", "| knob | chosen | runner-up |", "|---|---|---|"]
+            out += [f"| `{k}` | `{a}` | `{b}` |" for k, a, b in diff]
     else:
         u = _row(view, choice.runner_up)
         d_thr = (u["throughput"] / r["throughput"] - 1.0) * 100
@@ -355,6 +451,32 @@ def _why_md(view: StudyView, choice: Choice, overrides: dict, lines: list[str]) 
         "",
     ]
     return "\n".join(out)
+
+
+def _under_limit(view: StudyView, choice: Choice) -> pd.Series:
+    """The trials ``choice`` could take (its headroom filter over the study's trials)."""
+    return headroom_filter(view.trials, view.attrs, choice.headroom).mask
+
+
+def _confirmation_table(conf: dict) -> list[str]:
+    """The study's ``confirmation`` as a Markdown table: one row per finalist, then the baseline."""
+    out = [
+        "| trial | vs baseline (median of paired ratios) | 90% interval | confirmed tokens/s/GPU | 90% interval "
+        "| peak GB (max) | re-runs | failed |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for e in list(conf.get("finalists") or []) + [conf.get("baseline_result")]:
+        if not e:
+            continue
+        tag = " (baseline)" if e["number"] == conf.get("baseline") else ""
+        ci, tci = e.get("ratio_ci"), e.get("throughput_ci")
+        out.append(
+            f"| #{e['number']}{tag} | {_fmt(e.get('ratio'), '.2f', 'x')} | "
+            f"{f'{ci[0]:.2f}–{ci[1]:.2f}' if ci else 'n/a'} | {_fmt(e.get('throughput'), '.1f')} | "
+            f"{f'{tci[0]:.1f}–{tci[1]:.1f}' if tci else 'n/a'} | {_fmt(e.get('peak_memory_gb'), '.2f')} | "
+            f"{', '.join(f'#{n}' for n in e.get('trials') or []) or 'none'} | {e.get('failed', 0)} |"
+        )
+    return out
 
 
 def _param_diff(a: dict, b: dict) -> list[tuple[str, Any, Any]]:
@@ -428,6 +550,11 @@ def _verl_command(view: StudyView, choice: Choice, lines: list[str], python: str
     return "\n".join(out) + "\n"
 
 
+def _study_args(view: StudyView) -> str:
+    """``--storage URL --study NAME`` for a command line that reads this study again (password masked)."""
+    return f"--storage {shlex.quote(view.storage.display)} --study {shlex.quote(view.name)}"
+
+
 @dataclasses.dataclass
 class ExportResult:
     choice: Choice
@@ -472,6 +599,12 @@ def write_export(
     header = (
         f"# ppotune export: study {view.name}, trial #{choice.chosen} ({choice.pick}, headroom {_pct(headroom)}):\n"
         f"# {r['throughput']:.1f} tokens/s/GPU, peak {r['peak_memory_gb']:.2f} GB. See why.md.\n"
+        + (
+            f"# Confirmed: {describe(choice.confirmed)}.\n"
+            if choice.confirmed is not None and choice.unconfirmed is None
+            else "# Unconfirmed: the figure of one short trial (see why.md).\n"
+        )
+        + f"# Check it on your data: ppotune validate best_config.yaml --steps 20 {_study_args(view)}\n"
         f"# Run it: {run_hint}\n"
     )
     files["best_config"].write_text(header + yaml.safe_dump(config, sort_keys=False, default_flow_style=False))
@@ -541,6 +674,10 @@ def run(args) -> int:
         print(f"ppotune export: warning: {c.warning}", file=sys.stderr)
     r = _row(view, c.chosen)
     print(f"trial #{c.chosen} ({c.pick}): {r['throughput']:.1f} tokens/s/GPU, peak {r['peak_memory_gb']:.2f} GB")
+    if c.confirmed is not None and c.unconfirmed is None:
+        print(f"  confirmed: {describe(c.confirmed)}")
+    else:
+        print(f"  unconfirmed: {c.unconfirmed}")
     if args.validate_verl:
         print(f"verl accepts the {len(result.overrides)} overrides")
     for f in result.files.values():

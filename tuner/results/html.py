@@ -11,7 +11,15 @@ from typing import Any, Optional
 import pandas as pd
 
 from trainer.contracts import PHASES, Status, short_knob
-from tuner.results.analysis import MEMORY_ABS_TOL_GB, MEMORY_REL_TOL, THROUGHPUT_REL_TOL, ReportData
+from tuner.confirm import CONFIRMATION_ATTR, describe
+from tuner.results.analysis import (
+    LENGTH_KEYS,
+    MEMORY_ABS_TOL_GB,
+    MEMORY_REL_TOL,
+    THROUGHPUT_REL_TOL,
+    ReportData,
+    lengths_seen,
+)
 from tuner.results.plots import STATUS_STYLE
 from tuner.results.view import TIME_PREFIX, StudyView, missing, pareto_front
 
@@ -24,6 +32,12 @@ def _f(v: Any, spec: str = ".2f") -> str:
 
 def _e(v: Any) -> str:
     return html.escape(str(v))
+
+
+def _ci(r: Any, spec: str = ".1f") -> str:
+    """A trial row's 90% throughput interval, ``low–high``; ``–`` when the trial has none."""
+    lo, hi = r.get("throughput_ci_low"), r.get("throughput_ci_high")
+    return "–" if missing(lo) or missing(hi) else f"{format(lo, spec)}–{format(hi, spec)}"
 
 
 def _dur(s: Optional[float]) -> str:
@@ -54,7 +68,8 @@ def _pareto_table(view: StudyView, numbers: list[int]) -> str:
     df = view.trials.set_index("number")
     phase_head = "".join(f"<th>{p}</th>" for p in PHASES)
     head = (
-        "<tr><th rowspan=2>trial</th><th rowspan=2>throughput<br>tokens/s/GPU</th><th rowspan=2>CV</th>"
+        "<tr><th rowspan=2>trial</th><th rowspan=2>throughput<br>tokens/s/GPU</th>"
+        "<th rowspan=2>90% interval</th><th rowspan=2>steps</th><th rowspan=2>CV</th>"
         "<th rowspan=2>peak memory<br>GB (objective)</th><th colspan=2>external sampler</th>"
         "<th colspan=3>in-process</th><th rowspan=2>step s</th>"
         f"<th colspan={len(PHASES)}>median seconds per phase</th></tr>"
@@ -69,7 +84,8 @@ def _pareto_table(view: StudyView, numbers: list[int]) -> str:
             tag += f"<br><span class='muted'>confirms #{int(r['confirm_of'])}</span>"
         phases = "".join(f"<td>{_f(r.get(TIME_PREFIX + p), '.3f')}</td>" for p in PHASES)
         rows.append(
-            f"<tr><td>#{n}{tag}</td><td>{_f(r['throughput'], '.1f')}</td><td>{_f(r['throughput_cv'], '.1%')}</td>"
+            f"<tr><td>#{n}{tag}</td><td>{_f(r['throughput'], '.1f')}</td><td>{_ci(r)}</td>"
+            f"<td>{_f(r['measured_steps'], '.0f')}</td><td>{_f(r['throughput_cv'], '.1%')}</td>"
             f"<td><b>{_f(r['peak_memory_gb'])}</b></td><td>{_f(r['mem.external_peak_gb'])}</td>"
             f"<td>{_e(r['memory_source'] or '–')}</td><td>{_f(r['mem.allocated_peak_gb'])}</td>"
             f"<td>{_f(r['mem.reserved_peak_gb'])}</td><td>{_f(r['mem.rss_peak_gb'])}</td>"
@@ -110,15 +126,48 @@ def _all_trials_table(view: StudyView) -> str:
         rows.append(
             f'<tr id="t{n}"><td>#{n}{flags}</td>'
             f'<td><span class="st" style="background:{color}">{_e(label)}</span></td>'
-            f"<td>{_f(r['throughput'], '.1f')}</td><td>{_f(r['peak_memory_gb'])}</td>"
+            f"<td>{_f(r['throughput'], '.1f')}</td><td>{_ci(r)}</td><td>{_f(r['peak_memory_gb'])}</td>"
             f"<td>{_e(r['memory_source'] or '–')}</td>"
             f'<td>{_dur(r["duration_s"])}</td><td class="small">{_e(diff)}</td>'
             f'<td class="small">{_e("; ".join(extra))}</td></tr>'
         )
     return (
-        '<table class="t"><tr><th>trial</th><th>status</th><th>throughput</th><th>peak GB</th><th>mem source</th>'
+        '<table class="t"><tr><th>trial</th><th>status</th><th>throughput</th><th>90% interval</th><th>peak GB</th>'
+        "<th>mem source</th>"
         f"<th>cost</th><th>knobs (vs baseline)</th><th>notes / error</th></tr>{''.join(rows)}</table>"
     )
+
+
+def _confirmation_table(conf: dict) -> str:
+    """The study's ``confirmation`` (tuner.confirm.aggregate): one row per finalist, then the baseline."""
+    rows = []
+    for e in list(conf.get("finalists") or []) + [conf.get("baseline_result")]:
+        if not e:
+            continue
+        base = e["number"] == conf.get("baseline")
+        ci, tci = e.get("ratio_ci"), e.get("throughput_ci")
+        trials = ", ".join(f"<a href='#t{n}'>#{n}</a>" for n in e.get("trials") or []) or "none"
+        failed = f"{e.get('failed', 0)}" + (f" ({_e(', '.join(e.get('statuses') or []))})" if e.get("failed") else "")
+        rows.append(
+            f"<tr><td>#{e['number']}{' ★' if base else ''}</td><td><b>{_f(e.get('ratio'))}x</b></td>"
+            f"<td>{f'{ci[0]:.2f}–{ci[1]:.2f}' if ci else '–'}</td><td>{_f(e.get('throughput'), '.1f')}</td>"
+            f"<td>{f'{tci[0]:.1f}–{tci[1]:.1f}' if tci else '–'}</td><td>{_f(e.get('peak_memory_gb'))}</td>"
+            f"<td>{e.get('rounds', 0)}</td><td class='small'>{trials}</td><td>{failed}</td></tr>"
+        )
+    return (
+        "<table class='t'><tr><th>trial</th><th>vs baseline<br>(median of paired ratios)</th><th>90% interval</th>"
+        "<th>confirmed<br>tokens/s/GPU</th><th>90% interval</th><th>peak GB<br>(max)</th><th>rounds</th>"
+        f"<th>re-runs</th><th>not ok</th></tr>{''.join(rows)}</table>"
+    )
+
+
+def _lengths_table(seen: dict) -> str:
+    head = "".join(f"<th>{k}</th>" for k in LENGTH_KEYS)
+    rows = "".join(
+        f"<tr><th class='knob'>{_e(part)}</th>" + "".join(f"<td>{_f(figs.get(k), '.0f')}</td>" for k in LENGTH_KEYS)
+        for part, figs in seen.items()
+    )
+    return f"<table class='t'><tr><th>tokens</th>{head}</tr>{rows}</table>"
 
 
 _CSS = """
@@ -191,8 +240,14 @@ def report_html(data: ReportData, images: dict[str, bytes]) -> str:
                 f"{best['throughput']:.1f} tokens/s/GPU · {best['peak_memory_gb']:.2f} GB",
             )
         )
-    if bvb.thr_ratio is not None:
-        cards.append(("best vs baseline", f"{bvb.thr_ratio:.2f}x", f"throughput; memory {bvb.mem_ratio:.2f}x"))
+    if bvb.confirmed is not None and bvb.confirmed.get("ratio") is not None:
+        c = bvb.confirmed
+        ci = f"90% interval {c['ratio_ci'][0]:.2f}–{c['ratio_ci'][1]:.2f}, " if c.get("ratio_ci") else ""
+        cards.append(("best vs baseline, confirmed", f"{c['ratio']:.2f}x", f"{ci}{c.get('rounds')} interleaved rounds"))
+    elif bvb.thr_ratio is not None:
+        cards.append(
+            ("best vs baseline", f"{bvb.thr_ratio:.2f}x", f"single trials, unconfirmed; memory {bvb.mem_ratio:.2f}x")
+        )
     cards.append(("search cost", _dur(cost.trial_s), f"trial time; OOM {_dur(cost.by_status.get(Status.OOM, 0.0))}"))
     if cost.inferred:
         cards.append(("saved by OOM inference", f"≈{_dur(cost.saved_s)}", f"{cost.inferred} trials skipped"))
@@ -240,6 +295,26 @@ def report_html(data: ReportData, images: dict[str, bytes]) -> str:
                 f"the fastest config that fits is trial #{int(best['number'])} "
                 f"at {best['throughput']:.1f} tokens/s/GPU.</p>"
             )
+    if best is not None and bvb.confirmed is not None:
+        parts.append(
+            f"<p>Confirmed side by side: trial #{int(best['number'])} runs at <b>{_e(describe(bvb.confirmed))}</b>"
+            " (the median over rounds of its throughput divided by the same round's baseline throughput).</p>"
+        )
+    elif best is not None and data.pick is not None:
+        parts.append(f"<p class='warn'>Unconfirmed: {_e(data.pick.unconfirmed)}. These are single short trials.</p>")
+    conf = attrs.get(CONFIRMATION_ATTR)
+    if conf:
+        parts.append("<h2>Finalists confirmed side by side</h2>")
+        parts.append(
+            f"<p class='sub'>After the search the finalists (Pareto points under the headroom, and trials whose "
+            f"throughput interval reaches the best's) and the baseline were re-run interleaved, {conf.get('rounds')} "
+            "rounds, rotated each round so no config always ran first. A finalist's figure is the median of its "
+            "paired ratios (its throughput / the same round's baseline throughput); the 90% interval is Student's t "
+            "on the log-ratios, wide with few rounds. Export ranks by it. ★ baseline."
+            + ("" if conf.get("complete") else " <b>Incomplete</b>: the search was stopped; re-run it to finish.")
+            + "</p>"
+        )
+        parts.append(_confirmation_table(conf))
 
     # pareto configs
     parts.append("<h2>Pareto configs</h2>")
@@ -255,6 +330,19 @@ def report_html(data: ReportData, images: dict[str, bytes]) -> str:
         parts.append(f"<img alt='phases' src='{img['phases']}'>")
     else:
         parts.append("<p class='muted'>No feasible trial yet.</p>")
+
+    # the data the trials saw
+    seen, n_seen = lengths_seen(view)
+    parts.append("<h2>Sequence lengths the trials saw</h2>")
+    if seen:
+        parts.append(
+            f"<p class='sub'>Token lengths of the measured steps' prompts and responses (median over {n_seen} ok "
+            "trials; max: the largest). A config tuned on these lengths can lose to the base config on other "
+            "data: <code>ppotune validate</code> compares them with what it sees.</p>"
+        )
+        parts.append(_lengths_table(seen))
+    else:
+        parts.append("<p class='muted'>No trial recorded its sequence lengths.</p>")
 
     # importances
     parts.append("<h2>Which knobs matter</h2>")
@@ -339,7 +427,16 @@ def summary_md(data: ReportData) -> str:
     if bvb.thr_ratio is not None:
         out.append(
             f"- vs baseline #{int(bvb.baseline['number'])}: {bvb.thr_ratio:.2f}x throughput, "
-            f"{bvb.mem_ratio:.2f}x peak memory"
+            f"{bvb.mem_ratio:.2f}x peak memory (single trials)"
+        )
+    if bvb.confirmed is not None:
+        out.append(f"- confirmed: {describe(bvb.confirmed)}")
+    elif data.pick is not None:
+        out.append(f"- unconfirmed: {data.pick.unconfirmed}")
+    seen, n_seen = lengths_seen(view)
+    for part, figs in seen.items():
+        out.append(
+            f"- {part} lengths ({n_seen} trials): " + ", ".join(f"{k} {figs[k]:.0f}" for k in LENGTH_KEYS if k in figs)
         )
     if data.pick_error:
         out.append(f"- export: {data.pick_error}")
@@ -352,12 +449,12 @@ def summary_md(data: ReportData) -> str:
         "",
         "## Pareto front",
         "",
-        "| trial | throughput (tokens/s/GPU) | peak memory (GB) | source | step (s) |",
-        "|---|---|---|---|---|",
+        "| trial | throughput (tokens/s/GPU) | 90% interval | peak memory (GB) | source | step (s) |",
+        "|---|---|---|---|---|---|",
     ]
     for _, r in df.loc[df["pareto"]].sort_values("throughput", ascending=False).iterrows() if not df.empty else []:
         out.append(
-            f"| #{int(r['number'])}{' (baseline)' if r['baseline'] else ''} | {r['throughput']:.1f} | "
+            f"| #{int(r['number'])}{' (baseline)' if r['baseline'] else ''} | {r['throughput']:.1f} | {_ci(r)} | "
             f"{r['peak_memory_gb']:.2f} | {r['memory_source'] or '–'} | {_f(r['step_s'], '.3f')} |"
         )
     imp = data.importances

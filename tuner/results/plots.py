@@ -15,6 +15,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from trainer.contracts import DEFAULT_HEADROOM, PHASES, Status, short_knob
+from tuner.confirm import CONFIRMATION_ATTR
 from tuner.results.analysis import Importances
 from tuner.results.view import TIME_PREFIX, StudyView, measured_feasible, value_or_zero
 
@@ -64,6 +65,8 @@ def plot_pareto(view: StudyView, *, headroom: float = DEFAULT_HEADROOM, chosen: 
     ax, strip = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [4, 1.5], "hspace": 0.16})
     ok = df.loc[measured_feasible(df)] if not df.empty else df
     xs = list(ok["peak_memory_gb"]) if len(ok) else []
+    conf = view.attrs.get(CONFIRMATION_ATTR) or {}
+    xs += [e["peak_memory_gb"] for e in conf.get("finalists") or [] if e.get("peak_memory_gb") and len(ok)]
     strip_pts = []  # (row, x, penalized, number)
     unplaced: dict[str, list[int]] = {}
     for _, r in (df.loc[df["status"].isin(STRIP_ROWS)] if not df.empty else df).iterrows():
@@ -108,6 +111,7 @@ def plot_pareto(view: StudyView, *, headroom: float = DEFAULT_HEADROOM, chosen: 
             label="Pareto front",
             zorder=4,
         )
+        top = _error_bars(ax, ok, conf)
         base = ok.loc[ok["baseline"]]
         if len(base):
             ax.scatter(
@@ -149,7 +153,7 @@ def plot_pareto(view: StudyView, *, headroom: float = DEFAULT_HEADROOM, chosen: 
                     fontsize=7,
                     color="#333333",
                 )
-        ax.set_ylim(0, ok["throughput"].max() * 1.15)
+        ax.set_ylim(0, max(ok["throughput"].max(), top) * 1.15)
     else:
         ax.text(0.5, 0.5, "no feasible trial yet", transform=ax.transAxes, ha="center", va="center", color="#888888")
         ax.set_ylim(0, 1)
@@ -281,6 +285,54 @@ def plot_pareto(view: StudyView, *, headroom: float = DEFAULT_HEADROOM, chosen: 
     h2, l2 = strip.get_legend_handles_labels()
     fig.legend(handles + h2, labels + l2, fontsize=7, loc="upper left", bbox_to_anchor=(0.905, 0.88), framealpha=0.9)
     return fig
+
+
+def _error_bars(ax, ok: pd.DataFrame, conf: Optional[dict]) -> float:
+    """Each trial's 90% throughput interval as an error bar, and the confirmed finalists (median of their
+    re-runs, its interval, at the largest peak the re-runs saw). Returns the highest value drawn."""
+    top = 0.0
+    has = ok.loc[ok["throughput_ci_low"].notna() & ok["throughput_ci_high"].notna()]
+    if len(has):
+        lo = (has["throughput"] - has["throughput_ci_low"]).clip(lower=0)
+        hi = (has["throughput_ci_high"] - has["throughput"]).clip(lower=0)
+        ax.errorbar(
+            has["peak_memory_gb"],
+            has["throughput"],
+            yerr=[lo, hi],
+            fmt="none",
+            ecolor="#6baed6",
+            elinewidth=0.9,
+            capsize=2.5,
+            zorder=2,
+            label="90% interval of a trial",
+        )
+        top = float(has["throughput_ci_high"].max())
+    entries = [e for e in (conf or {}).get("finalists") or [] if e.get("throughput") and e.get("peak_memory_gb")]
+    for i, e in enumerate(entries):
+        ci = e.get("throughput_ci") or [e["throughput"], e["throughput"]]
+        ax.errorbar(
+            [e["peak_memory_gb"]],
+            [e["throughput"]],
+            yerr=[[max(e["throughput"] - ci[0], 0.0)], [max(ci[1] - e["throughput"], 0.0)]],
+            fmt="D",
+            ms=6,
+            color="#6a3d9a",
+            ecolor="#6a3d9a",
+            capsize=3,
+            zorder=5,
+            label="confirmed: median of the re-runs, 90% interval" if i == 0 else None,
+        )
+        ratio = f" {e['ratio']:.2f}x" if e.get("ratio") is not None else ""
+        ax.annotate(
+            f"#{e['number']} confirmed{ratio}",
+            (e["peak_memory_gb"], e["throughput"]),
+            xytext=(6, -10),
+            textcoords="offset points",
+            fontsize=7,
+            color="#6a3d9a",
+        )
+        top = max(top, float(ci[1]))
+    return top
 
 
 def plot_importances(imp: Importances) -> Figure:

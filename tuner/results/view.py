@@ -21,6 +21,7 @@ import optuna
 import pandas as pd
 
 from trainer.contracts import PHASES, Status, StorageSpec, TrialRecord
+from tuner.space import decode_trial, from_params
 from tuner.storage import load_study, open_storage, resolve_read_spec
 
 __all__ = [
@@ -86,6 +87,7 @@ class StudyView:
         return device_memory_gb(self.attrs)
 
     def trial(self, number: int) -> optuna.trial.FrozenTrial:
+        """Trial ``number``, its params as knob values (``8``, not the exponent Optuna holds: tuner.space)."""
         return self._by_number[number]
 
     def record(self, number: int) -> TrialRecord:
@@ -93,7 +95,7 @@ class StudyView:
         return TrialRecord.from_user_attrs(self._by_number[number].user_attrs)
 
     def __post_init__(self) -> None:
-        self._by_number = {t.number: t for t in self.study.get_trials(deepcopy=False)}
+        self._by_number = {t.number: decode_trial(t) for t in self.study.get_trials(deepcopy=False)}
 
 
 def load(
@@ -177,11 +179,13 @@ def trials_frame(study: optuna.Study) -> pd.DataFrame:
     """One row per trial, whatever its state (inferred OOMs and failures included).
 
     Columns: number, state, status (a :class:`Status` value, or ``running``/``waiting``),
-    baseline, feasible, pareto, throughput, throughput_cv, step_s, peak_memory_gb,
+    baseline, feasible, pareto, throughput, throughput_cv, throughput_ci_low/high (its 90% interval),
+    measured_steps, step_s, peak_memory_gb,
     memory_source, ``mem.<field>`` (:data:`MEMORY_FIELDS`), ``time.<phase>`` (:data:`PHASES`),
     duration_s, value_throughput / value_memory (the objective values Optuna holds,
     penalized for OOM), inferred_from, confirm_of, duplicate_of, notes, error,
-    datetime_start/complete, and ``params.<dotted key>`` for every knob.
+    datetime_start/complete, and ``params.<dotted key>`` for every knob (its value: a power-of-two
+    knob's Optuna param ``log2:<key>`` is decoded, see :func:`tuner.space.from_params`).
     """
     rows = []
     for t in study.get_trials(deepcopy=False):
@@ -210,6 +214,9 @@ def trials_frame(study: optuna.Study) -> pd.DataFrame:
             "feasible": feasible,
             "throughput": throughput,
             "throughput_cv": _num(rec.throughput_cv),
+            "throughput_ci_low": _num((rec.throughput_ci or [None, None])[0]),
+            "throughput_ci_high": _num((rec.throughput_ci or [None, None])[-1]),
+            "measured_steps": _num(rec.measured_steps),
             "step_s": _num(rec.step_s),
             "peak_memory_gb": peak,
             "memory_source": rec.memory_source or rec.memory.get("external_source"),
@@ -229,7 +236,7 @@ def trials_frame(study: optuna.Study) -> pd.DataFrame:
             row[MEM_PREFIX + f] = _num(rec.memory.get(f))
         for p in PHASES:
             row[TIME_PREFIX + p] = _num(rec.timing_s.get(p))
-        for k, v in sorted(t.params.items()):
+        for k, v in sorted(from_params(t.params).items()):  # knob values, not Optuna's exponents
             row[PARAM_PREFIX + k] = v
         rows.append(row)
     df = pd.DataFrame(rows)
@@ -249,7 +256,8 @@ def trials_frame(study: optuna.Study) -> pd.DataFrame:
 
 
 def measured_feasible(df: pd.DataFrame) -> pd.Series:
-    """Feasible trials with both objectives measured, each config once (duplicates left out)."""
+    """Feasible trials with both objectives measured, each config once (duplicates and ``--confirm``
+    re-runs left out: a re-run's figures are aggregated in the study attribute ``confirmation``)."""
     if df.empty:
         return pd.Series(dtype=bool)
     return (
@@ -257,6 +265,7 @@ def measured_feasible(df: pd.DataFrame) -> pd.Series:
         & df["throughput"].notna()
         & df["peak_memory_gb"].notna()
         & df["duplicate_of"].isna()
+        & df["confirm_of"].isna()
     )
 
 

@@ -1,0 +1,235 @@
+"""P3, overhead: how much of a search's wall time is not measured steps, cold trials against warm ones.
+
+1. The same search twice, ``ppotune search`` as a user runs it (``configs/tiny_cpu.yaml``, the shipped
+   ``search_spaces/tiny_cpu.yaml``, one seed, ``--confirm 0``): once ``--cold`` (one process group per
+   trial), once warm (the default: one job runs every trial of the layout). Each search is split in
+   halves (``--trials N/2``, then resumed to ``--trials N``) run interleaved, cold A, warm A, cold B,
+   warm B, so a machine that gets busier or quieter weighs on both alike. Printed for each: the tuning
+   wall time (every ``ppotune search`` process from start to exit), the measured step seconds (the
+   post-warm-up steps of every trial, from their result files), the unmeasured share
+   ``1 - measured / wall``, and the ratios warm/cold.
+2. Memory, warm against cold: the same configs through the real runners (``SubprocessRunner`` cold,
+   ``WarmRunner`` warm, each warm config as the second trial of a job), twice each: the CPU memory
+   objective (resident memory above the post-start level) side by side; then the memory cap
+   (``ppotune.memory_limit_gb``, RLIMIT_DATA above the start level): the smallest cap the 4x-wider config
+   runs under, bisected cold and warm (an OOM far below it and a run far above it agree by construction
+   of the bisection's end points, which are checked).
+
+    python benchmarks/bench_overhead.py [--trials 12] [--seed 0] [--json FILE] [--only overhead|memory]
+
+Run it alone on the machine (it measures wall time): ``flock /tmp/ppotune-heavy.lock python ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+from trainer.config import config_to_dict, load_config  # noqa: E402
+from trainer.contracts import Status  # noqa: E402
+from tuner.runners import SubprocessRunner, TrialRequest  # noqa: E402
+from tuner.warm import WarmRunner  # noqa: E402
+
+BASE = REPO / "configs" / "tiny_cpu.yaml"
+SPACE = REPO / "search_spaces" / "tiny_cpu.yaml"
+MICRO = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"
+DYN, BUDGET = "actor_rollout_ref.actor.use_dynamic_bsz", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"
+# the configs whose memory is compared: the base, the micro-batch extremes, dynamic bsz, and a 4x wider model
+# (whose knob-dependent memory dwarfs what a process allocates on first use)
+MEMORY_CONFIGS = {
+    "base (micro-batch 2)": {},
+    "micro-batch 1": {MICRO: 1, "critic.ppo_micro_batch_size_per_gpu": 1},
+    "micro-batch 4": {MICRO: 4, "critic.ppo_micro_batch_size_per_gpu": 4},
+    "dynamic bsz 384": {DYN: True, BUDGET: 384},
+    "hidden 256, micro-batch 4": {"ppotune.tiny.hidden_size": 256, "ppotune.tiny.intermediate_size": 688, MICRO: 4},
+}  # fmt: skip
+CAP_CONFIG = "hidden 256, micro-batch 4"  # the one whose cap is bisected
+
+
+# --------------------------------------------------------------------------- 1. the search, cold and warm
+def _search(out: Path, trials: int, seed: int, cold: bool) -> float:
+    cmd = [sys.executable, "-m", "tuner.cli", "search", str(BASE), "--space", str(SPACE), "--trials", str(trials)]
+    cmd += ["--seed", str(seed), "--confirm", "0", "--out", str(out), *(["--cold"] if cold else [])]
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if r.returncode:
+        raise SystemExit(f"search failed ({r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
+    return wall
+
+
+def _measured(out: Path) -> dict:
+    """Where a search's seconds went, from its trials' records and result files: the measured steps, the
+    warm-up steps, the rest of the trials' own seconds (process start, imports, model build, hand-over)."""
+    import optuna
+
+    from trainer.contracts import TrialRecord
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.load_study(study_name=None, storage=f"sqlite:///{out / 'study.db'}")
+    got = {"measured_s": 0.0, "warmup_s": 0.0, "trial_s": 0.0, "launched": 0, "warm": 0, "jobs": 0}
+    for t in study.get_trials(deepcopy=False):
+        rec = TrialRecord.from_user_attrs(t.user_attrs)
+        if rec.status is None or not rec.status.launched:
+            continue
+        got["launched"] += 1
+        got["trial_s"] += float(rec.duration_s or 0.0)
+        note = next((n for n in rec.notes if n.startswith("warm:")), "")
+        got["warm"] += bool(note)
+        got["jobs"] += note.startswith("warm: trial 1 of job")
+        if rec.result_path and Path(rec.result_path).is_file():
+            for s in json.loads(Path(rec.result_path).read_text()).get("steps", []):
+                got["warmup_s" if s["warmup"] else "measured_s"] += s["timing_s/step"]
+    return got
+
+
+def overhead(trials: int, seed: int, root: Path) -> dict:
+    halves = [trials // 2, trials]
+    wall = {"cold": 0.0, "warm": 0.0}
+    for n in halves:
+        for kind in ("cold", "warm"):
+            w = _search(root / kind, n, seed, cold=kind == "cold")
+            wall[kind] += w
+            print(f"  {kind:4s} search to {n:2d} trials: {w:6.1f} s", flush=True)
+    rows = {}
+    for kind in ("cold", "warm"):
+        m = _measured(root / kind)
+        m["wall_s"] = wall[kind]
+        m["unmeasured_share"] = 1.0 - m["measured_s"] / wall[kind]
+        rows[kind] = m
+    return rows
+
+
+# --------------------------------------------------------------------------- 2. memory, warm against cold
+def _config(overrides: dict, **extra) -> dict:
+    flat = {"trainer.total_training_steps": 4, "ppotune.warmup_steps": 1, **overrides, **extra}
+    return config_to_dict(load_config(BASE, [f"{k}={json.dumps(v)}" for k, v in flat.items()]))
+
+
+class _Trials:
+    """Real trials through the real runners, numbered in one directory."""
+
+    def __init__(self, root: Path):
+        self.root, self.n = root, 0
+        cold = SubprocessRunner(device_kind="cpu", nproc=2, grace_s=3.0, startup_timeout_s=300, step_timeout_s=120)
+        self.cold, self.warm = cold, WarmRunner(cold=cold, jobs_dir=root / "jobs")
+
+    def run(self, runner, config: dict):
+        self.n += 1
+        req = TrialRequest(number=self.n, config=config, identity=(self.n,), trial_dir=self.root / str(self.n))
+        return runner.run(req, threading.Event())
+
+
+def memory(root: Path, repeats: int = 2) -> dict:
+    t = _Trials(root)
+    warmup = _config({})
+
+    def warm(cfg: dict):
+        t.run(t.warm, warmup)  # the job's first trial (a fresh job after a fault): the config runs as a later one
+        return t.run(t.warm, cfg)
+
+    rows = {}
+    for name, ov in MEMORY_CONFIGS.items():
+        cold = [t.run(t.cold, _config(ov)).record.peak_memory_gb for _ in range(repeats)]
+        hot = [warm(_config(ov)).record.peak_memory_gb for _ in range(repeats)]
+        rows[name] = {"cold_gb": cold, "warm_gb": hot}
+        ratio = statistics.median(hot) / statistics.median(cold)
+        print(
+            f"  {name:26s} cold {' '.join(f'{1024 * g:6.1f}' for g in cold)} MiB   "
+            f"warm {' '.join(f'{1024 * g:6.1f}' for g in hot)} MiB   warm/cold (medians) {ratio:.3f}",
+            flush=True,
+        )
+    # the memory cap: the smallest cap (on a grid) the config runs under, cold and warm; far from it both agree
+    peak = statistics.median(rows[CAP_CONFIG]["cold_gb"])
+    caps: dict = {}
+
+    def ok(kind: str, cap: float) -> bool:
+        cfg = _config(MEMORY_CONFIGS[CAP_CONFIG], **{"ppotune.memory_limit_gb": round(cap, 4)})
+        status = (t.run(t.cold, cfg) if kind == "cold" else warm(cfg)).status
+        caps.setdefault(round(cap, 4), {})[kind] = str(status)
+        return status == Status.OK
+
+    bounds = {}
+    for kind in ("cold", "warm"):
+        lo, hi = 0.3 * peak, 1.5 * peak  # OOM at lo, ok at hi: checked, then bisected
+        if ok(kind, lo) or not ok(kind, hi):
+            bounds[kind] = None
+            continue
+        for _ in range(4):
+            mid = (lo + hi) / 2
+            lo, hi = (lo, mid) if ok(kind, mid) else (mid, hi)
+        bounds[kind] = (lo, hi)
+        print(f"  {CAP_CONFIG}: {kind} runs from a cap of {1024 * hi:.1f} MiB, OOMs at {1024 * lo:.1f} MiB", flush=True)
+    if bounds.get("cold") and bounds.get("warm"):
+        print(f"  the cap it needs, warm/cold: {bounds['warm'][1] / bounds['cold'][1]:.3f}", flush=True)
+    t.warm.close()
+    return {"peaks": rows, "caps": caps, "bounds": bounds}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trials", type=int, default=12)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None, help="also write the figures here")
+    ap.add_argument("--only", choices=["overhead", "memory"], default=None, help="run one part")
+    args = ap.parse_args()
+    when = datetime.datetime.now().isoformat(timespec="minutes")
+    print(f"bench_overhead: {when} | {platform.node()} | {platform.processor() or platform.machine()} | "
+          f"{_cpus()} CPUs | {args.trials} trials, seed {args.seed}", flush=True)  # fmt: skip
+    out: dict = {"date": when, "host": platform.node(), "trials": args.trials, "seed": args.seed}
+    with tempfile.TemporaryDirectory(prefix="bench_overhead_") as tmp:
+        root = Path(tmp)
+        if args.only != "memory":
+            _print_overhead(out, args, root)
+        if args.only != "overhead":
+            print("2. memory objective and cap, warm against cold (each warm config is a job's second trial)")
+            out["memory"] = memory(root / "memory")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1, default=str))
+    return 0
+
+
+def _print_overhead(out: dict, args: argparse.Namespace, root: Path) -> None:
+    print("1. the search, cold and warm (halves interleaved)", flush=True)
+    rows = out["overhead"] = overhead(args.trials, args.seed, root / "search")
+    print(
+        f"\n  {'':5s} {'wall s':>7s} {'measured':>9s} {'warm-up':>8s} {'in trials':>10s} {'outside':>8s}"
+        f"  {'unmeasured':>10s}  trials"
+    )
+    for kind, m in rows.items():
+        rest = m["trial_s"] - m["measured_s"] - m["warmup_s"]  # start-up, build, hand-over, teardown
+        print(
+            f"  {kind:5s} {m['wall_s']:7.1f} {m['measured_s']:9.1f} {m['warmup_s']:8.1f} {rest:10.1f} "
+            f"{m['wall_s'] - m['trial_s']:8.1f}  {m['unmeasured_share']:10.1%}  {m['launched']} "
+            f"({m['warm']} warm, {m['jobs']} jobs started)"
+        )
+    print("  (seconds; in trials: the trials' own seconds less their steps; outside: the tuner between them)")
+    c, w = rows["cold"], rows["warm"]
+    print(
+        f"  warm/cold: wall {w['wall_s'] / c['wall_s']:.2f}x, unmeasured share {w['unmeasured_share']:.1%} "
+        f"vs {c['unmeasured_share']:.1%} (goal: <= 20% warm)\n",
+        flush=True,
+    )
+
+
+def _cpus() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,338 @@
+"""Finalists confirmed side by side: tuner.confirm's pure decisions with hand-computed figures, then
+tuner.loop.Search.confirm over a replay runner (the real loop, no process): interleaving, resume."""
+
+from __future__ import annotations
+
+import math
+import random
+import textwrap
+from dataclasses import dataclass
+
+import optuna
+import pytest
+import yaml
+
+from support import TINY_BASE
+from trainer.config import apply_overrides, config_from_dict, config_to_dict, flatten
+from trainer.contracts import DIRECTIONS, Status, TrialRecord
+from tuner import confirm
+from tuner import study as st
+from tuner.confirm import Candidate, Rerun
+from tuner.loop import Search, SearchOptions, build_sampler
+from tuner.runners import Recorded, ReplayRunner, TrialOutcome
+from tuner.space import base_flat_config, space_from_dict
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+
+# --------------------------------------------------------------------------- who is a finalist
+def test_within_noise_is_interval_overlap_and_unknown_says_no():
+    best = Candidate(1, 100.0, (90.0, 110.0), True)
+    assert confirm.within_noise(best, Candidate(2, 88.0, (80.0, 95.0), False))  # 95 >= 90
+    assert confirm.within_noise(best, Candidate(3, 85.0, (80.0, 90.0), False))  # touching counts
+    assert not confirm.within_noise(best, Candidate(4, 80.0, (70.0, 89.9), False))
+    assert not confirm.within_noise(best, Candidate(5, 99.0, None, False))  # unknown interval
+    assert not confirm.within_noise(Candidate(1, 100.0, None, True), Candidate(6, 99.0, (95.0, 101.0), False))
+
+
+def test_finalists_are_the_front_plus_what_is_within_noise_fastest_first_capped():
+    cands = [
+        Candidate(0, 250.0, (240.0, 260.0), False),  # the baseline: dominated here
+        Candidate(3, 320.0, (300.0, 340.0), True),  # the fastest
+        Candidate(5, 310.0, (290.0, 330.0), False),  # dominated, but its interval reaches the best's
+        Candidate(6, 290.0, (280.0, 299.0), False),  # dominated and clearly slower: out
+        Candidate(7, 200.0, (190.0, 210.0), True),  # front: less memory
+        Candidate(8, 100.0, None, True),  # front: the smallest
+    ]
+    assert confirm.pick_finalists(cands, exclude=[0], cap=10) == [3, 5, 7, 8]
+    assert confirm.pick_finalists(cands, exclude=[0]) == [3, 5, 7]  # cap 3: the fastest three
+    assert confirm.pick_finalists(cands, exclude=[0], cap=1) == [3]
+    assert confirm.pick_finalists([], exclude=[0]) == []
+
+
+def test_the_baseline_is_never_a_finalist_but_still_sets_the_best():
+    cands = [
+        Candidate(0, 400.0, (380.0, 420.0), True),  # the baseline is the fastest
+        Candidate(2, 390.0, (370.0, 400.0), False),  # within its noise
+        Candidate(4, 300.0, (290.0, 310.0), False),  # not
+        Candidate(9, 150.0, (140.0, 160.0), True),  # front
+    ]
+    assert confirm.pick_finalists(cands, exclude=[0]) == [2, 9]
+    assert confirm.pick_finalists([Candidate(0, 400.0, None, True)], exclude=[0]) == []
+
+
+# --------------------------------------------------------------------------- the schedule
+def test_schedule_rotates_so_no_config_always_runs_first():
+    plan = confirm.schedule(["A", "B", "C"], "base", 5)
+    assert plan == [
+        ["A", "B", "C", "base"],
+        ["B", "C", "base", "A"],
+        ["C", "base", "A", "B"],
+        ["base", "A", "B", "C"],
+        ["A", "B", "C", "base"],
+    ]
+    assert {r[0] for r in plan[:4]} == {"A", "B", "C", "base"}
+    assert confirm.schedule(["A"], None, 2) == [["A"], ["A"]]  # no baseline to pair with
+    assert confirm.schedule([], None, 3) == [] and confirm.schedule(["A"], "b", 0) == []
+
+
+def test_next_slot_continues_where_the_rounds_stopped():
+    plan = confirm.schedule([3, 5], 0, 3)  # [[3, 5, 0], [5, 0, 3], [0, 3, 5]]
+    assert confirm.next_slot(plan, {}) == (0, 3)
+    assert confirm.next_slot(plan, {3: 1, 5: 1}) == (0, 0)
+    assert confirm.next_slot(plan, {3: 1, 5: 1, 0: 1}) == (1, 5)
+    # round 2 half done: 5 and 0 re-ran twice, 3 once
+    assert confirm.next_slot(plan, {3: 1, 5: 2, 0: 2}) == (1, 3)
+    assert confirm.next_slot(plan, {3: 3, 5: 3, 0: 3}) is None
+    assert confirm.next_slot(plan, {3: 9, 5: 9, 0: 9}) is None  # a larger --confirm earlier: nothing to add
+
+
+# --------------------------------------------------------------------------- the figures
+def test_log_interval_is_students_t_on_the_logs():
+    ratio, ci = confirm.log_interval([1.2, 1.5, 1.4])
+    assert ratio == 1.4
+    # logs 0.18232, 0.40547, 0.33647: s = 0.11425; t(0.95, 2) = 2.920; half = 2.920 * 0.11425 / sqrt(3) = 0.19261
+    # around the median's log 0.33647: exp(0.14386) = 1.1547, exp(0.52908) = 1.6974
+    assert ci == pytest.approx((1.1547, 1.6974), abs=1e-4)
+    assert confirm.log_interval([2.0]) == (2.0, None)  # one value: no interval
+    assert confirm.log_interval([]) == (None, None)
+    same, ci = confirm.log_interval([1.6, 1.6, 1.6])
+    assert same == 1.6 and ci == pytest.approx((1.6, 1.6))
+
+
+def test_paired_ratios_pair_the_same_round_and_skip_a_round_either_side_lost():
+    runs = [Rerun(10, "ok", 300.0, 1.0), Rerun(13, "ok", 280.0, 1.1), Rerun(16, "oom", None, 2.0)]
+    base = [Rerun(11, "ok", 200.0, 1.0), Rerun(14, "crash"), Rerun(17, "ok", 190.0, 0.9)]
+    assert confirm.paired_ratios(runs, base) == [1.5]  # round 2: no baseline; round 3: the finalist OOMed
+    e = confirm.summarize(3, runs, base)
+    assert e["ratio"] == 1.5 and e["ratio_ci"] is None and e["rounds"] == 1
+    assert e["throughput"] == 290.0  # the median of the ok re-runs
+    assert e["peak_memory_gb"] == 2.0  # the largest peak over the re-runs, the failed one included
+    assert e["trials"] == [10, 13, 16] and e["failed"] == 1 and e["statuses"] == ["oom"]
+
+
+def test_aggregate_holds_every_finalist_and_the_baseline():
+    runs = {
+        0: [Rerun(20, "ok", 100.0, 1.0), Rerun(23, "ok", 80.0, 1.0), Rerun(26, "ok", 90.0, 1.0)],
+        4: [Rerun(21, "ok", 150.0, 2.0), Rerun(24, "ok", 112.0, 2.1), Rerun(27, "ok", 117.0, 2.0)],
+        7: [Rerun(22, "ok", 120.0, 1.5), Rerun(25, "ok", 96.0, 1.5)],
+    }
+    agg = confirm.aggregate(baseline=0, finalists=[4, 7], rounds=3, headroom=0.1, runs=runs)
+    assert agg["baseline"] == 0 and agg["rounds"] == 3 and agg["headroom"] == 0.1
+    assert agg["complete"] is False  # #7 has two of its three re-runs
+    f4, f7 = agg["finalists"]
+    assert f4["ratios"] == pytest.approx([1.5, 1.4, 1.3]) and f4["ratio"] == pytest.approx(1.4)
+    lo, hi = f4["ratio_ci"]
+    assert lo < 1.3 and hi > 1.5  # three rounds, t = 2.92: wider than the spread
+    assert f7["ratios"] == pytest.approx([1.2, 1.2]) and f7["rounds"] == 2
+    assert f4["throughput"] == 117.0 and f4["peak_memory_gb"] == 2.1
+    b = agg["baseline_result"]
+    assert b["number"] == 0 and b["ratio"] == 1.0 and b["throughput"] == 90.0 and b["rounds"] == 3
+    agg["finalists"][1]["trials"].append(28)
+    assert confirm.aggregate(baseline=0, finalists=[4, 7], rounds=3, headroom=0.1, runs=runs) != agg
+    runs[7].append(Rerun(28, "ok", 108.0, 1.5))
+    assert confirm.aggregate(baseline=0, finalists=[4, 7], rounds=3, headroom=0.1, runs=runs)["complete"]
+
+
+def _conf(entries, baseline_thr=100.0):
+    base = {"number": 0, "ratio": 1.0, "ratio_ci": None, "ratios": [], "throughput": baseline_thr, "rounds": 3}
+    base.update(throughput_ci=None, peak_memory_gb=3.0, trials=[1, 2, 3], failed=0, statuses=[])
+    return {"baseline": 0, "rounds": 3, "complete": True, "finalists": entries, "baseline_result": base}
+
+
+def _e(n, ratio, peak=2.0, failed=0, thr=None):
+    return {
+        "number": n,
+        "ratio": ratio,
+        "ratio_ci": None if ratio is None else [ratio - 0.1, ratio + 0.1],
+        "ratios": [] if ratio is None else [ratio] * 3,
+        "throughput": thr or (None if ratio is None else 100.0 * ratio),
+        "throughput_ci": None,
+        "peak_memory_gb": peak,
+        "trials": [10 + n],
+        "failed": failed,
+        "statuses": ["oom"] if failed else [],
+        "rounds": 3,
+    }
+
+
+def test_rank_confirmed_orders_by_ratio_and_leaves_out_what_cannot_be_recommended():
+    conf = _conf([_e(3, 1.3), _e(5, 1.45, peak=9.5), _e(7, 1.5, failed=1), _e(8, 1.35), _e(9, 1.4)])
+    ranked, left = confirm.rank_confirmed(conf, eligible=[0, 3, 5, 7, 8], limit_gb=9.0)
+    assert [e["number"] for e in ranked] == [8, 3, 0]  # 1.35, 1.3, the baseline at 1.0
+    why = dict(left)
+    assert "9.50 GB" in why[5] and "oom" in why[7] and "not a feasible trial" in why[9]
+    # the baseline beats every finalist: it is the pick
+    ranked, _ = confirm.rank_confirmed(_conf([_e(3, 0.9)]), eligible=[0, 3], limit_gb=None)
+    assert [e["number"] for e in ranked] == [0, 3]
+
+
+def test_rank_confirmed_without_a_baseline_uses_the_confirmed_throughput():
+    conf = {
+        "baseline": None,
+        "finalists": [_e(3, None, thr=120.0), _e(4, None, thr=150.0)],
+        "baseline_result": None,
+    }
+    ranked, left = confirm.rank_confirmed(conf, eligible=[3, 4], limit_gb=None)
+    assert [e["number"] for e in ranked] == [4, 3] and not left
+
+
+def test_describe():
+    e = {"number": 4, "ratio": 1.42, "ratio_ci": [1.31, 1.55], "ratios": [1.3, 1.42, 1.5], "rounds": 3}
+    assert confirm.describe(e) == "1.42x the baseline (90% interval 1.31–1.55, 3 interleaved rounds)"
+    one = {"number": 4, "ratio": 1.5, "ratio_ci": None, "ratios": [1.5], "rounds": 1}
+    assert confirm.describe(one) == "1.50x the baseline (no interval from one round, 1 interleaved round)"
+    base = {"number": 0, "ratio": 1.0, "ratio_ci": None, "ratios": [], "rounds": 3}
+    assert confirm.describe(base) == "the baseline itself (1.00x; 3 interleaved rounds)"
+    alone = {"number": 4, "ratio": None, "throughput": 812.3, "throughput_ci": [790.0, 840.5], "rounds": 3}
+    assert confirm.describe(alone) == (
+        "812.3 tokens/s/GPU (90% interval 790.0–840.5, median of 3 interleaved rounds; no baseline to pair with)"
+    )
+
+
+# --------------------------------------------------------------------------- the loop over a replay runner
+MICRO = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"
+GC = "actor_rollout_ref.model.enable_gradient_checkpointing"
+SPACE = textwrap.dedent(f"""
+    knobs:
+      {MICRO}: {{type: pow2, low: 1, high: 4, memory: increasing}}
+      {GC}: {{type: bool, memory: decreasing}}
+""")
+# the search's trials in order; the baseline (the tiny config: micro-batch 2, no checkpointing) first
+ORDER = [(2, False), (4, True), (1, False), (2, True), (1, True)]
+
+
+@pytest.fixture(scope="module")
+def setup():
+    space = space_from_dict(yaml.safe_load(SPACE), source="space.yaml")
+    nested, _ = base_flat_config(TINY_BASE, nproc=2)
+    trial_base = config_to_dict(
+        config_from_dict(apply_overrides(nested, {"trainer.total_training_steps": 2, "ppotune.warmup_steps": 1}))
+    )
+    return space, trial_base, flatten(trial_base)
+
+
+def _table(space, flat):
+    """throughput 100 x micro-batch (x0.8 with checkpointing), peak 1 + micro-batch GB; (4, no GC) OOMs."""
+    table = {}
+    for i, cand in enumerate(space.grid(flat)):
+        micro, gc = cand.params[MICRO], cand.params[GC]
+        thr = None if micro == 4 and not gc else 100.0 * micro * (0.8 if gc else 1.0)
+        entry = Recorded(Status.OOM if thr is None else Status.OK, thr, None if thr is None else 1.0 + micro, 1.0, i)
+        table[space.identity(cand.effective)] = [entry]
+    return table
+
+
+@dataclass
+class InterruptsAt(ReplayRunner):
+    """The replay runner, but its ``at``-th launch is stopped by the user (as Ctrl-C stops a real one)."""
+
+    at: int = 0
+
+    def run(self, request, stop):
+        if self.launched + 1 == self.at:
+            self.launched += 1
+            stop.set()
+            return TrialOutcome(Status.INTERRUPTED, TrialRecord(error="interrupted: the tuner was stopped"))
+        return super().run(request, stop)
+
+
+def _study(space, flat, *, device_gb):
+    storage = optuna.storages.InMemoryStorage()
+    study = optuna.create_study(
+        storage=storage, directions=list(DIRECTIONS), sampler=build_sampler("grid", seed=0, n_trials=5)
+    )
+    study.set_user_attr("device", {"kind": "cpu", "name": "test", "memory_total_gb": device_gb})
+    for i, (micro, gc) in enumerate(ORDER):
+        params = space.to_params({MICRO: micro, GC: gc})
+        study.enqueue_trial(params, user_attrs={"baseline": True} if i == 0 else {})
+    return study, storage
+
+
+def _search(setup, study, storage, runner, rounds=3):
+    space, trial_base, flat = setup
+    return Search(
+        options=SearchOptions(trials=len(ORDER), sampler="grid", seed=0, confirm=rounds),
+        study=study,
+        storage=storage,
+        lock=st.StudyLock(None),
+        space=space,
+        trial_base=trial_base,
+        trial_flat=flat,
+        runner=runner,
+        penalty_gb=64.0,
+    )
+
+
+def _reruns(study):
+    return [
+        (t.number, TrialRecord.from_user_attrs(t.user_attrs))
+        for t in study.get_trials()
+        if TrialRecord.from_user_attrs(t.user_attrs).confirm_of is not None
+    ]
+
+
+def test_the_search_confirms_its_finalists_interleaved_with_the_baseline(setup):
+    space, _, flat = setup
+    study, storage = _study(space, flat, device_gb=10.0)  # limit 9 GB: everything fits
+    runner = ReplayRunner(_table(space, flat), rng=random.Random(0))
+    _search(setup, study, storage, runner).run()
+    # front: #1 (320 tokens/s at 5 GB), the baseline #0 (200 at 3), #2 (100 at 2); the baseline is no finalist
+    reruns = _reruns(study)
+    assert [r.confirm_of for _, r in reruns] == [1, 2, 0, 2, 0, 1, 0, 1, 2]  # A B base | B base A | base A B
+    assert all(r.status == Status.OK and not r.counted for _, r in reruns)
+    assert runner.launched == 5 + 9
+    conf = study.user_attrs[confirm.CONFIRMATION_ATTR]
+    assert conf["baseline"] == 0 and conf["rounds"] == 3 and conf["complete"]
+    a, b = conf["finalists"]
+    assert (a["number"], b["number"]) == (1, 2)
+    assert a["ratio"] == pytest.approx(1.6) and a["ratio_ci"] == pytest.approx([1.6, 1.6])  # 320 / 200, every round
+    assert b["ratio"] == pytest.approx(0.5) and b["rounds"] == 3 and b["peak_memory_gb"] == 2.0
+    assert a["trials"] == [n for n, r in reruns if r.confirm_of == 1]
+    assert conf["baseline_result"]["throughput"] == 200.0
+    assert confirm.describe(a) == "1.60x the baseline (90% interval 1.60–1.60, 3 interleaved rounds)"
+
+
+def test_finalists_keep_the_export_headroom(setup):
+    space, _, flat = setup
+    study, storage = _study(space, flat, device_gb=5.5)  # limit 4.95 GB: #1 (5 GB) is out
+    _search(setup, study, storage, ReplayRunner(_table(space, flat)), rounds=2).run()
+    conf = study.user_attrs[confirm.CONFIRMATION_ATTR]
+    assert [e["number"] for e in conf["finalists"]] == [2]
+    assert [r.confirm_of for _, r in _reruns(study)] == [2, 0, 0, 2]
+
+
+def test_confirm_0_runs_nothing(setup):
+    space, _, flat = setup
+    study, storage = _study(space, flat, device_gb=10.0)
+    _search(setup, study, storage, ReplayRunner(_table(space, flat)), rounds=0).run()
+    assert _reruns(study) == [] and confirm.CONFIRMATION_ATTR not in study.user_attrs
+
+
+def test_an_interrupted_confirmation_resumes_where_it_stopped(setup):
+    space, _, flat = setup
+    study, storage = _study(space, flat, device_gb=10.0)
+    # the 5 search trials, then re-runs 1 2 0 2 | the 4th re-run (#2, round 2) is stopped mid-trial
+    first = _search(setup, study, storage, InterruptsAt(_table(space, flat), at=5 + 4))
+    first.run()
+    conf = study.user_attrs[confirm.CONFIRMATION_ATTR]
+    assert not conf["complete"]  # what was measured so far is stored, marked incomplete
+    reruns = _reruns(study)
+    assert [(r.confirm_of, r.status) for _, r in reruns] == [
+        (1, Status.OK),
+        (2, Status.OK),
+        (0, Status.OK),
+        (2, Status.INTERRUPTED),
+        (2, None),  # enqueued again, waiting
+    ]
+    # the same search again: the retry first, then the rest of round 2 and round 3; nothing redone
+    again = _search(setup, study, storage, ReplayRunner(_table(space, flat)))
+    again.run()
+    done = [(n, r.confirm_of) for n, r in _reruns(study) if r.status == Status.OK]
+    assert [c for _, c in done] == [1, 2, 0, 2, 0, 1, 0, 1, 2]
+    assert again.runner.launched == 6 and sum(1 for _, r in _reruns(study) if r.status is None) == 0
+    retry = [r for _, r in _reruns(study) if r.retry_of is not None]
+    assert len(retry) == 1 and retry[0].confirm_of == 2 and retry[0].status == Status.OK
+    conf = study.user_attrs[confirm.CONFIRMATION_ATTR]
+    assert conf["complete"] and [e["rounds"] for e in conf["finalists"]] == [3, 3]
+    assert math.isclose(conf["finalists"][0]["ratio"], 1.6)

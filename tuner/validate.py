@@ -1,0 +1,437 @@
+"""``ppotune validate CONFIG --steps N``: does the exported config hold up here, on this data, for longer?
+
+Runs CONFIG (what ``ppotune export`` wrote: ``best_config.yaml``) and the study's baseline config
+(its base config as written) interleaved for ``--rounds R`` rounds of N PPO steps each -- round 1:
+config, base; round 2: base, config; ... -- with the runner the search uses
+(:class:`tuner.runners.SubprocessRunner`: ``ppotune train`` in its own process group, the same
+memory sampler and the same classification), then prints the measured figures against the study's:
+
+- throughput ratio to the baseline: the median of the paired ratios (config / the same round's
+  baseline) with its 90% interval (:func:`tuner.confirm.log_interval`), against the study's
+  confirmed ratio (the ``confirmation`` study attribute) or, for an unconfirmed study, the ratio of
+  the two single trials;
+- peak memory: the largest peak over the config's runs, against the study's (confirmed re-runs'
+  largest, else the trial's);
+- the token lengths the runs saw against the ones the study's trials saw (a warning when a p50 or
+  p90 is off by more than 20%: a config tuned on short, skewed prompts can lose to the base config
+  on long, uniform ones).
+
+PASS/FAIL (:func:`verdict`): the ratio passes when the measured median is within ±5% of the study's,
+or when the measured and the study's 90% intervals overlap; memory passes when the measured peak is at
+most the study's + 5% (at least the report's memory noise floor,
+:data:`tuner.results.analysis.MEMORY_ABS_TOL_GB`). Why the overlap: a FAIL should mean evidence that
+the study's figure does not hold; with a few rounds of a noisy machine (step-time CV 12-29% on the CPU
+demo) a ±5% band alone fails a sound config on ordinary noise, and the interval says when the
+difference is within it. Wide intervals make a weak PASS: the output prints them, and more
+``--rounds`` narrow them. A run of CONFIG that fails (OOM, crash, hang) is a FAIL.
+
+Runs go to ``<out>/validate/<k>/`` (``--out DIR``, else the directory holding CONFIG); the study is
+only read. Exit codes: 0 PASS, 1 FAIL, 2 bad input (one line naming the file or the key), 130 Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import signal
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from trainer.config import (
+    ConfigError,
+    apply_overrides,
+    config_from_dict,
+    config_to_dict,
+    flatten,
+    read_yaml_mapping,
+    resolve_follows,
+)
+from trainer.contracts import ExitCode, Status, StorageError
+from tuner.confirm import CONFIRMATION_ATTR, Rerun, entry_of, log_interval, paired_ratios, schedule
+from tuner.memory import nvml_available
+from tuner.runners import SubprocessRunner, TrialRequest
+
+__all__ = [
+    "RATIO_TOL",
+    "MEMORY_TOL",
+    "LENGTH_TOL",
+    "StudyFigures",
+    "Verdict",
+    "verdict",
+    "length_warnings",
+    "add_arguments",
+    "run",
+]
+
+RATIO_TOL = 0.05  # the measured ratio within ±5% of the study's
+MEMORY_TOL = 0.05  # the measured peak at most 5% over the study's
+LENGTH_TOL = 0.20  # a p50 or p90 token length off by more than this: the data differs
+_HEADER_TRIAL = re.compile(r"^# ppotune export: study .*, trial #(\d+)")
+
+
+# --------------------------------------------------------------------------- the decision (pure)
+@dataclass(frozen=True)
+class StudyFigures:
+    """What the study says about the exported config."""
+
+    trial: int  # the study's trial of CONFIG
+    baseline: int
+    ratio: Optional[float]  # throughput / the baseline's
+    ratio_ci: Optional[tuple[float, float]]
+    peak_memory_gb: Optional[float]
+    confirmed: bool  # from the confirmation (else two single trials)
+    memory_source: Optional[str]
+
+
+@dataclass
+class Verdict:
+    passed: bool
+    lines: list[str] = field(default_factory=list)  # one per check, each saying PASS/FAIL/not compared and why
+
+
+def _ci(ci: Optional[tuple[float, float]]) -> str:
+    return f"90% interval {ci[0]:.2f}–{ci[1]:.2f}" if ci else "no interval"
+
+
+def verdict(
+    *,
+    ratio: Optional[float],
+    ratio_ci: Optional[tuple[float, float]],
+    study: StudyFigures,
+    peak_memory_gb: Optional[float],
+    memory_comparable: bool = True,
+    failed_runs: int = 0,
+    memory_floor_gb: float = 0.0,
+) -> Verdict:
+    """PASS when the throughput ratio agrees with the study's and memory is not over it (module docstring)."""
+    out = Verdict(passed=True)
+    if failed_runs:
+        out.passed = False
+        out.lines.append(f"FAIL  {failed_runs} run(s) of the config did not end ok")
+    if ratio is None:
+        out.passed = False
+        out.lines.append("FAIL  ratio: no round measured both the config and the baseline")
+    elif study.ratio is None:
+        out.passed = False
+        out.lines.append(f"FAIL  ratio: measured {ratio:.2f}x, but the study has no ratio for trial #{study.trial}")
+    else:
+        off = ratio / study.ratio - 1.0
+        overlap = (
+            ratio_ci is not None
+            and (study.ratio_ci or (study.ratio, study.ratio))[1] >= ratio_ci[0]
+            and ratio_ci[1] >= (study.ratio_ci or (study.ratio, study.ratio))[0]
+        )
+        ok = abs(off) <= RATIO_TOL or overlap
+        why = (
+            f"within ±{RATIO_TOL:.0%}"
+            if abs(off) <= RATIO_TOL
+            else "the intervals overlap (within noise)"
+            if overlap
+            else f"off by more than ±{RATIO_TOL:.0%} and the intervals do not overlap"
+        )
+        kind = "confirmed" if study.confirmed else "single trials, unconfirmed"
+        out.passed &= ok
+        out.lines.append(
+            f"{'PASS' if ok else 'FAIL'}  ratio to the baseline: measured {ratio:.2f}x ({_ci(ratio_ci)}) vs the "
+            f"study's {study.ratio:.2f}x ({_ci(study.ratio_ci)}; {kind}): {off:+.1%}, {why}"
+        )
+    if peak_memory_gb is None or study.peak_memory_gb is None:
+        out.lines.append("n/a   peak memory: not measured on one side")
+    elif not memory_comparable:
+        out.lines.append(
+            f"n/a   peak memory: measured {peak_memory_gb:.3f} GB vs the study's {study.peak_memory_gb:.3f} GB, "
+            f"but measured differently (study: {study.memory_source}): not compared"
+        )
+    else:
+        allowed = study.peak_memory_gb + max(MEMORY_TOL * study.peak_memory_gb, memory_floor_gb)
+        ok = peak_memory_gb <= allowed + 1e-12
+        out.passed &= ok
+        out.lines.append(
+            f"{'PASS' if ok else 'FAIL'}  peak memory: measured {peak_memory_gb:.3f} GB vs the study's "
+            f"{study.peak_memory_gb:.3f} GB ({peak_memory_gb / study.peak_memory_gb - 1:+.1%}; allowed up to "
+            f"{allowed:.3f} GB)"
+        )
+    return out
+
+
+def length_warnings(study: dict, seen: dict, *, tol: float = LENGTH_TOL) -> list[str]:
+    """Where the token lengths these runs saw differ from the study's: p50 or p90 off by more than ``tol``.
+
+    Both are ``{"prompt": {"p10", "p50", "p90", "max"}, "response": {...}}``; a part or a figure missing
+    on either side is not compared."""
+    out = []
+    for part in ("prompt", "response"):
+        a, b = study.get(part) or {}, seen.get(part) or {}
+        for k in ("p50", "p90"):
+            if a.get(k) and b.get(k) is not None and abs(b[k] / a[k] - 1.0) > tol:
+                out.append(
+                    f"{part} length {k}: {b[k]:.0f} tokens here vs {a[k]:.0f} in the study ({b[k] / a[k] - 1:+.0%})"
+                )
+    return out
+
+
+# --------------------------------------------------------------------------- reading the inputs
+class BadInput(ValueError):
+    """One line for the user: exit 2."""
+
+
+def _run_keys(steps: int, warmup: int, memory_limit_gb: Optional[float]) -> dict:
+    # the run's length, nothing else: the knobs and the algorithm are CONFIG's
+    return {
+        "trainer.total_training_steps": steps,
+        "ppotune.warmup_steps": warmup,
+        "ppotune.memory_limit_gb": memory_limit_gb,
+    }
+
+
+def _comparable(flat: dict) -> dict:
+    from tuner.results.export import RUN_KEYS
+
+    # a null follow-key equals the key it follows: compare what the runs would use
+    return {k: v for k, v in resolve_follows(flat).items() if k not in RUN_KEYS and not k.startswith("ppotune.front")}
+
+
+def _match_trial(view, config_flat: dict, header_trial: Optional[int]) -> Optional[int]:
+    """The study's search trial whose exported config equals CONFIG (trial-length keys aside)."""
+    from tuner.results.export import best_config
+
+    df = view.trials
+    ok = df.loc[(df["status"] == Status.OK) & df["confirm_of"].isna() & df["duplicate_of"].isna(), "number"]
+    numbers = [int(n) for n in ok]
+    if header_trial in numbers:
+        numbers = [header_trial] + [n for n in numbers if n != header_trial]
+    want = _comparable(config_flat)
+    for n in numbers:
+        try:
+            if _comparable(flatten(best_config(view, n))) == want:
+                return n
+        except StorageError:
+            continue
+    return None
+
+
+def study_figures(view, trial: int) -> StudyFigures:
+    """The study's ratio, interval and peak for ``trial`` (confirmed when the confirmation holds it)."""
+    df = view.trials
+    base = df.loc[df["baseline"] & (df["status"] == Status.OK) & df["confirm_of"].isna()]
+    if base.empty:
+        raise BadInput(f"study {view.name!r} has no measured baseline trial to compare with")
+    b = int(base.iloc[0]["number"])
+    conf = view.attrs.get(CONFIRMATION_ATTR)
+    e = entry_of(conf, trial)
+    rec = view.record(trial)
+    if e is not None and conf.get("baseline") == b and e.get("ratio") is not None:
+        ci = tuple(e["ratio_ci"]) if e.get("ratio_ci") else None
+        return StudyFigures(trial, b, e["ratio"], ci, e.get("peak_memory_gb"), True, rec.memory_source)
+    row = df.loc[df["number"] == trial].iloc[0]
+    b_thr = base.iloc[0]["throughput"]
+    ratio = float(row["throughput"] / b_thr) if b_thr else None
+    return StudyFigures(trial, b, ratio, None, float(row["peak_memory_gb"]), False, rec.memory_source)
+
+
+# --------------------------------------------------------------------------- CLI
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from tuner.results.view import add_study_arguments
+
+    p.add_argument("config", help="the exported config (ppotune export's best_config.yaml)")
+    p.add_argument("--steps", type=int, required=True, help="PPO steps per run, warm-up included")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of config + baseline (default 3)")
+    p.add_argument(
+        "--warmup", type=int, default=None, help="leading steps left out of each run's figures (default: the study's)"
+    )
+    add_study_arguments(p)
+    p.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=900.0,
+        metavar="S",
+        help="a run logging no first step after S seconds is a hang (default 900)",
+    )
+    p.add_argument(
+        "--step-timeout",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="a run logging no next step for S seconds is a hang (default 300)",
+    )
+    p.add_argument("--kill-grace", type=float, default=10.0, metavar="S", help=argparse.SUPPRESS)
+
+
+def _fail(msg: str) -> int:
+    print(f"ppotune validate: {msg}", file=sys.stderr)
+    return ExitCode.USAGE
+
+
+def _inputs(args) -> tuple:
+    """(view, the nested CONFIG, its trial, the study figures, warmup); BadInput/StorageError/ConfigError."""
+    from tuner.results.view import view_from_args
+
+    if args.rounds < 1:
+        raise BadInput(f"--rounds must be >= 1, got {args.rounds}")
+    raw = read_yaml_mapping(args.config, what="the config to validate")
+    cfg = config_to_dict(config_from_dict(raw, source=args.config))
+    view = view_from_args(args)
+    if view.attrs.get("engine") == "verl":
+        raise BadInput(f"study {view.name!r} ran --engine verl trials: validate runs ppotune's trainer only (for now)")
+    if not isinstance(view.attrs.get("base_config"), dict):
+        raise BadInput(f"study {view.name!r} has no base_config user attribute (docs/contracts.md section 3)")
+    warmup = args.warmup if args.warmup is not None else int(view.attrs.get("warmup") or 0)
+    if not 0 <= warmup < args.steps:
+        raise BadInput(f"--steps {args.steps} must be more than the warm-up steps ({warmup}): nothing measured")
+    m = _HEADER_TRIAL.match(Path(args.config).read_text().splitlines()[0] if Path(args.config).stat().st_size else "")
+    trial = _match_trial(view, flatten(cfg), int(m.group(1)) if m else None)
+    if trial is None:
+        raise BadInput(
+            f"{args.config}: its knobs match no measured trial of study {view.name!r} (validate what "
+            "`ppotune export` wrote for this study)"
+        )
+    return view, cfg, trial, study_figures(view, trial), warmup
+
+
+def _session_dir(args) -> Path:
+    root = (Path(args.out) if args.out else Path(args.config).resolve().parent) / "validate"
+    root.mkdir(parents=True, exist_ok=True)
+    k = 1 + max((int(p.name) for p in root.iterdir() if p.name.isdigit()), default=0)
+    d = root / str(k)
+    d.mkdir()
+    return d
+
+
+def run(args) -> int:
+    from tuner.results.analysis import MEMORY_ABS_TOL_GB, lengths_seen, merge_lengths
+
+    try:
+        view, cfg, trial, study, warmup = _inputs(args)
+    except (BadInput, StorageError, ConfigError, OSError) as e:
+        return _fail(str(e))
+    limit = view.attrs.get("memory_limit_gb")
+    run_keys = _run_keys(args.steps, warmup, limit)
+    try:
+        configs = {
+            "config": config_to_dict(config_from_dict(apply_overrides(cfg, run_keys), source=args.config)),
+            "baseline": config_to_dict(
+                config_from_dict(apply_overrides(view.attrs["base_config"], run_keys), source="the study's base_config")
+            ),
+        }
+    except ConfigError as e:
+        return _fail(str(e))
+    flat = flatten(configs["config"])
+    nproc = int(flat["trainer.n_gpus_per_node"])
+    device = "cuda" if flat.get("ppotune.device", "auto") != "cpu" and nvml_available() else "cpu"
+    runner = SubprocessRunner(
+        device_kind=device,
+        nproc=nproc,
+        grace_s=args.kill_grace,
+        startup_timeout_s=args.startup_timeout,
+        step_timeout_s=args.step_timeout,
+    )
+    out = _session_dir(args)
+    plan = schedule(["config"], "baseline", args.rounds)
+    total = sum(len(r) for r in plan)
+    print(
+        f"ppotune validate: {args.config} = trial #{trial} of study {view.name!r}; {args.rounds} interleaved "
+        f"round(s) of {args.steps} steps ({warmup} warm-up) against the baseline #{study.baseline}, "
+        f"{device} x{nproc}; runs in {out}",
+        flush=True,
+    )
+    stop = threading.Event()
+    got: list[int] = []
+
+    def on_signal(signum, _frame):
+        got.append(signum)
+        stop.set()
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    runs: dict[str, list] = {"config": [], "baseline": []}
+    records: dict[str, list] = {"config": [], "baseline": []}
+    k = 0
+    try:
+        for r, order in enumerate(plan):
+            for label in order:
+                if stop.is_set():
+                    break
+                k += 1
+                outcome = runner.run(
+                    TrialRequest(
+                        number=k,
+                        config=configs[label],
+                        identity=(label,),
+                        trial_dir=out / f"{k:02d}-round{r + 1}-{label}",
+                    ),
+                    stop,
+                )
+                rec = outcome.record
+                if outcome.status == Status.INTERRUPTED:
+                    break
+                runs[label].append(Rerun(k, outcome.status.value, rec.throughput, rec.peak_memory_gb))
+                records[label].append(rec)
+                thr = (
+                    f"{rec.throughput:.1f} tokens/s/GPU"
+                    if rec.throughput
+                    else ((rec.error or "?").splitlines() or ["?"])[0]
+                )
+                print(
+                    f"run {k}/{total} round {r + 1} {label:8s} {outcome.status.value:6s} {thr}, peak "
+                    f"{rec.peak_memory_gb if rec.peak_memory_gb is not None else float('nan'):.3f} GB, "
+                    f"{float(rec.duration_s or 0):.1f} s",
+                    flush=True,
+                )
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    if got:
+        print(f"ppotune validate: stopped by {signal.Signals(got[0]).name}; nothing decided", flush=True)
+        return ExitCode.INTERRUPTED if got[0] == signal.SIGINT else 128 + got[0]
+
+    ratios = paired_ratios(runs["config"], runs["baseline"])
+    ratio, ratio_ci = log_interval(ratios)
+    peaks = [x.peak_memory_gb for x in runs["config"] if x.peak_memory_gb is not None]
+    sources = {x.memory_source for x in records["config"] if x.memory_source}
+    comparable = study.memory_source is None or sources <= {study.memory_source}
+    v = verdict(
+        ratio=ratio,
+        ratio_ci=ratio_ci,
+        study=study,
+        peak_memory_gb=max(peaks) if peaks else None,
+        memory_comparable=comparable,
+        failed_runs=sum(1 for x in runs["config"] if not x.ok),
+        memory_floor_gb=MEMORY_ABS_TOL_GB,
+    )
+    study_lengths, n_study = lengths_seen(view)
+    here = merge_lengths([x.lengths for x in records["config"] + records["baseline"] if x.lengths])
+    warnings = length_warnings(study_lengths, here)
+    for line in v.lines:
+        print(f"  {line}", flush=True)
+    if not study_lengths or not here:
+        print("  n/a   lengths: not recorded on one side (study or these runs): not compared", flush=True)
+    for w in warnings:
+        print(f"  warning: {w}: the data differs from what the study tuned on", flush=True)
+    summary = {
+        "config": str(Path(args.config).resolve()),
+        "study": view.name,
+        "storage": view.storage.display,
+        "trial": trial,
+        "baseline": study.baseline,
+        "steps": args.steps,
+        "warmup": warmup,
+        "rounds": args.rounds,
+        "measured": {
+            "ratio": ratio,
+            "ratio_ci": list(ratio_ci) if ratio_ci else None,
+            "ratios": ratios,
+            "peak_memory_gb": max(peaks) if peaks else None,
+            "runs": {label: [x.__dict__ for x in xs] for label, xs in runs.items()},
+            "lengths": here,
+        },
+        "study_figures": {**study.__dict__, "lengths": study_lengths, "lengths_trials": n_study},
+        "checks": v.lines,
+        "length_warnings": warnings,
+        "passed": v.passed,
+    }
+    (out / "validate.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    print(f"ppotune validate: {'PASS' if v.passed else 'FAIL'} ({out / 'validate.json'})", flush=True)
+    return ExitCode.OK if v.passed else ExitCode.ERROR
