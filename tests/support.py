@@ -230,3 +230,18 @@ def check_report_dir(report_dir: Path, n_trials: int, statuses: dict[int, str]) 
 
     summary = (report_dir / "summary.md").read_text()
     assert summary.startswith("# ppotune report")
+
+
+def tiny_setup(space_yaml: str) -> tuple:
+    """(space, trial base, flat trial base) of ``space_yaml`` on the tiny demo with 2 processes, 2 steps."""
+    import yaml
+
+    from trainer.config import apply_overrides, config_from_dict, flatten
+    from tuner.space import base_flat_config, space_from_dict
+
+    space = space_from_dict(yaml.safe_load(space_yaml), source="space.yaml")
+    nested, _ = base_flat_config(TINY_BASE, nproc=2)
+    trial_base = config_to_dict(
+        config_from_dict(apply_overrides(nested, {"trainer.total_training_steps": 2, "ppotune.warmup_steps": 1}))
+    )
+    return space, trial_base, flatten(trial_base)

@@ -10,17 +10,14 @@ from dataclasses import dataclass
 
 import optuna
 import pytest
-import yaml
 
-from support import TINY_BASE
-from trainer.config import apply_overrides, config_from_dict, config_to_dict, flatten
+from support import tiny_setup
 from trainer.contracts import DIRECTIONS, Status, TrialRecord
 from tuner import confirm
 from tuner import study as st
 from tuner.confirm import Candidate, Rerun
 from tuner.loop import Search, SearchOptions, build_sampler
 from tuner.runners import Recorded, ReplayRunner, TrialOutcome
-from tuner.space import base_flat_config, space_from_dict
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -204,12 +201,7 @@ ORDER = [(2, False), (4, True), (1, False), (2, True), (1, True)]
 
 @pytest.fixture(scope="module")
 def setup():
-    space = space_from_dict(yaml.safe_load(SPACE), source="space.yaml")
-    nested, _ = base_flat_config(TINY_BASE, nproc=2)
-    trial_base = config_to_dict(
-        config_from_dict(apply_overrides(nested, {"trainer.total_training_steps": 2, "ppotune.warmup_steps": 1}))
-    )
-    return space, trial_base, flatten(trial_base)
+    return tiny_setup(SPACE)
 
 
 def _table(space, flat):

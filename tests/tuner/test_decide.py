@@ -10,14 +10,13 @@ import optuna
 import pytest
 from optuna.trial import TrialState, create_trial
 
-from support import TINY_BASE
-from trainer.config import apply_overrides, config_from_dict, config_to_dict, flatten
+from support import tiny_setup
 from trainer.contracts import CONSTRAINT_KEY, DIRECTIONS, PHASES, Status, TrialRecord
 from tuner import decide
 from tuner import study as st
 from tuner.loop import MAX_CONSECUTIVE_FREE, WAIT, Search, SearchOptions, TrialEvent, build_sampler
 from tuner.runners import Recorded, ReplayRunner
-from tuner.space import LOG2_PREFIX, base_flat_config, space_from_dict
+from tuner.space import LOG2_PREFIX, space_from_dict
 
 MICRO = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"
 GC = "actor_rollout_ref.model.enable_gradient_checkpointing"
@@ -30,14 +29,7 @@ SPACE = textwrap.dedent(f"""
 
 @pytest.fixture(scope="module")
 def setup():
-    import yaml
-
-    space = space_from_dict(yaml.safe_load(SPACE), source="space.yaml")
-    nested, _ = base_flat_config(TINY_BASE, nproc=2)
-    trial_base = config_to_dict(
-        config_from_dict(apply_overrides(nested, {"trainer.total_training_steps": 2, "ppotune.warmup_steps": 1}))
-    )
-    return space, trial_base, flatten(trial_base)
+    return tiny_setup(SPACE)
 
 
 def frozen(number: int, status: str, overrides: dict, *, values=None, constraint=None, **attrs):
