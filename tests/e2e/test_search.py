@@ -268,7 +268,7 @@ def test_confirm_reruns_the_finalists_interleaved_with_the_baseline(shared):
     for e, c in zip(conf["finalists"], reruns):
         assert e["trials"] == [c.number] and e["rounds"] == 1 and e["ratio_ci"] is None
         assert e["ratio"] == pytest.approx(c.user_attrs["throughput"] / base_thr, rel=1e-5)
-        assert e["peak_memory_gb"] == pytest.approx(c.user_attrs["peak_memory_gb"], rel=1e-3)
+        assert e["peak_memory_gb"] == pytest.approx(c.user_attrs["peak_memory_gb"], abs=1e-4)  # kept to 4 decimals
     out = shared.runs[-1].stdout
     assert "confirm round 1/1: " + " ".join(f"#{n}" for n in finalists + [0]) in out
     assert f"confirmed: trial {finalists[0]}: {conf['finalists'][0]['ratio']:.2f}x the baseline" in out
