@@ -245,3 +245,24 @@ def tiny_setup(space_yaml: str) -> tuple:
         config_from_dict(apply_overrides(nested, {"trainer.total_training_steps": 2, "ppotune.warmup_steps": 1}))
     )
     return space, trial_base, flatten(trial_base)
+
+
+def search_over(setup: tuple, study, storage, runner, *, observer=None, **options):
+    """``tuner.loop.Search`` over ``setup`` (:func:`tiny_setup`) with ``runner``, seed 0, the in-process lock
+    only; ``options``: the rest of ``SearchOptions`` (``trials`` at least)."""
+    from tuner import study as st
+    from tuner.loop import Search, SearchOptions
+
+    space, trial_base, flat = setup
+    return Search(
+        options=SearchOptions(seed=0, **options),
+        study=study,
+        storage=storage,
+        lock=st.StudyLock(None),
+        space=space,
+        trial_base=trial_base,
+        trial_flat=flat,
+        runner=runner,
+        penalty_gb=64.0,
+        observer=observer,
+    )

@@ -11,12 +11,11 @@ from dataclasses import dataclass
 import optuna
 import pytest
 
-from support import tiny_setup
+from support import search_over, tiny_setup
 from trainer.contracts import DIRECTIONS, Status, TrialRecord
 from tuner import confirm
-from tuner import study as st
 from tuner.confirm import Candidate, Rerun
-from tuner.loop import Search, SearchOptions, build_sampler
+from tuner.loop import build_sampler
 from tuner.runners import Recorded, ReplayRunner, TrialOutcome
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -242,18 +241,7 @@ def _study(space, flat, *, device_gb):
 
 
 def _search(setup, study, storage, runner, rounds=3):
-    space, trial_base, flat = setup
-    return Search(
-        options=SearchOptions(trials=len(ORDER), sampler="grid", seed=0, confirm=rounds),
-        study=study,
-        storage=storage,
-        lock=st.StudyLock(None),
-        space=space,
-        trial_base=trial_base,
-        trial_flat=flat,
-        runner=runner,
-        penalty_gb=64.0,
-    )
+    return search_over(setup, study, storage, runner, trials=len(ORDER), sampler="grid", confirm=rounds)
 
 
 def _reruns(study):

@@ -10,7 +10,7 @@ import optuna
 import pytest
 from optuna.trial import TrialState, create_trial
 
-from support import tiny_setup
+from support import search_over, tiny_setup
 from trainer.contracts import CONSTRAINT_KEY, DIRECTIONS, PHASES, Status, TrialRecord
 from tuner import decide
 from tuner import study as st
@@ -181,19 +181,7 @@ class Events:
 
 
 def _search(setup, study, storage, runner, *, trials, sampler="grid", observer=None):
-    space, trial_base, flat = setup
-    return Search(
-        options=SearchOptions(trials=trials, sampler=sampler, seed=0),
-        study=study,
-        storage=storage,
-        lock=st.StudyLock(None),
-        space=space,
-        trial_base=trial_base,
-        trial_flat=flat,
-        runner=runner,
-        penalty_gb=64.0,
-        observer=observer,
-    )
+    return search_over(setup, study, storage, runner, trials=trials, sampler=sampler, observer=observer)
 
 
 def test_search_loop_over_a_replay_runner(setup):
