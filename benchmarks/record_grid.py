@@ -6,8 +6,11 @@ token budgets run out of memory) ``--repeats`` times, each repeat a ``ppotune se
 grid`` study of its own (real ``ppotune train`` trials, every step measured: ``--precision 0``),
 then writes one JSON line per trial to the data file that is committed with the repository:
 
-    {"repeat", "number", "status", "overrides", "throughput", "throughput_ci", "peak_memory_gb",
-     "duration_s", "inferred_from", "oom_phase"}
+    {"repeat", "number", "status", "overrides", "throughput", "throughput_ci", "measured_steps",
+     "peak_memory_gb", "by_phase_gb", "model_shape", "lengths", "duration_s", "inferred_from", "oom_phase"}
+
+(``by_phase_gb``: the per-phase peaks on the objective's basis, what ``tuner.memory_model`` is calibrated
+on; ``model_shape``: the model's HF config fields; ``lengths``: the token-length percentiles the trial saw.)
 
 An inferred OOM (never launched) is written with the seconds of the OOM it was inferred from,
 which is what launching it would have cost. Re-running the command resumes unfinished repeats.
@@ -81,7 +84,11 @@ def export(out: Path, repeats: int, data: Path) -> int:
                     "overrides": rec.overrides or {},
                     "throughput": rec.throughput,
                     "throughput_ci": rec.throughput_ci,
+                    "measured_steps": rec.measured_steps,
                     "peak_memory_gb": rec.peak_memory_gb,
+                    "by_phase_gb": (rec.memory or {}).get("by_phase_gb") or None,
+                    "model_shape": rec.model_shape,
+                    "lengths": rec.lengths or None,
                     "duration_s": seconds,
                     "inferred_from": rec.inferred_from,
                     "oom_phase": rec.oom_phase,

@@ -173,6 +173,7 @@ class TrialRecord:
     memory_source: Optional[str] = None  # nvml | psutil (the tuner's external sampler)
     memory: dict = field(default_factory=dict)  # peaks by source (external_peak_gb, allocated_peak_gb, ...)
     timing_s: dict = field(default_factory=dict)  # phase -> median seconds
+    model_shape: Optional[dict] = None  # the trained model's shape (HF config fields, parameter count)
     notes: list = field(default_factory=list)
     error: Optional[str] = None
     log_tail: Optional[str] = None

@@ -325,6 +325,7 @@ def run_trial(
     loader = PromptLoader(len(dataset), cfg.data.train_batch_size, seed=cfg.trainer.seed)
 
     roles, shape_info = build_roles(cfg, tokenizer, device, world, notes, weights=weights)
+    state["model"] = shape_info.pop("model")  # what tuner.memory_model computes its analytic terms from
     # Sampling starts from the same state however the models came to be (loaded, or copied in a warm job;
     # FSDP1 or FSDP2): the responses, so the tokens each step processes, never depend on the build path.
     torch.manual_seed(cfg.trainer.seed + rank)
@@ -349,8 +350,12 @@ def run_trial(
         step_s = time.perf_counter() - t0
         # memory: max over ranks of each phase's peak (one collective)
         above_start = max(meter.memory.values(), default=0.0) - rss_start  # CPU: what this step added
+        # CPU: each phase's peak above this rank's own start level (the objective's basis, taken per rank
+        # before the max over ranks: the rank with the highest start is not always the one that grows most)
+        above = [max(0.0, meter.memory[p] - rss_start) if p in meter.memory and not use_cuda else 0.0 for p in PHASES]
         mem = torch.tensor(
             [meter.memory.get(p, 0.0) for p in PHASES]
+            + above
             + [rss_start, above_start, meter.allocated_peak, meter.reserved_peak, step_s],
             dtype=torch.float64,
             device=device,
@@ -379,6 +384,8 @@ def run_trial(
             peak=peak,
         )
         row.update({f"memory/{p}_gb": v for p, v in zip(PHASES, mem)})
+        if not use_cuda:
+            row.update({f"memory_above_start/{p}_gb": v for p, v in zip(PHASES, mem[len(PHASES) :]) if v})
         if use_cuda:
             row["perf/max_memory_allocated_gb"], row["perf/max_memory_reserved_gb"] = mem[-3], mem[-2]
             row["perf/peak_rss_gb"] = None
@@ -426,6 +433,17 @@ def rows_of_rank(cfg, num_rows: int, world: int, rank: int) -> list[int]:
 
 #: sequences whose lengths a run keeps for its summary (the first measured steps' worth)
 MAX_LENGTHS_KEPT = 100_000
+#: The HF config fields a result records under ``model`` (with ``head_dim`` and ``num_params``).
+SHAPE_KEYS = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "tie_word_embeddings",
+)
 
 #: rollout keys only a vLLM engine reads (said in the notes when set on an HF-generate run)
 VLLM_ONLY_KEYS = (
@@ -707,6 +725,7 @@ def build_roles(cfg, tokenizer, device, world: int, notes: list[str], *, weights
     )
 
     shape_info = {
+        "model": {**{k: getattr(shape, k, None) for k in SHAPE_KEYS}, "head_dim": head_dim, "num_params": n_params},
         "num_params": n_params,
         "head_dim": head_dim,
         "num_heads": shape.num_attention_heads,

@@ -113,7 +113,10 @@ def trial_record(run: TrialRun, *, config_path: Path, gpus: Optional[list[str]],
             "rss_peak_gb": summary.get("peak_rss_gb"),
             "rss_start_gb": summary.get("rss_start_gb"),
             "samples": mem.samples,
+            # per phase, on the objective's basis (CPU: above the post-start level): what tuner.memory_model fits
+            "by_phase_gb": phase_peaks(summary, above_start=above_start),
         },
+        model_shape=res.get("model") or None,
         timing_s=summary.get("timing_s") or {},
         notes=notes,
         error=run.error,
@@ -128,6 +131,14 @@ def trial_record(run: TrialRun, *, config_path: Path, gpus: Optional[list[str]],
         engine=engine,
     )
     return record
+
+
+def phase_peaks(summary: dict, *, above_start: bool) -> dict:
+    """``{phase: GB}`` of a result's summary, on the memory objective's basis: on CPU the resident memory
+    a rank gained above its post-start level (max over ranks), on a GPU the allocator's peak per phase."""
+    if above_start:
+        return {p: v for p, v in (summary.get("peak_memory_by_phase_above_start_gb") or {}).items() if v}
+    return {p: v for p, v in (summary.get("peak_memory_by_phase_gb") or {}).items() if v}
 
 
 @dataclass(frozen=True)
