@@ -1,7 +1,7 @@
 """P3, overhead: how much of a search's wall time is not measured steps, cold trials against warm ones.
 
 1. The same search twice, ``ppotune search`` as a user runs it (``configs/tiny_cpu.yaml``, the shipped
-   ``search_spaces/tiny_cpu.yaml``, one seed, ``--confirm 0``): once ``--cold`` (one process group per
+   ``search_spaces/tiny_cpu.yaml``, one seed, ``--confirm 0 --probe 0``): once ``--cold`` (one process group per
    trial), once warm (the default: one job runs every trial of the layout). Each search is split in
    halves (``--trials N/2``, then resumed to ``--trials N``) run interleaved, cold A, warm A, cold B,
    warm B, so a machine that gets busier or quieter weighs on both alike. Printed for each: the tuning
@@ -15,7 +15,10 @@
    runs under, bisected cold and warm (an OOM far below it and a run far above it agree by construction
    of the bisection's end points, which are checked).
 
-    python benchmarks/bench_overhead.py [--trials 12] [--seed 0] [--json FILE] [--only overhead|memory]
+    python benchmarks/bench_overhead.py [--trials 12] [--seed 0] [--json FILE] [--only overhead|memory] [--grid-preset]
+
+``--grid-preset`` runs part 1 on the recorded grid's base and space instead of the demo's: the same tiny
+architecture at 128 wide with longer sequences, whose steps last longer than the demo's fraction of a second.
 
 Run it alone on the machine (it measures wall time): ``flock /tmp/ppotune-heavy.lock python ...``.
 """
@@ -60,9 +63,11 @@ CAP_CONFIG = "hidden 256, micro-batch 4"  # the one whose cap is bisected
 
 
 # --------------------------------------------------------------------------- 1. the search, cold and warm
-def _search(out: Path, trials: int, seed: int, cold: bool) -> float:
+def _search(out: Path, trials: int, seed: int, cold: bool, extra: tuple = ()) -> float:
     cmd = [sys.executable, "-m", "tuner.cli", "search", str(BASE), "--space", str(SPACE), "--trials", str(trials)]
-    cmd += ["--seed", str(seed), "--confirm", "0", "--out", str(out), *(["--cold"] if cold else [])]
+    # the trials only: no confirmation re-runs, no worst-case probes after the search
+    cmd += ["--seed", str(seed), "--confirm", "0", "--probe", "0", "--out", str(out), *(["--cold"] if cold else [])]
+    cmd += list(extra)
     t0 = time.perf_counter()
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     wall = time.perf_counter() - t0
@@ -96,12 +101,12 @@ def _measured(out: Path) -> dict:
     return got
 
 
-def overhead(trials: int, seed: int, root: Path) -> dict:
+def overhead(trials: int, seed: int, root: Path, extra: tuple = ()) -> dict:
     halves = [trials // 2, trials]
     wall = {"cold": 0.0, "warm": 0.0}
     for n in halves:
         for kind in ("cold", "warm"):
-            w = _search(root / kind, n, seed, cold=kind == "cold")
+            w = _search(root / kind, n, seed, cold=kind == "cold", extra=extra)
             wall[kind] += w
             print(f"  {kind:4s} search to {n:2d} trials: {w:6.1f} s", flush=True)
     rows = {}
@@ -185,7 +190,16 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="also write the figures here")
     ap.add_argument("--only", choices=["overhead", "memory"], default=None, help="run one part")
+    ap.add_argument(
+        "--grid-preset",
+        action="store_true",
+        help="part 1 on the recorded grid's base and space (benchmarks/data/grid_*.yaml: a 128-wide model, longer "
+        "sequences, 1 process, its 0.15 GB cap), whose steps are longer than the demo's",
+    )
     args = ap.parse_args()
+    if args.grid_preset:
+        global BASE, SPACE
+        BASE, SPACE = REPO / "benchmarks" / "data" / "grid_base.yaml", REPO / "benchmarks" / "data" / "grid_space.yaml"
     when = datetime.datetime.now().isoformat(timespec="minutes")
     print(f"bench_overhead: {when} | {platform.node()} | {platform.processor() or platform.machine()} | "
           f"{_cpus()} CPUs | {args.trials} trials, seed {args.seed}", flush=True)  # fmt: skip
@@ -204,7 +218,9 @@ def main() -> int:
 
 def _print_overhead(out: dict, args: argparse.Namespace, root: Path) -> None:
     print("1. the search, cold and warm (halves interleaved)", flush=True)
-    rows = out["overhead"] = overhead(args.trials, args.seed, root / "search")
+    extra = ("--nproc", "1", "--memory-limit-gb", "0.15") if args.grid_preset else ()
+    print(f"   base {BASE.relative_to(REPO)}, space {SPACE.relative_to(REPO)}", flush=True)
+    rows = out["overhead"] = overhead(args.trials, args.seed, root / "search", extra)
     print(
         f"\n  {'':5s} {'wall s':>7s} {'measured':>9s} {'warm-up':>8s} {'in trials':>10s} {'outside':>8s}"
         f"  {'unmeasured':>10s}  trials"

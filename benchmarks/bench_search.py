@@ -12,7 +12,10 @@ The baseline trial is left out, so every trial is the sampler's own choice. Thre
 * ``tpe-plain``: the same TPE sampler fed the way a plain Optuna loop would: power-of-two knobs as
   categoricals, invalid configs FAIL and count, every proposal launched (duplicates re-run, no OOM
   inference), OOM/hang COMPLETE with a binary constraint;
-* ``random``: ``tuner.loop.Search`` with Optuna's random sampler (rejections free, no config twice).
+* ``random``: ``tuner.loop.Search`` with Optuna's random sampler (rejections free, no config twice);
+* ``ours+confirm``: ``ours`` followed by ``--confirm 3`` (its default), replayed: the best measured configs
+  re-run 3 rounds with the baseline, the pick by the median paired ratio; the re-runs' seconds count in the
+  budget (the search stops earlier to leave room for them).
 
 For each, over ``--seeds`` seeds: the true quality of the config the search would pick (the one
 with the highest measured throughput so far; its true value is the median of its recorded
@@ -53,6 +56,7 @@ import optuna  # noqa: E402
 from trainer.config import apply_overrides, config_from_dict, config_to_dict, flatten  # noqa: E402
 from trainer.contracts import CONSTRAINT_KEY, DIRECTIONS, Status, TrialRecord, parse_storage  # noqa: E402
 from tuner import decide  # noqa: E402
+from tuner.confirm import DEFAULT_ROUNDS, MAX_FINALISTS, Rerun, paired_ratios  # noqa: E402
 from tuner.loop import Search, SearchOptions, TrialEvent, build_sampler  # noqa: E402
 from tuner.runners import Recorded, ReplayRunner, TrialRequest  # noqa: E402
 from tuner.space import Space, base_flat_config, load_space, space_from_dict  # noqa: E402
@@ -72,7 +76,7 @@ BASE = REPO / "configs" / "tiny_cpu.yaml"
 STUDY = "bench-grid"
 LEVELS = (0.10, 0.15, 0.25)  # shares of the grid's trial-seconds
 TARGET = 0.97  # "found": the pick's true throughput is at least this share of the grid's best
-SAMPLERS = ("ours", "tpe-plain", "random")
+SAMPLERS = ("ours", "ours+confirm", "tpe-plain", "random")
 
 
 # --------------------------------------------------------------------------- the recording
@@ -290,6 +294,58 @@ def seconds_to(run: Run, truth: dict, target: float) -> float:
     return math.inf
 
 
+# --------------------------------------------------------------------------- the confirmation, replayed
+def confirmed_pick(run: Run, k: int, rec: Recording, seed: int, rounds: int) -> tuple[Optional[tuple], float]:
+    """What ``ppotune search --confirm R`` would pick after the first ``k`` events of ``run``, and what the
+    re-runs cost: the (up to MAX_FINALISTS) configs with the best measured throughput so far are re-run
+    ``rounds`` times each with the baseline, every re-run answered by one recorded repeat at random; the pick
+    is the finalist with the highest median of its paired ratios to the same round's baseline
+    (:func:`tuner.confirm.paired_ratios`). A simplification of the search's own rule, which takes the Pareto
+    points under the headroom plus any trial within noise of the best: the replay keeps no intervals."""
+    best: dict = {}
+    for _, ident, measured in run.events[:k]:
+        if measured is not None:
+            best[ident] = max(best.get(ident, 0.0), measured)
+    finalists = sorted(best, key=lambda i: -best[i])[:MAX_FINALISTS]
+    if not finalists:
+        return None, 0.0
+    base = rec.space.identity(rec.flat)
+    rng = random.Random(f"{seed}-{k}")
+    cost, runs = 0.0, {}
+    for ident in [*finalists, base]:
+        drawn = [rng.choice(rec.table[ident]) for _ in range(rounds)] if ident in rec.table else []
+        cost += sum(r.duration_s for r in drawn)
+        runs[ident] = [Rerun(r.number, str(r.status), r.throughput, r.peak_memory_gb) for r in drawn]
+
+    def score(ident: tuple) -> float:
+        ratios = paired_ratios(runs[ident], runs[base]) if runs.get(base) else []
+        if ratios:
+            return statistics.median(ratios)
+        ok = [r.throughput for r in runs[ident] if r.ok]
+        return statistics.median(ok) / 1e9 if ok else -1.0  # no baseline to pair with: its own median
+
+    return max(finalists, key=score), cost
+
+
+def confirmed_curve(run: Run, rec: Recording, seed: int, rounds: int) -> list[tuple[float, Optional[tuple]]]:
+    """(search seconds + confirmation seconds, pick) for every prefix of the search."""
+    out = []
+    for k in range(1, len(run.events) + 1):
+        pick, cost = confirmed_pick(run, k, rec, seed, rounds)
+        out.append((run.events[k - 1][0] + cost, pick))
+    return out
+
+
+def confirmed_found_at(curve: list, truth: dict, budget_s: float) -> float:
+    """True throughput of the confirmed pick of the longest search whose confirmation still fits the budget."""
+    fits = [pick for total, pick in curve if total <= budget_s and pick is not None]
+    return truth.get(fits[-1], 0.0) if fits else 0.0
+
+
+def confirmed_seconds_to(curve: list, truth: dict, target: float) -> float:
+    return next((total for total, pick in curve if pick is not None and truth.get(pick, 0.0) >= target), math.inf)
+
+
 def _median(xs: list) -> float:
     return statistics.median(xs) if xs else math.nan
 
@@ -346,10 +402,16 @@ def main() -> int:
             if sampler == "tpe-plain":
                 run = run_plain_tpe(seed, rec, hint=hint, cap_s=a.cap * grid_s)
             else:
-                run = run_search(sampler, seed, rec, hint=hint, cap_s=a.cap * grid_s)
-            for x in LEVELS:
-                found[x].append(found_at(run, truth, x * grid_s) / best)
-            secs.append(seconds_to(run, truth, TARGET * best))
+                run = run_search(sampler.split("+")[0], seed, rec, hint=hint, cap_s=a.cap * grid_s)
+            if sampler.endswith("+confirm"):
+                curve = confirmed_curve(run, rec, seed, DEFAULT_ROUNDS)
+                for x in LEVELS:
+                    found[x].append(confirmed_found_at(curve, truth, x * grid_s) / best)
+                secs.append(confirmed_seconds_to(curve, truth, TARGET * best))
+            else:
+                for x in LEVELS:
+                    found[x].append(found_at(run, truth, x * grid_s) / best)
+                secs.append(seconds_to(run, truth, TARGET * best))
             launched.append(run.launched)
         cells = []
         for x in LEVELS:
@@ -362,8 +424,9 @@ def main() -> int:
             f"{sampler:10} {' '.join(f'{c:>14}' for c in cells)} {med:18.0f} {share:>15} "
             f"{statistics.mean(launched):9.1f}"
         )
-    if math.isfinite(to97.get("ours", math.inf)) and math.isfinite(to97.get("random", math.inf)) and to97["ours"]:
-        print(f"random / ours, trial-seconds to {TARGET:.0%}: {to97['random'] / to97['ours']:.2f}x")
+    for ours in ("ours", "ours+confirm"):
+        if math.isfinite(to97.get(ours, math.inf)) and math.isfinite(to97.get("random", math.inf)) and to97[ours]:
+            print(f"random / {ours}, trial-seconds to {TARGET:.0%}: {to97['random'] / to97[ours]:.2f}x")
     print(f"(found: median [seeds at >= {TARGET:.0%}]; trial-s: median over seeds; wall {time.monotonic() - t0:.0f} s)")
     return 0
 

@@ -17,6 +17,7 @@ from trainer.contracts import (
     StorageError,
     TrialRecord,
     mask_url,
+    oom_kind,
     parse_storage,
     short_knob,
 )
@@ -118,18 +119,28 @@ def test_unreachable_server_is_one_line_with_the_password_masked():
 # --------------------------------------------------------------------------- statuses, exit codes, names
 def test_status_sets():
     complete = {s for s in Status if s.complete}
-    assert complete == {Status.OK, Status.OOM, Status.INFERRED_OOM, Status.HANG}
+    assert complete == {Status.OK, Status.OOM, Status.INFERRED_OOM, Status.PREDICTED_OOM, Status.HANG}
     assert {s for s in Status if s.feasible} == {Status.OK}
     assert {s for s in Status if not s.counted} == {
         Status.INTERRUPTED,
         Status.DUPLICATE,
         Status.OVER_BUDGET,
         Status.INFERRED_OOM,
+        Status.PREDICTED_OOM,
     }
     assert {s for s in Status if s.measured} == {Status.OK, Status.OOM, Status.HANG}
     assert not Status.INFERRED_OOM.launched and not Status.DUPLICATE.launched and not Status.INVALID.launched
+    assert not Status.PREDICTED_OOM.launched
     assert Status.OK == "ok" and f"{Status.INFERRED_OOM}" == "inferred_oom" and json.dumps(Status.HANG) == '"hang"'
     assert Status.parse("nope") is None and Status.parse(None) is None
+
+
+def test_oom_kind_tells_host_ram_from_device_memory():
+    cuda = "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
+    host = "RuntimeError: [enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory"
+    assert oom_kind(cuda, "cuda") == "device" and oom_kind(host, "cuda") == "host"
+    assert oom_kind(host, "cpu") == "device"  # on CPU the rank's memory is the capped one
+    assert oom_kind(None, "cuda") == "device"
 
 
 def test_exit_codes_and_names():

@@ -296,6 +296,13 @@ class PPOTuneSection:
     # Test hook that makes a real failure happen in the ranks (not a simulation):
     # none | hang (rank 1 never joins a collective) | crash (rank 1 SIGKILLs itself mid-step)
     fault: str = "none"
+    # The worst-case-length probe (`ppotune probe`, tuner/probe.py): every prompt is data.max_prompt_length
+    # real tokens (each prompt's own tokens repeated from the left, after the chat template and truncation:
+    # no pad token, which remove-padding would drop) and every response data.max_response_length tokens
+    # (EOS cannot be sampled, HF min_new_tokens / vLLM min_tokens + ignore_eos), so every batch is the
+    # longest the config admits and the token budgets fill as far as the trainer's packing allows.
+    # The updates train on that synthetic batch: a probe saves no checkpoint.
+    worst_case: bool = False
 
 
 @dataclass
@@ -701,6 +708,12 @@ def validate_config(cfg: PPOConfig, *, source: Optional[str] = None) -> None:
         fail("ppotune.front", "must be a list of [trial, throughput, peak_memory_gb] number triples")
     if cfg.ppotune.memory_limit_gb is not None and cfg.ppotune.memory_limit_gb <= 0:
         fail("ppotune.memory_limit_gb", "must be > 0")
+    if cfg.ppotune.worst_case and cfg.trainer.default_local_dir:
+        fail(
+            "ppotune.worst_case",
+            "a worst-case probe trains on forced-length batches: it saves no checkpoint "
+            "(unset trainer.default_local_dir)",
+        )
     t = cfg.ppotune.tiny
     if t.hidden_size % t.num_attention_heads:
         fail("ppotune.tiny.num_attention_heads", f"must divide hidden_size={t.hidden_size}")

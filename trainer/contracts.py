@@ -39,6 +39,7 @@ __all__ = [
     "ASKED_FIELDS",
     "StorageSpec",
     "StorageError",
+    "oom_kind",
     "parse_storage",
     "storage_in_out_dir",
     "mask_url",
@@ -95,6 +96,7 @@ class Status(str, enum.Enum):
     OK = "ok"  # measured
     OOM = "oom"  # a rank ran out of memory
     INFERRED_OOM = "inferred_oom"  # at least as memory-hungry as a known OOM: never launched
+    PREDICTED_OOM = "predicted_oom"  # the study's memory model puts it over the limit beyond its error: never launched
     HANG = "hang"  # no result before the trial timeout; the process group was killed
     CRASH = "crash"  # a signal, an exit without a result, an error not due to the config
     INVALID = "invalid"  # refused before launch (space constraint, config validation; 0 s) or exit 2
@@ -122,7 +124,13 @@ class Status(str, enum.Enum):
         """Counts toward ``--trials`` (an interrupted trial's retry counts instead; a duplicate and an
         inferred OOM were never run). ``invalid`` counts only when launched (exit 2): one refused
         before launch (0 s) does not, see :attr:`TrialRecord.counted`."""
-        return self not in (Status.INTERRUPTED, Status.DUPLICATE, Status.OVER_BUDGET, Status.INFERRED_OOM)
+        return self not in (
+            Status.INTERRUPTED,
+            Status.DUPLICATE,
+            Status.OVER_BUDGET,
+            Status.INFERRED_OOM,
+            Status.PREDICTED_OOM,
+        )
 
     @property
     def measured(self) -> bool:
@@ -143,7 +151,7 @@ class Status(str, enum.Enum):
             return None
 
 
-_COMPLETE = frozenset({Status.OK, Status.OOM, Status.INFERRED_OOM, Status.HANG})
+_COMPLETE = frozenset({Status.OK, Status.OOM, Status.INFERRED_OOM, Status.PREDICTED_OOM, Status.HANG})
 
 
 # --------------------------------------------------------------------------- trial attributes
@@ -183,9 +191,11 @@ class TrialRecord:
     duration_s: Optional[float] = None  # wall seconds the trial cost (0 when not launched)
     returncode: Optional[int] = None
     oom_phase: Optional[str] = None
+    oom_kind: Optional[str] = None  # oom: "device" (a GPU's memory; on CPU the rank's capped memory) or "host" (RAM)
     gpus: Optional[list] = None  # the CUDA slice of a --parallel trial
     engine: Optional[str] = None  # what measured it: "ppotune" or "verl" (real trials), "replay" (a recording)
     inferred_from: Optional[int] = None  # inferred_oom: the OOM trial it follows from
+    predicted: Optional[dict] = None  # the memory model's figures when judged: {peak_gb, limit_gb, error, margin}
     duplicate_of: Optional[int] = None  # duplicate: the trial that holds the measurement
     confirm_of: Optional[int] = None  # a --confirm re-run of this trial
     retry_of: Optional[int] = None  # re-enqueued after this interrupted trial
@@ -244,6 +254,27 @@ MEASUREMENT_FIELDS = (
     "config_path",
     "duration_s",
 )
+
+
+#: What a GPU trial's error says when the host's memory ran out rather than the device's (the CPU allocator,
+#: the C++ runtime, Python): offloaded state and pinned buffers live there.
+_HOST_OOM_MARKERS = (
+    "defaultcpuallocator",
+    "can't allocate memory",
+    "cannot allocate memory",
+    "bad_alloc",
+    "memoryerror",
+)
+
+
+def oom_kind(error: Optional[str], device: Optional[str]) -> str:
+    """Which memory an OOM exhausted: ``"host"`` when a GPU trial's error names the host allocator, else
+    ``"device"`` (a GPU's memory; on CPU the rank's memory, which the cap limits). The two move in opposite
+    directions with offload knobs, so an inferred OOM follows the kind (``tuner.space.Space.at_least_as_hungry``)."""
+    text = (error or "").lower()
+    if device == "cuda" and "cuda" not in text and any(m in text for m in _HOST_OOM_MARKERS):
+        return "host"
+    return "device"
 
 
 # --------------------------------------------------------------------------- storage grammar

@@ -12,7 +12,15 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PromptDataset", "synthetic_rows", "read_parquet_rows", "load_rows", "score_response", "PromptLoader"]
+__all__ = [
+    "PromptDataset",
+    "synthetic_rows",
+    "read_parquet_rows",
+    "load_rows",
+    "score_response",
+    "PromptLoader",
+    "extend_prompt",
+]
 
 
 def synthetic_rows(
@@ -136,6 +144,26 @@ class PromptDataset:
 
     def __len__(self) -> int:
         return len(self.input_ids)
+
+    def at_length(self, length: int) -> "PromptDataset":
+        """Every prompt exactly ``length`` real tokens (:func:`extend_prompt`): the worst-case probe's prompts."""
+        return PromptDataset([extend_prompt(ids, length) for ids in self.input_ids], list(self.ground_truths))
+
+
+def extend_prompt(ids: list[int], length: int) -> list[int]:
+    """A tokenized prompt made exactly ``length`` tokens from its own tokens: repeated, cut from the left.
+
+    The end (the chat template's generation prompt) stays where generation starts; the added tokens are
+    real text of the data set, never padding (remove-padding drops pad tokens, which would understate the
+    memory of a long prompt). Works on token ids, after the chat template and truncation, so neither can
+    shorten the result. A prompt already ``length`` or longer is cut from the left to ``length``.
+    """
+    if length <= 0:
+        raise ValueError(f"length must be > 0, got {length}")
+    if not ids:
+        raise ValueError("an empty prompt has no tokens to extend")
+    repeats = -(-length // len(ids))  # ceil
+    return (list(ids) * repeats)[-length:]
 
 
 class PromptLoader:

@@ -154,6 +154,7 @@ def build_result(
         "oom_phase": rank_files[ooms[0]].get("phase") if ooms else None,
         "config": config,
         "model": lead.get("model") or next((f["model"] for f in rank_files.values() if f.get("model")), None),
+        "per_gpu": lead.get("per_gpu"),
         "steps": lead.get("steps", []),
         "summary": lead.get("summary") or summarize_steps([], device_type="cpu"),
         "environment": env or {"device": "cpu", "world_size": nproc, "backend": "gloo"},

@@ -322,6 +322,8 @@ def run_trial(
         prompt_key=cfg.data.prompt_key,
         source=source,
     )
+    if cfg.ppotune.worst_case:  # the worst-case probe: every prompt max_prompt_length real tokens
+        dataset = dataset.at_length(cfg.data.max_prompt_length)
     loader = PromptLoader(len(dataset), cfg.data.train_batch_size, seed=cfg.trainer.seed)
 
     roles, shape_info = build_roles(cfg, tokenizer, device, world, notes, weights=weights)
@@ -334,6 +336,23 @@ def run_trial(
     peak = peak_flops(state["environment"]["device_name"]) if use_cuda else None
     total_steps, warmup = cfg.trainer.total_training_steps, cfg.ppotune.warmup_steps
     my_rows = rows_of_rank(cfg, cfg.data.train_batch_size * n, world, rank)
+    # what each GPU runs per step: the same at the trial's world and the production's (tuner.world)
+    state["per_gpu"] = {
+        "world_size": world,
+        "sequences": cfg.data.train_batch_size * n // world,
+        "actor_mini_batch_sequences": a.ppo_mini_batch_size * n // world,
+    }
+    if cfg.ppotune.worst_case:
+        from .step import worst_case_notes
+
+        notes.extend(
+            worst_case_notes(
+                roles,
+                num_rows=len(my_rows),
+                prompt_length=cfg.data.max_prompt_length,
+                response_length=cfg.data.max_response_length,
+            )
+        )
     lengths: dict[str, list] = {"prompt": [], "response": []}
     for step in range(1, total_steps + 1):
         # every rank draws the same global batch, repeats each prompt n times, and takes its slice
@@ -658,7 +677,7 @@ def build_roles(cfg, tokenizer, device, world: int, notes: list[str], *, weights
             top_p=ro.top_p,
             top_k=ro.top_k,
             do_sample=ro.do_sample,
-            ignore_eos=ro.ignore_eos,
+            ignore_eos=ro.ignore_eos or cfg.ppotune.worst_case,  # the worst-case probe: full-length responses
             pad_id=tokenizer.pad_token_id,
             eos_id=tokenizer.eos_token_id,
             vocab_limit=len(tokenizer),

@@ -59,6 +59,8 @@ __all__ = [
     "ppo_step",
     "assemble_batch",
     "StepSettings",
+    "fullest_micro_batches",
+    "worst_case_notes",
 ]
 
 
@@ -564,6 +566,51 @@ class Roles:
             temperature=s.sampling.temperature,
             device=device,
         )
+
+
+def fullest_micro_batches(
+    plans: Plans, settings: StepSettings, seq_lengths: list[int]
+) -> dict[str, tuple[int, int, Optional[int]]]:
+    """phase -> (sequences, tokens, token budget or None for a fixed size) of the fullest micro-batch a rank's
+    sequences of ``seq_lengths`` tokens make in each phase of :func:`ppo_step`: the same plans and the same
+    partitioning (trainer/batching.py) the step runs; the updates split each mini-batch. On one rank's lengths
+    (the step agrees the count across ranks: with equal lengths on every rank, as in the worst case, the same)."""
+
+    def fullest(lengths: list[int], plan: MicroBatching) -> tuple[int, int, Optional[int]]:
+        if plan.dynamic:
+            bins = token_budget_micro_batches(lengths, plan.max_token_len)
+        else:
+            bins = fixed_micro_batches(len(lengths), plan.micro_batch_size)
+        best = max(bins, key=lambda b: (sum(lengths[i] for i in b), len(b)))
+        return len(best), sum(lengths[i] for i in best), plan.max_token_len if plan.dynamic else None
+
+    def per_mini_batch(plan: MicroBatching, mini: int) -> tuple[int, int, Optional[int]]:
+        parts = [fullest(seq_lengths[i : i + mini], plan) for i in range(0, len(seq_lengths), mini)]
+        return max(parts, key=lambda x: (x[1], x[0]))
+
+    return {
+        "old_log_prob": fullest(seq_lengths, plans.rollout_log_prob),
+        "ref": fullest(seq_lengths, plans.ref),
+        "values": fullest(seq_lengths, plans.critic_forward),
+        "update_critic": per_mini_batch(plans.critic, settings.critic_mini_batch_size_per_gpu),
+        "update_actor": per_mini_batch(plans.actor, settings.ppo_mini_batch_size_per_gpu),
+    }
+
+
+def worst_case_notes(roles: Roles, *, num_rows: int, prompt_length: int, response_length: int) -> list[str]:
+    """The notes of a worst-case probe (``ppotune.worst_case``): its lengths, and what the fullest micro-batch of
+    each phase then holds on a rank of ``num_rows`` sequences."""
+    seq = prompt_length + response_length
+    parts = []
+    for phase, (num_seqs, tokens, budget) in fullest_micro_batches(
+        roles.plans, roles.settings, [seq] * num_rows
+    ).items():
+        limit = f"of a {budget}-token budget" if budget is not None else "fixed micro-batch size"
+        parts.append(f"{phase} {num_seqs} x {seq} = {tokens} tokens ({limit})")
+    return [
+        f"worst case: every prompt {prompt_length} tokens, every response {response_length} tokens (EOS ignored)",
+        f"worst case: the fullest micro-batch per phase, {num_rows} sequences per rank: " + "; ".join(parts),
+    ]
 
 
 def ppo_step(

@@ -191,7 +191,9 @@ class VLLMRollout:
             top_k=s.top_k if s.top_k > 0 and not greedy else 0,
             max_tokens=R,
             # ignore_eos: EOS cannot be sampled before max_response_length, exactly as HF's min_new_tokens
+            # (min_tokens holds back every stop token; ignore_eos also the model's own EOS, whatever its config)
             min_tokens=R if s.ignore_eos else 0,
+            ignore_eos=s.ignore_eos,
             stop_token_ids=[s.eos_id],
             # the embedding may be padded past the tokenizer: never sample ids that decode to nothing
             allowed_token_ids=list(range(s.vocab_limit)) if s.vocab_limit < self.vocab_size else None,

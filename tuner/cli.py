@@ -24,6 +24,7 @@ _COMMANDS = {
     "report": ("tuner.results.report", "write the Pareto report (HTML, PNG, CSV, summary.md) of a study"),
     "export": ("tuner.results.export", "write the chosen config: best_config.yaml, verl overrides, why.md"),
     "validate": ("tuner.validate", "run the exported config against the baseline, interleaved: PASS/FAIL vs the study"),
+    "probe": ("tuner.probe", "run one worst-case-length step of a config (longest prompts and responses): its peaks"),
     "storage-proxy": ("tuner.proxy", "serve a study database to many workers through Optuna's gRPC proxy"),
     "make-preset": ("trainer.presets", "write a tiny offline job (model, tokenizer, data, reward) for an engine: verl"),
 }

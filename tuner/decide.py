@@ -7,9 +7,12 @@ sampler: :mod:`tuner.loop` does that and calls these.
 
 * :func:`known_configs` -- which configs the study already holds, and the trial that measured each;
 * :func:`judge` -- launch it, or record it at zero cost as ``invalid`` (space constraint or
-  config validation), ``duplicate`` (already measured: answered with its twin's values) or
-  ``inferred_oom`` (at least as memory-hungry as a known OOM on every monotone knob). None of
-  these consumes ``--trials``: the loop records it and asks the sampler again;
+  config validation), ``duplicate`` (already measured: answered with its twin's values),
+  ``inferred_oom`` (at least as memory-hungry as a known OOM on every monotone knob, in the direction
+  of that OOM's kind: an offload knob moves device and host memory opposite ways) or ``predicted_oom``
+  (the study's calibrated memory model puts it over the limit by more than the model's own error; a
+  candidate over the limit within that error is launched, so the boundary is measured, not guessed).
+  None of these consumes ``--trials``: the loop records it and asks the sampler again;
 * :func:`constraint` -- the graded constraint Optuna gets (``<= 0`` feasible, ``> 0`` how far over);
 * :func:`seen_configs` -- every config the study holds, measured or rejected (space exhaustion);
 * :func:`incumbent`, :func:`distance` -- the fastest measured config, and how many ordered steps
@@ -21,17 +24,18 @@ sampler: :mod:`tuner.loop` does that and calls these.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Iterable, Optional
+from dataclasses import asdict, dataclass
+from typing import Callable, Iterable, Optional
 
 from optuna.trial import FrozenTrial, TrialState
 
-from trainer.config import ConfigError, apply_overrides, config_from_dict, config_to_dict
+from trainer.config import ConfigError, apply_overrides, config_from_dict, config_to_dict, flatten
 from trainer.contracts import CONSTRAINT_KEY, PHASES, Status, TrialRecord
 from tuner.space import Candidate, Space
 
 __all__ = [
     "Verdict",
+    "Prediction",
     "known_configs",
     "seen_configs",
     "distance",
@@ -55,15 +59,41 @@ _OOM_SETUP = "setup"
 
 
 @dataclass(frozen=True)
+class Prediction:
+    """What the study's memory model says of a candidate (:mod:`tuner.memory_model`), against the limit."""
+
+    peak_gb: float  # predicted memory objective (GB per GPU)
+    limit_gb: float  # the study's penalty_memory_gb: --memory-limit-gb, else the device's memory
+    error: float  # the model's stated relative error (the leave-one-out maximum over the trials it was fitted on)
+    trials: int  # how many measured trials it was fitted on
+
+    @property
+    def margin(self) -> float:
+        """How far over the limit, relative (> 0 over, <= 0 under)."""
+        return self.peak_gb / self.limit_gb - 1.0
+
+    @property
+    def over(self) -> bool:
+        """Over the limit by more than the model's error: had the model over-predicted by its whole error,
+        the peak would still not fit (``MemoryModel.over_limit``). Within the error it is launched: the
+        boundary gets measured."""
+        return self.peak_gb / (1.0 + self.error) > self.limit_gb
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "margin": self.margin}
+
+
+@dataclass(frozen=True)
 class Verdict:
     """The decision on one candidate. ``status`` None means: launch it."""
 
-    status: Optional[Status] = None  # INVALID | DUPLICATE | INFERRED_OOM, or None to launch
+    status: Optional[Status] = None  # INVALID | DUPLICATE | INFERRED_OOM | PREDICTED_OOM, or None to launch
     reason: Optional[str] = None  # one line, stored as the trial's ``error``
     source: Optional[int] = None  # DUPLICATE: the trial holding the measurement; INFERRED_OOM: the OOM
     config: Optional[dict] = None  # launch: the validated nested config the trial runs (parsed once, here)
     constraint: Optional[float] = None  # not launched and told COMPLETE: its graded constraint (see constraint())
     values: Optional[tuple] = None  # DUPLICATE of a COMPLETE twin: the twin's objective values (else FAIL)
+    predicted: Optional[Prediction] = None  # the memory model's figures, when the study has one
 
     @property
     def launch(self) -> bool:
@@ -234,6 +264,8 @@ def constraint(record: TrialRecord, *, limit_gb: float, source: Optional[float] 
         return max(grade, over) if over is not None else grade
     if status in (Status.INFERRED_OOM, Status.DUPLICATE):
         return float(source) if source is not None else 1.0
+    if status == Status.PREDICTED_OOM:  # how far over the model puts it (an OOM grades from 1)
+        return float(source) if source is not None else 1.0
     if status == Status.INVALID:
         return INVALID_CONSTRAINT
     if status == Status.HANG:
@@ -262,10 +294,12 @@ def judge(
     trial_flat: dict,
     known: dict[tuple, FrozenTrial],
     is_confirm: bool = False,
+    predict: Optional[Callable[[dict], Optional[Prediction]]] = None,
 ) -> Verdict:
     """Launch ``cand`` (trial ``number``) or record it at zero cost; see the module docstring.
 
     A ``--confirm`` re-run is checked for validity only: it repeats a measured config on purpose.
+    ``predict``: the study's memory model, given the candidate's flat config (None: no model yet).
     """
     invalid = INVALID_CONSTRAINT
     if cand.error:
@@ -299,7 +333,8 @@ def judge(
         if t.state != TrialState.COMPLETE or TrialRecord.from_user_attrs(t.user_attrs).status != Status.OOM:
             continue
         eff = effective_of(t, trial_flat)
-        if eff is not None and space.at_least_as_hungry(cand.effective, eff):
+        host = TrialRecord.from_user_attrs(t.user_attrs).oom_kind == "host"
+        if eff is not None and space.at_least_as_hungry(cand.effective, eff, host=host):
             return Verdict(
                 Status.INFERRED_OOM,
                 f"inferred OOM: at least as memory-hungry as trial {t.number} "
@@ -307,4 +342,14 @@ def judge(
                 source=t.number,
                 constraint=constraint(TrialRecord(status=Status.INFERRED_OOM), limit_gb=0.0, source=constraint_of(t)),
             )
-    return Verdict(config=config)
+    pred = predict(flatten(config)) if predict is not None else None
+    if pred is not None and pred.over:
+        return Verdict(
+            Status.PREDICTED_OOM,
+            f"predicted OOM: the memory model (fitted on {pred.trials} trials, error {pred.error:.0%}) puts its "
+            f"peak at {pred.peak_gb:.3g} GB, {pred.margin:+.0%} over the {pred.limit_gb:.3g} GB limit; not launched",
+            # graded like an OOM (>= 1), further for a larger predicted overshoot
+            constraint=constraint(TrialRecord(status=Status.PREDICTED_OOM), limit_gb=0.0, source=1.0 + pred.margin),
+            predicted=pred,
+        )
+    return Verdict(config=config, predicted=pred)

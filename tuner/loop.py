@@ -23,6 +23,7 @@ from typing import Any, Optional, Protocol
 import optuna
 from optuna.trial import TrialState
 
+from trainer.config import apply_overrides, config_from_dict, config_to_dict
 from trainer.contracts import DEFAULT_HEADROOM, Status, TrialRecord
 from tuner import confirm as confirm_mod
 from tuner import decide, fidelity
@@ -43,6 +44,8 @@ MAX_CONSECUTIVE_FREE = 100  # proposals in a row rejected before launch (free) b
 # with none; on bench_search.py's recorded 24-config grid it never fired before 25%.
 EXPLORE_AFTER_DUPLICATES = 3
 SWEEP_EVERY_S = 30.0  # at most this long between two stale-trial sweeps (less with a shorter heartbeat)
+#: The study user attribute holding the calibrated memory model (``tuner.memory_model.MemoryModel.to_dict``).
+MEMORY_MODEL_ATTR = "memory_model"
 WAIT_POLL_S = 2.0  # a worker waiting for other workers' last trials looks again after this long
 ENUMERATE_BELOW = 100_000  # spaces up to this size are explored by enumeration, larger ones by sampling
 
@@ -57,6 +60,8 @@ class SearchOptions:
     timeout_s: Optional[float] = None  # start no new trial after this long
     parallel: int = 1  # trials at once in this process
     confirm: int = 0  # after the search, rounds of finalists re-run interleaved with the baseline (tuner.confirm)
+    probe: int = 0  # then the worst-case probe (tuner.probe) of this many configs export would recommend
+    predict_oom: bool = True  # skip candidates the study's memory model puts over the limit beyond its error
     heartbeat_s: float = st.HEARTBEAT_S  # how often a RUNNING trial's heartbeat is written
     grace_s: float = st.STALE_AFTER_S  # another host's RUNNING trial with no heartbeat for this long is stale
 
@@ -69,6 +74,8 @@ class SearchOptions:
             raise ValueError(f"--sampler must be one of {list(SAMPLERS)}, got {self.sampler!r}")
         if self.confirm < 0:
             raise ValueError("--confirm must be >= 0")
+        if self.probe < 0:
+            raise ValueError("--probe must be >= 0")
         if self.heartbeat_s <= 0 or self.grace_s <= self.heartbeat_s:
             raise ValueError("--heartbeat must be > 0 and --grace longer than --heartbeat")
 
@@ -157,6 +164,8 @@ class Search:
     _started: float = field(default_factory=time.monotonic)
     _grid: Optional[list] = None
     _size: Optional[int] = None
+    _model: Any = None  # the study's memory model (tuner.memory_model), refitted when a measured trial is added
+    _model_key: tuple = ()
 
     def __post_init__(self) -> None:
         self._rng = random.Random(self.options.seed)
@@ -193,6 +202,8 @@ class Search:
             raise errors[0]
         if self.options.confirm and not self.stop_event.is_set():
             self.confirm(self.options.confirm)
+        if self.options.probe and not self.stop_event.is_set():
+            self.probe_worst_case(self.options.probe)
 
     def worker(self, slot: int) -> None:
         while not self.stop_event.is_set():
@@ -274,7 +285,7 @@ class Search:
         if self._asked_over_budget(trial):
             return WAIT
         try:
-            return self._propose(trial, known)
+            return self._propose(trial, known, predict=self._predictor(trials))
         except Exception as e:  # noqa: BLE001 - e.g. enqueued params outside the space
             cand = Candidate(params=from_params(trial.params), overrides={}, effective={})
             return Proposal(
@@ -311,7 +322,50 @@ class Search:
             self.observer.message(f"trial {trial.number:4d} over_budget (another worker took the last slot; not run)")
         return True
 
-    def _propose(self, trial: optuna.trial.Trial, known: dict) -> Proposal:
+    def _predictor(self, trials: list):
+        """The memory model's judgement of a candidate's flat config (``decide.Prediction``), or None while
+        the study has no calibrated model (fewer than ``MIN_LOO_SAMPLES`` measured trials with per-phase
+        peaks: no stated error, so no gate). Refitted when a measured trial is added, and stored in the study
+        attribute ``memory_model`` (the report's predicted-vs-measured section reads it)."""
+        if not self.options.predict_oom:
+            return None
+        from tuner import memory_model as mm
+
+        key = tuple(
+            t.number
+            for t in trials
+            if t.state == TrialState.COMPLETE and TrialRecord.from_user_attrs(t.user_attrs).status == Status.OK
+        )
+        if key != self._model_key:
+            self._model_key = key
+            measured = set(key)
+            samples = mm.samples_from_trials(
+                [t for t in trials if t.number in measured], self.study.user_attrs.get("base_config") or {}
+            )
+            device_gb = (self.study.user_attrs.get("device") or {}).get("memory_total_gb")
+            try:
+                self._model = mm.MemoryModel.calibrate(samples, device_memory_gb=device_gb) if samples else None
+            except ValueError:  # a shape or config the model cannot read: no gate, as before it existed
+                self._model = None
+            if self._model is not None and self._model.gate_error is not None:
+                self.study.set_user_attr(MEMORY_MODEL_ATTR, self._model.to_dict())
+        model = self._model
+        if model is None or model.gate_error is None:
+            return None
+        limit = self.penalty_gb
+
+        def predict(flat: dict) -> Optional[decide.Prediction]:
+            try:
+                pred = model.predict(flat)
+            except (KeyError, ValueError, TypeError):  # a config the model has no terms for: launch it
+                return None
+            return decide.Prediction(
+                peak_gb=pred.peak_gb, limit_gb=limit, error=model.gate_error, trials=model.num_samples
+            )
+
+        return predict
+
+    def _propose(self, trial: optuna.trial.Trial, known: dict, predict=None) -> Proposal:
         asked = TrialRecord.from_user_attrs(trial.user_attrs)  # what was enqueued with it
         st.claim(trial)
         if self.heartbeat is not None:
@@ -343,6 +397,7 @@ class Search:
             trial_flat=self.trial_flat,
             known=known,
             is_confirm=asked.confirm_of is not None,
+            predict=predict,
         )
         return Proposal(trial, cand, verdict, baseline=baseline, confirm_of=asked.confirm_of)
 
@@ -415,6 +470,8 @@ class Search:
             return
         record = outcome.record
         record.status = outcome.status
+        if prop.verdict.predicted is not None:  # what the memory model said before it ran (the report's check)
+            record.predicted = prop.verdict.predicted.to_dict()
         values = self._values(outcome)
         if values is not None:
             record.constraint = decide.constraint(record, limit_gb=self.penalty_gb)
@@ -434,6 +491,8 @@ class Search:
             values = (0.0, self.penalty_gb)
         if verdict.status == Status.INFERRED_OOM:
             record.inferred_from = verdict.source
+        if verdict.predicted is not None:
+            record.predicted = verdict.predicted.to_dict()
         self._tell(prop, record, values, free=True)
 
     def _tell(self, prop: Proposal, record: TrialRecord, values: Optional[tuple], *, free: bool) -> None:
@@ -595,6 +654,64 @@ class Search:
             ),
         )
 
+    # ---- the worst-case probe
+    def probe_worst_case(self, count: int) -> None:
+        """Probe the worst case (:mod:`tuner.probe`: one step with every prompt and response at its maximum
+        length) of the ``count`` configs export would take first -- the confirmed finalists by their
+        confirmed ratio, else the fastest measured trials under the headroom -- and store each result in
+        the study attribute ``worst_case`` (``{trial number: ProbeResult.to_dict()}``; export refuses a pick
+        whose worst case breaks the headroom and takes the next). A config already probed is not run again
+        (a resumed search, another worker)."""
+        from tuner.probe import WORST_CASE_ATTR, ProbeResult, probe
+
+        with self.lock():
+            numbers = self._probe_plan(count)
+        for n in numbers:
+            if self.stop_event.is_set():
+                return
+            with self.lock():
+                if str(n) in (self.study.user_attrs.get(WORST_CASE_ATTR) or {}):
+                    continue
+            trial = self.study.get_trials(deepcopy=False)[n]  # numbers are list positions
+            over = dict(TrialRecord.from_user_attrs(trial.user_attrs).overrides or {})
+            if self.observer:
+                self.observer.message(f"worst case: probing trial #{n} (every prompt and response at its maximum)")
+            try:
+                config = config_to_dict(config_from_dict(apply_overrides(self.trial_base, over)))
+            except ValueError as e:  # the trial ran this config, so it validated; say so if it no longer does
+                result = ProbeResult(Status.INVALID, error=f"config: {e}")
+            else:
+                trial_dir = (self.trials_dir or Path("trials")) / f"probe-{n}"
+                result = probe(config, runner=self.runner, trial_dir=trial_dir, number=n, stop=self.stop_event)
+            if result.status == Status.INTERRUPTED:
+                return
+            with self.lock():
+                done = dict(self.study.user_attrs.get(WORST_CASE_ATTR) or {})
+                done[str(n)] = result.to_dict()
+                self.study.set_user_attr(WORST_CASE_ATTR, done)
+            if self.observer:
+                self.observer.message(f"worst case of trial #{n}: " + result.lines()[-1])
+
+    def _probe_plan(self, count: int) -> list[int]:
+        """The configs export would take first: the confirmed finalists ranked by their confirmed ratio under
+        the headroom, then the fastest measured feasible trials under it (re-runs and duplicates left out)."""
+        from tuner.results.export import headroom_filter
+        from tuner.results.view import trials_frame
+
+        df = trials_frame(self.study)
+        if df.empty:
+            return []
+        fit = headroom_filter(df, self.study.user_attrs, DEFAULT_HEADROOM)
+        fastest = df.loc[fit.mask].sort_values(["throughput", "number"], ascending=[False, True])["number"]
+        eligible = [int(n) for n in fastest]
+        conf = self.study.user_attrs.get(confirm_mod.CONFIRMATION_ATTR)
+        confirmed = []
+        if conf:
+            ranked, _ = confirm_mod.rank_confirmed(conf, eligible=eligible, limit_gb=fit.limit_gb)
+            confirmed = [e["number"] for e in ranked]
+        ordered = list(dict.fromkeys([*confirmed, *eligible]))
+        return ordered[:count]
+
 
 def _confirm_taken(trials: list) -> dict[int, int]:
     """Re-runs per config that hold a slot of the schedule: finished, running or waiting, not interrupted."""
@@ -611,6 +728,9 @@ def _note(record: TrialRecord, prop: Proposal) -> str:
         return f"same config as trial {record.duplicate_of} (not run, not counted)"
     if record.status == Status.INFERRED_OOM:
         return f"inferred from OOM trial {record.inferred_from} (not launched)"
+    if record.status == Status.PREDICTED_OOM and record.predicted:
+        p = record.predicted
+        return f"predicted {p['peak_gb']:.3g} GB > {p['limit_gb']:.3g} GB by more than the model's error (not launched)"
     note = "baseline" if prop.baseline else f"confirms trial {prop.confirm_of}" if prop.confirm_of is not None else ""
     if record.error:
         note = (note + " | " if note else "") + str(record.error).splitlines()[0][:160]

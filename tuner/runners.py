@@ -24,7 +24,7 @@ from typing import Optional, Protocol
 import optuna
 import yaml
 
-from trainer.contracts import Status, TrialRecord
+from trainer.contracts import Status, TrialRecord, oom_kind
 from tuner.decide import effective_of
 from tuner.launch import TrialRun, launch_trial, train_command
 from tuner.memory import visible_gpus
@@ -127,6 +127,9 @@ def trial_record(run: TrialRun, *, config_path: Path, gpus: Optional[list[str]],
         duration_s=run.duration_s,
         returncode=run.returncode,
         oom_phase=res.get("oom_phase"),
+        oom_kind=oom_kind(run.error or res.get("error"), (res.get("environment") or {}).get("device"))
+        if run.status == Status.OOM
+        else None,
         gpus=gpus,
         engine=engine,
     )

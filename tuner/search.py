@@ -40,6 +40,7 @@ from tuner.runners import SubprocessRunner, VerlEngine
 from tuner.space import Space, base_flat_config, load_space
 from tuner.storage import close_storage, network_filesystem
 from tuner.warm import WarmRunner
+from tuner.world import WorldPlan, plan_world, trial_overrides
 
 __all__ = ["add_arguments", "run", "options_from_args"]
 
@@ -78,7 +79,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--out", default="ppotune_out", help="output dir: trials/, the default storage (default ppotune_out)"
     )
-    p.add_argument("--nproc", type=int, default=None, help="processes (GPUs) per trial (default: the base config's)")
+    p.add_argument(
+        "--nproc", type=int, default=None, help="processes (GPUs) per trial (default: the base config's per node)"
+    )
+    p.add_argument(
+        "--target-nodes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="nodes of the production job the trials stand for (default: the base config's trainer.nnodes); a "
+        "trial on fewer GPUs runs the global batch sizes scaled by trial world / target world, so each GPU "
+        "runs the production's per-GPU batch",
+    )
+    p.add_argument(
+        "--target-gpus-per-node",
+        type=int,
+        default=None,
+        metavar="G",
+        help="GPUs per node of the production job (default: the base config's trainer.n_gpus_per_node)",
+    )
     p.add_argument(
         "--steps",
         type=int,
@@ -133,6 +152,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="after the search, re-run the finalists (Pareto points under the export headroom and trials within "
         f"noise of the best, at most {MAX_FINALISTS}) interleaved with the baseline for R rounds; export ranks them "
         f"by the median of paired throughput ratios to the baseline (default {DEFAULT_ROUNDS}; 0: off)",
+    )
+    p.add_argument(
+        "--probe",
+        type=int,
+        default=MAX_FINALISTS,
+        metavar="K",
+        help="then run the worst-case probe (one step, every prompt and response at its maximum length; "
+        "ppotune probe) of the K configs export would take first; export refuses a pick whose worst case "
+        f"breaks the headroom (default {MAX_FINALISTS}; 0: off; the ppotune engine only)",
+    )
+    p.add_argument(
+        "--no-memory-model",
+        action="store_true",
+        help="launch every candidate: no predicted_oom from the study's calibrated memory model (on by default "
+        "once 3 trials are measured: a candidate predicted over the memory limit by more than the model's "
+        "leave-one-out error is recorded, not launched)",
     )
     p.add_argument(
         "--parallel",
@@ -209,6 +244,9 @@ def options_from_args(args: argparse.Namespace, *, seed: Optional[int] = None) -
         timeout_s=args.timeout,
         parallel=args.parallel,
         confirm=args.confirm,
+        # verl has no worst-case mode: the probe runs ppotune's own trainer
+        probe=0 if getattr(args, "engine", "ppotune") == "verl" else getattr(args, "probe", 0),
+        predict_oom=not getattr(args, "no_memory_model", False),
         heartbeat_s=args.heartbeat,
         grace_s=args.grace,
     )
@@ -262,14 +300,26 @@ def _fail(msg: str) -> int:
     return ExitCode.USAGE
 
 
-def _base_config(args: argparse.Namespace, space: Space) -> tuple[dict, Optional[VerlEngine]]:
-    """The decision base (ppotune's typed config: the base config + the space's ``fixed`` keys) and, for
-    ``--engine verl``, how verl trials run.
+def _base_config(args: argparse.Namespace, space: Space) -> tuple[dict, Optional[VerlEngine], WorldPlan]:
+    """The decision base (ppotune's typed config: the base config + the space's ``fixed`` keys, at the
+    trial's world with the production's per-GPU batch, :mod:`tuner.world`), for ``--engine verl`` how verl
+    trials run, and the world plan.
 
     verl: the base is verl's own config (composed by Hydra in the user's verl environment, with the
     overrides a trial on this device adds) read into ppotune's typed config for every key both have."""
     if args.engine == "ppotune":
-        return base_flat_config(args.base_config, nproc=args.nproc, extra=space.fixed)[0], None
+        production = base_flat_config(args.base_config, extra=space.fixed)[1]
+        plan = plan_world(
+            production,
+            trial_world=args.nproc or production["trainer.n_gpus_per_node"],
+            target_nodes=args.target_nodes,
+            target_gpus_per_node=args.target_gpus_per_node,
+            source=args.base_config,
+        )
+        nested = base_flat_config(args.base_config, extra={**space.fixed, **trial_overrides(plan)})[0]
+        return nested, None, plan
+    if args.target_nodes is not None or args.target_gpus_per_node is not None:
+        raise ValueError("--target-nodes/--target-gpus-per-node: not with --engine verl (its world is its own)")
     if space.fixed:
         raise ValueError(
             f"{args.space}: fixed: --engine verl takes its settings from the verl base config; "
@@ -293,11 +343,18 @@ def _base_config(args: argparse.Namespace, space: Space) -> tuple[dict, Optional
         warmup=args.warmup,
         memory_limit_gb=args.memory_limit_gb,
     )
-    return nested, engine
+    world = nested["trainer"]["n_gpus_per_node"] * (nested["trainer"].get("nnodes") or 1)
+    return nested, engine, WorldPlan(target_nodes=1, target_gpus_per_node=world, trial_world=world)
 
 
 def _study_attrs(
-    args, space: Space, base_nested: dict, device: dict, penalty_gb: float, verl: Optional[VerlEngine] = None
+    args,
+    space: Space,
+    base_nested: dict,
+    device: dict,
+    penalty_gb: float,
+    verl: Optional[VerlEngine] = None,
+    plan: Optional[WorldPlan] = None,
 ) -> dict:
     return {
         "engine": args.engine,
@@ -308,6 +365,7 @@ def _study_attrs(
         "space_path": str(Path(args.space).resolve()),
         "space": space.to_dict(),
         "nproc": base_nested["trainer"]["n_gpus_per_node"],
+        "target": plan.to_dict() if plan is not None else None,
         "steps": args.steps,
         "warmup": args.warmup,
         "precision": args.precision or None,
@@ -319,7 +377,7 @@ def _study_attrs(
     }
 
 
-_COMPAT_KEYS = ("engine", "nproc", "steps", "warmup", "memory_limit_gb", "space", "base_config")
+_COMPAT_KEYS = ("engine", "nproc", "target", "steps", "warmup", "memory_limit_gb", "space", "base_config")
 
 
 def _incompatible(study: optuna.Study, attrs: dict) -> Optional[str]:
@@ -338,7 +396,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         options = options_from_args(args)
         space = load_space(args.space)
-        base_nested, verl = _base_config(args, space)
+        base_nested, verl, plan = _base_config(args, space)
         # One complete trial config: the trial command carries only its path and --result.
         trial_extra = {
             "trainer.total_training_steps": args.steps,
@@ -350,6 +408,11 @@ def run(args: argparse.Namespace) -> int:
             config_from_dict(apply_overrides(base_nested, trial_extra), source=args.base_config)
         )
         trial_flat = flatten(trial_base)
+        if trial_flat.get("ppotune.worst_case"):
+            raise ValueError(
+                f"{args.base_config}: ppotune.worst_case: true would make every trial a worst-case probe; "
+                "the search probes its picks itself (--probe), or run ppotune probe CONFIG"
+            )
         space.validate(trial_flat)
     except ValueError as e:  # SpaceError / ConfigError / bad option: one line naming file and key
         return _fail(str(e))
@@ -377,7 +440,7 @@ def run(args: argparse.Namespace) -> int:
     # the memory a trial may use: the cap when there is one (on CPU it counts above the post-start level,
     # as the CPU memory objective does), else the device; the graded constraint is peak / this - 1
     penalty = args.memory_limit_gb or device["memory_total_gb"] or 80.0
-    attrs = _study_attrs(args, space, base_nested, device, penalty, verl)
+    attrs = _study_attrs(args, space, base_nested, device, penalty, verl, plan)
     name = args.study or st.default_study_name(args.base_config, args.space)
     lock = st.StudyLock(spec.lock_path)
 
@@ -418,6 +481,8 @@ def run(args: argparse.Namespace) -> int:
         f"{device['kind']} x{nproc} per trial | sampler {options.sampler} | lock {lock.kind} | out {out_dir}",
         flush=True,
     )
+    if plan.scaled:
+        print(f"ppotune search: {plan.describe()}", flush=True)
     display = Display(options.trials, done=min(done, options.trials), parallel=options.parallel)
     _seed_display(display, trials)
     tracker = None
@@ -512,6 +577,15 @@ def _summary(study: optuna.Study, search: Search) -> None:
             flush=True,
         )
     _confirm_summary(study)
+    _worst_case_summary(study)
+
+
+def _worst_case_summary(study: optuna.Study) -> None:
+    """The worst-case probes (study attr ``worst_case``), one line each."""
+    from tuner.probe import WORST_CASE_ATTR, ProbeResult
+
+    for n, d in sorted((study.user_attrs.get(WORST_CASE_ATTR) or {}).items(), key=lambda kv: int(kv[0])):
+        print(f"  worst case: trial {n}: {ProbeResult.from_dict(d).lines()[-1]}", flush=True)
 
 
 def _confirm_summary(study: optuna.Study) -> None:

@@ -316,15 +316,19 @@ class Knob:
                 return float(i)
         raise KeyError(value)
 
-    def at_least_as_hungry(self, a: Any, b: Any) -> bool:
-        """Would value ``a`` use at least as much memory as ``b``?"""
+    def at_least_as_hungry(self, a: Any, b: Any, *, host: bool = False) -> bool:
+        """Would value ``a`` use at least as much memory as ``b``? ``host``: the host's memory (RAM) rather
+        than the device's: an offload knob moves state from the device to the host, so its direction flips."""
         if self.memory == "none":
             return a == b and type(a) is type(b)
         try:
             ra, rb = self.rank(a), self.rank(b)
         except KeyError:
             return False
-        return ra >= rb if self.memory == "increasing" else ra <= rb
+        increasing = self.memory == "increasing"
+        if host and "offload" in self.key:
+            increasing = not increasing
+        return ra >= rb if increasing else ra <= rb
 
     def describe(self) -> str:
         if self.type in ("int", "float"):
@@ -571,15 +575,17 @@ class Space:
                 pass
         return frozenset(out)
 
-    def at_least_as_hungry(self, eff_a: dict, eff_b: dict) -> bool:
+    def at_least_as_hungry(self, eff_a: dict, eff_b: dict, *, host: bool = False) -> bool:
         """Inferred-OOM rule: is config A at least as memory-hungry as config B on every knob?
 
         Both are flat effective configs of this space (same base). Needs the same set of
         active knobs; monotone knobs compare by memory order, the others must be equal.
+        ``host``: of the host's memory (B ran out of RAM, not of device memory): offload knobs, whose
+        ``memory:`` hint is the device's, count in the opposite direction.
         """
         if self.active_keys(eff_a) != self.active_keys(eff_b):
             return False
-        return all(k.at_least_as_hungry(eff_a[k.key], eff_b[k.key]) for k in self.knobs)
+        return all(k.at_least_as_hungry(eff_a[k.key], eff_b[k.key], host=host) for k in self.knobs)
 
     def identity(self, eff: dict) -> tuple:
         """What makes two trials the same config: effective values of knob and derived keys."""

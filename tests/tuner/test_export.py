@@ -14,7 +14,7 @@ import yaml
 from support import KNOBS, make_demo_study
 from support import REPO as ROOT
 from trainer.config import flatten, load_config
-from trainer.contracts import CONSTRAINT_KEY
+from trainer.contracts import CONSTRAINT_KEY, Status
 from tuner import confirm
 from tuner.cli import main
 
@@ -151,6 +151,59 @@ def test_a_confirmed_peak_over_the_limit_or_a_failed_rerun_is_no_pick(tmp_path):
     assert main(["export", "--storage", f"sqlite:///{tmp_path / 'b.db'}", "--to", str(tmp_path / "b")]) == 0
     assert _chosen(tmp_path / "b") == 11
     assert "#3 not eligible: 1 of its re-runs did not end ok (oom)" in (tmp_path / "b" / "why.md").read_text()
+
+
+def _probed(study, probes: dict) -> None:
+    """The study attribute ``Search.probe_worst_case`` writes: ``{number: ProbeResult.to_dict()}``."""
+    from tuner.probe import WORST_CASE_ATTR, ProbeResult
+
+    got = {}
+    for n, (status, peak, phase) in probes.items():
+        got[str(n)] = ProbeResult(
+            Status(status), peak_memory_gb=peak, oom_phase=phase, prompt_length=64, response_length=32,
+            device="cuda", world_size=8, memory_source="nvml",
+        ).to_dict()  # fmt: skip
+    study.set_user_attr(WORST_CASE_ATTR, got)
+
+
+def test_a_pick_whose_worst_case_breaks_the_headroom_is_refused_and_the_next_taken(tmp_path):
+    """Confirmed ranking #3 > #11 > #10 (test above); #3's worst case peaks at 75 GB > 72 GB (0.9 x 80 GB)
+    and #11's runs out of memory: #10, whose worst case fits, is the pick; why.md shows typical vs worst."""
+    study = make_demo_study(f"sqlite:///{tmp_path / 'w.db'}")
+    add_confirmation(study)
+    _probed(study, {3: ("ok", 75.0, None), 11: ("oom", None, "update_actor"), 10: ("ok", 60.5, None)})
+    assert main(["export", "--storage", f"sqlite:///{tmp_path / 'w.db'}", "--to", str(tmp_path / "w")]) == 0
+    assert _chosen(tmp_path / "w") == 10
+    why = (tmp_path / "w" / "why.md").read_text()
+    assert "#3 not eligible: worst case peak 75 GB > 72 GB" in why
+    assert "#11 not eligible: worst case ran out of memory in phase update_actor" in why
+    assert "Typical peak 47 GB (the trial's own batches); worst case peak 60.5 GB" in why
+    # every config under the limit breaks it in its worst case: no pick, one line, exit 1
+    _probed(study, {n: ("oom", None, "gen") for n in (0, 3, 5, 10, 11)})
+    assert main(["export", "--storage", f"sqlite:///{tmp_path / 'w.db'}", "--to", str(tmp_path / "x")]) != 0
+
+
+def test_an_unprobed_pick_says_so(demo_out, tmp_path):
+    rc, to = _export(demo_out, tmp_path)
+    assert rc == 0 and "Worst case **not probed**" in (to / "why.md").read_text()
+
+
+def test_export_writes_the_production_world_not_the_trials(tmp_path):
+    """A study whose trials ran 2 GPUs for a 2 x 8 job (``target``): best_config.yaml carries the job's
+    world and global batch sizes; why.md says what the trials ran."""
+    from tuner.world import plan_world
+
+    study = make_demo_study(f"sqlite:///{tmp_path / 'p.db'}")
+    base = flatten(study.user_attrs["base_config"])
+    production = {**base, "trainer.nnodes": 2, "trainer.n_gpus_per_node": 8, "data.train_batch_size": 128,
+                  "actor_rollout_ref.actor.ppo_mini_batch_size": 64}  # fmt: skip
+    plan = plan_world(production, trial_world=base["trainer.n_gpus_per_node"])
+    study.set_user_attr("target", plan.to_dict())
+    assert main(["export", "--storage", f"sqlite:///{tmp_path / 'p.db'}", "--to", str(tmp_path / "p")]) == 0
+    got = flatten(yaml.safe_load((tmp_path / "p" / "best_config.yaml").read_text()))
+    assert (got["trainer.nnodes"], got["trainer.n_gpus_per_node"]) == (2, 8)
+    assert got["data.train_batch_size"] == 128 and got["actor_rollout_ref.actor.ppo_mini_batch_size"] == 64
+    assert "Production world: 2 x 8 GPUs; trials run" in (tmp_path / "p" / "why.md").read_text()
 
 
 def test_other_picks_and_a_tight_headroom_fall_back_and_say_so(confirmed_out, tmp_path):

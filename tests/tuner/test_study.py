@@ -116,7 +116,7 @@ def test_finish_records_constraints_values_and_states(spec):
         st.finish(study, trial, TrialRecord(status=status, duration_s=1.0), values=values)
     trials = {t.user_attrs["status"]: t for t in study.get_trials()}
     assert trials["ok"].state == TrialState.COMPLETE and trials["ok"].constraints == {CONSTRAINT_KEY: -1.0}
-    for s in ("oom", "inferred_oom", "hang"):
+    for s in ("oom", "inferred_oom", "predicted_oom", "hang"):
         assert trials[s].state == TrialState.COMPLETE
         assert trials[s].constraints == {CONSTRAINT_KEY: 1.0}
         assert trials[s].values == [0.0, 64.0]
@@ -124,9 +124,9 @@ def test_finish_records_constraints_values_and_states(spec):
         assert trials[s].state == TrialState.FAIL
     # the Pareto front holds only the feasible trial
     assert [t.user_attrs["status"] for t in study.best_trials] == ["ok"]
-    # the duplicate, the inferred OOM and the over-budget ask are not counted; the invalid one (1 s: launched,
-    # exit 2) is
-    assert count_progress(study.get_trials()) == len(statuses) - 3
+    # the duplicate, the inferred and the predicted OOM and the over-budget ask are not counted; the invalid
+    # one (1 s: launched, exit 2) is
+    assert count_progress(study.get_trials()) == len(statuses) - 4
 
 
 def test_finish_tells_the_graded_constraint_and_rejections_complete(spec):

@@ -21,6 +21,7 @@ import pandas as pd
 
 from trainer.contracts import DEFAULT_HEADROOM, DIRECTIONS, Status
 from tuner.results.export import Choice, NoFit, choose
+from tuner.results.memory_findings import MemoryFindings, memory_findings
 from tuner.results.view import StudyView, measured_feasible, value_or_zero
 
 __all__ = [
@@ -188,20 +189,22 @@ def knob_effects(view: StudyView) -> list[Effect]:
 class SearchCost:
     trial_s: float  # wall seconds of every trial, summed
     by_status: dict[str, float]  # status -> trial seconds
-    inferred: int  # trials skipped as inferred OOMs
+    inferred: int  # trials skipped as OOMs before launch: inferred from a real OOM, or predicted by the memory model
     saved_s: float  # what running them would have cost (estimate)
     saved_basis: str  # how saved_s was estimated
     wall_s: Optional[float]  # first start to last end
+    predicted: int = 0  # of ``inferred``: those the memory model predicted
 
 
 def search_cost(view: StudyView) -> SearchCost:
-    """Trial-seconds spent, by status, and what OOM inference saved."""
+    """Trial-seconds spent, by status, and what skipping OOMs before launch saved (inferred and predicted)."""
     df = view.trials
     if df.empty:
         return SearchCost(0.0, {}, 0, 0.0, "", None)
     dur = df["duration_s"].fillna(0.0)
     by_status = {s: float(dur[df["status"] == s].sum()) for s in df["status"].unique()}
-    n_inferred = int((df["status"] == Status.INFERRED_OOM).sum())
+    n_predicted = int((df["status"] == Status.PREDICTED_OOM).sum())
+    n_inferred = int((df["status"] == Status.INFERRED_OOM).sum()) + n_predicted
     oom_d = df.loc[(df["status"] == Status.OOM) & df["duration_s"].notna(), "duration_s"]
     if len(oom_d):
         per, basis = float(oom_d.mean()), f"mean OOM trial {oom_d.mean():.1f} s"
@@ -212,7 +215,7 @@ def search_cost(view: StudyView) -> SearchCost:
     starts = df["datetime_start"].dropna()
     ends = df["datetime_complete"].dropna()
     wall = (ends.max() - starts.min()).total_seconds() if len(starts) and len(ends) else None
-    return SearchCost(float(dur.sum()), by_status, n_inferred, per * n_inferred, basis, wall)
+    return SearchCost(float(dur.sum()), by_status, n_inferred, per * n_inferred, basis, wall, n_predicted)
 
 
 # --------------------------------------------------------------------------- baseline vs best
@@ -279,6 +282,7 @@ class ReportData:
     cost: SearchCost
     pick: Optional[Choice]  # what ``ppotune export`` would choose, None when nothing fits
     pick_error: Optional[str]  # why nothing fits
+    memory: Optional[MemoryFindings] = None  # the memory model, the pick's projection, the worst cases
 
     @property
     def baseline_vs_best(self) -> BaselineVsBest:
@@ -293,4 +297,7 @@ def build(view: StudyView, *, headroom: float = DEFAULT_HEADROOM) -> ReportData:
         pick, err = choose(view, pick="max-throughput", headroom=headroom), None
     except NoFit as e:  # nothing feasible (yet), or nothing under the headroom
         pick, err = None, str(e)
-    return ReportData(view, headroom, compute_importances(view), knob_effects(view), search_cost(view), pick, err)
+    memory = memory_findings(view, pick.chosen if pick is not None else None)
+    return ReportData(
+        view, headroom, compute_importances(view), knob_effects(view), search_cost(view), pick, err, memory
+    )

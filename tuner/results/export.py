@@ -28,6 +28,8 @@ import yaml
 from trainer.config import ConfigError, apply_overrides, config_from_dict, config_to_dict, flatten, verl_override_key
 from trainer.contracts import DEFAULT_HEADROOM, ExitCode, Status, StorageError
 from tuner.confirm import CONFIRMATION_ATTR, describe, entry_of, rank_confirmed
+from tuner.probe import WORST_CASE_ATTR, ProbeResult
+from tuner.results.memory_findings import findings_md, memory_findings
 from tuner.results.view import (
     StudyView,
     add_study_arguments,
@@ -37,6 +39,7 @@ from tuner.results.view import (
     pareto_mask,
     view_from_args,
 )
+from tuner.world import WorldPlan, production_overrides
 
 __all__ = [
     "PICKS",
@@ -67,6 +70,7 @@ RUN_KEYS = frozenset(
         "ppotune.warmup_steps",
         "ppotune.memory_limit_gb",
         "ppotune.fault",
+        "ppotune.worst_case",
         "ppotune.wandb",
     }
 )
@@ -92,6 +96,7 @@ class Choice:
     confirmed: Optional[dict] = None  # the chosen config's confirmed figures (an entry of it), if it has them
     unconfirmed: Optional[str] = None  # why the pick does not rest on a confirmation (None: it does)
     left_out: list = dataclasses.field(default_factory=list)  # (number, why): confirmed configs not eligible
+    worst_case: Optional[dict] = None  # the pick's worst-case probe (ProbeResult.to_dict), if it was probed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,6 +194,17 @@ def choose(view: StudyView, *, pick: str = "max-throughput", headroom: float = D
             ranking = [e["number"] for e in confirmed]
         else:
             unconfirmed = "no confirmed config is eligible: " + "; ".join(f"#{n} {why}" for n, why in left_out)
+    # the worst case: a config whose probe (every prompt and response at its maximum) breaks the limit is
+    # never recommended; the next one is taken
+    probes = {int(k): ProbeResult.from_dict(v) for k, v in (view.attrs.get(WORST_CASE_ATTR) or {}).items()}
+    broken = {n: probes[n] for n in ranking if n in probes and not _worst_case_holds(probes[n], limit)}
+    left_out += [(n, f"worst case {_worst_case_text(p, limit)}") for n, p in broken.items()]
+    ranking = [n for n in ranking if n not in broken]
+    if not ranking:
+        raise NoFit(
+            "every config under the limit breaks it in its worst case (ppotune probe): "
+            + "; ".join(f"#{n} {why}" for n, why in left_out)
+        )
     chosen = ranking[0]
     params = {n: view.trial(n).params for n in ranking}
     runner_up = next((n for n in ranking[1:] if params[n] != params[chosen]), None)
@@ -207,10 +223,34 @@ def choose(view: StudyView, *, pick: str = "max-throughput", headroom: float = D
         confirmed=entry_of(confirmation, chosen),
         unconfirmed=unconfirmed,
         left_out=left_out,
+        worst_case=probes[chosen].to_dict() if chosen in probes else None,
     )
 
 
+def _worst_case_holds(probe: ProbeResult, limit_gb: Optional[float]) -> bool:
+    """False when the probe ran out of memory or peaked over the limit. A probe that failed otherwise (a
+    crash, a hang) measured nothing: why.md says so, it does not decide."""
+    if probe.status == Status.OOM:
+        return False
+    return not (probe.fits and limit_gb is not None and (probe.peak_memory_gb or 0.0) > limit_gb)
+
+
+def _worst_case_text(probe: ProbeResult, limit_gb: Optional[float]) -> str:
+    if probe.status == Status.OOM:
+        return f"ran out of memory in phase {probe.oom_phase or '?'}"
+    if not probe.fits:
+        return f"not measured (probe {probe.status.value}: {probe.error or 'no result'})"
+    over = f" > {limit_gb:.3g} GB" if limit_gb is not None and (probe.peak_memory_gb or 0.0) > limit_gb else ""
+    return f"peak {probe.peak_memory_gb:.3g} GB{over}"
+
+
 # --------------------------------------------------------------------------- the config
+def production_of(view: StudyView) -> dict[str, Any]:
+    """The production job's world and global batch sizes (none for a study whose trials ran them)."""
+    target = view.attrs.get("target")
+    return production_overrides(WorldPlan.from_dict(target)) if target else {}
+
+
 def chosen_overrides(view: StudyView, number: int) -> dict[str, Any]:
     """The dotted keys trial ``number`` set (knobs + derived), minus the trial-length keys."""
     over = view.record(number).overrides
@@ -220,11 +260,13 @@ def chosen_overrides(view: StudyView, number: int) -> dict[str, Any]:
 
 
 def best_config(view: StudyView, number: int) -> dict:
-    """The study's base config with trial ``number``'s overrides, validated; a full nested dict."""
+    """The study's base config with trial ``number``'s overrides, at the production world with its global
+    batch sizes (the study's ``target``, :mod:`tuner.world`; the trials ran them scaled), validated; a full
+    nested dict."""
     base = view.attrs.get("base_config")
     if not isinstance(base, dict):
         raise StorageError(f"study {view.name!r} has no base_config user attribute (contracts.md §3)")
-    merged = apply_overrides(base, chosen_overrides(view, number))
+    merged = apply_overrides(base, {**chosen_overrides(view, number), **production_of(view)})
     try:
         cfg = config_from_dict(merged, source="best_config.yaml")
     except ConfigError as e:
@@ -308,6 +350,13 @@ def _why_md(view: StudyView, choice: Choice, overrides: dict, lines: list[str]) 
     base = df.loc[df["baseline"]]
     out = [f"# Why trial #{choice.chosen}", ""]
     out.append(f"Study `{view.name}` ({len(df)} trials), storage `{view.storage.display}`.")
+    target = view.attrs.get("target")
+    if target:
+        plan = WorldPlan.from_dict(target)
+        out.append(
+            f"Production world: {plan.target_nodes} x {plan.target_gpus_per_node} GPUs; {plan.describe()}. "
+            "The exported config carries the production's world and global batch sizes."
+        )
     if choice.limit_gb is not None:
         out.append(
             f"Pick **{choice.pick}** among feasible trials whose peak memory keeps {_pct(choice.headroom)} of the "
@@ -416,8 +465,22 @@ def _why_md(view: StudyView, choice: Choice, overrides: dict, lines: list[str]) 
             out += ["", "| knob | chosen | runner-up |", "|---|---|---|"]
             out += [f"| `{k}` | `{a}` | `{b}` |" for k, a, b in diff]
 
+    out += ["", "## Memory at the production world and in the worst case", ""]
+    out += findings_md(memory_findings(view, choice.chosen), limit_gb=choice.limit_gb)
     out += ["", "## Margin to the OOM boundary", ""]
     peak = r["peak_memory_gb"]
+    if choice.worst_case is not None:
+        wc = ProbeResult.from_dict(choice.worst_case)
+        out.append(
+            f"Typical peak {peak:.3g} GB (the trial's own batches); worst case {_worst_case_text(wc, choice.limit_gb)} "
+            f"(`ppotune probe`: one step with every prompt at {wc.prompt_length} and every response at "
+            f"{wc.response_length} tokens, EOS ignored, on {wc.device or '?'} x{wc.world_size or '?'})."
+        )
+    else:
+        out.append(
+            "Worst case **not probed** (`ppotune search --probe 0`, or the search stopped before it): run "
+            "`ppotune probe best_config.yaml` before a long job; the peak below is the trial's typical batches'."
+        )
     if choice.device_gb is not None:
         free = choice.device_gb - peak
         out.append(
@@ -519,7 +582,7 @@ def verl_engine_of(view: StudyView):
 
 
 def _verl_command(view: StudyView, choice: Choice, lines: list[str], python: str = "python") -> str:
-    base = flatten(view.attrs.get("base_config") or {})
+    base = {**flatten(view.attrs.get("base_config") or {}), **production_of(view)}
     assumed = [
         f"{k}={hydra_value(base[k])}"
         for k in (
@@ -532,13 +595,19 @@ def _verl_command(view: StudyView, choice: Choice, lines: list[str], python: str
         if k in base
     ]
     nproc = view.attrs.get("nproc")
+    target = view.attrs.get("target")
+    if target and target["world"] != target["trial_world"]:
+        measured = (
+            f" {target['trial_world']} GPUs at the per-GPU batch of a {target['nnodes']} x "
+            f"{target['n_gpus_per_node']}-GPU job with"
+        )
+    else:
+        measured = f" {nproc} GPUs per node and" if nproc else ""
     out = [
         "#!/usr/bin/env bash",
         f"# ppotune export: study {view.name}, trial #{choice.chosen} "
         f"({choice.pick}, headroom {_pct(choice.headroom)}).",
-        "# The knobs below are per-GPU; they were measured with"
-        + (f" {nproc} GPUs per node and" if nproc else "")
-        + ":",
+        "# The knobs below are per-GPU; they were measured with" + measured + ":",
         "#   " + " ".join(assumed),
         "# Append your run's own settings (model path, data files, batch sizes) as arguments: "
         "./verl_command.sh data.train_files=...",

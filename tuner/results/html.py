@@ -20,6 +20,7 @@ from tuner.results.analysis import (
     ReportData,
     lengths_seen,
 )
+from tuner.results.memory_findings import findings_md
 from tuner.results.plots import STATUS_STYLE
 from tuner.results.view import TIME_PREFIX, StudyView, missing, pareto_front
 
@@ -250,7 +251,13 @@ def report_html(data: ReportData, images: dict[str, bytes]) -> str:
         )
     cards.append(("search cost", _dur(cost.trial_s), f"trial time; OOM {_dur(cost.by_status.get(Status.OOM, 0.0))}"))
     if cost.inferred:
-        cards.append(("saved by OOM inference", f"≈{_dur(cost.saved_s)}", f"{cost.inferred} trials skipped"))
+        cards.append(
+            (
+                "saved by OOM inference",
+                f"≈{_dur(cost.saved_s)}",
+                f"{cost.inferred} trials skipped ({cost.predicted} predicted by the memory model)",
+            )
+        )
     parts.append(
         "<div class='cards'>"
         + "".join(
@@ -344,6 +351,8 @@ def report_html(data: ReportData, images: dict[str, bytes]) -> str:
     else:
         parts.append("<p class='muted'>No trial recorded its sequence lengths.</p>")
 
+    parts += _memory_section(data)
+
     # importances
     parts.append("<h2>Which knobs matter</h2>")
     imp = data.importances
@@ -388,7 +397,8 @@ def report_html(data: ReportData, images: dict[str, bytes]) -> str:
         f"<tr><th class='knob'>total</th><td>{len(df)}</td><td><b>{_dur(cost.trial_s)}</b></td></tr></table>"
     )
     parts.append(
-        f"<p>Wall clock {_dur(cost.wall_s)}. OOM inference skipped {cost.inferred} trial(s), saving "
+        f"<p>Wall clock {_dur(cost.wall_s)}. OOM inference skipped {cost.inferred} trial(s) "
+        f"({cost.predicted} predicted by the memory model), saving "
         f"≈{_dur(cost.saved_s)} ({_e(cost.saved_basis)} × {cost.inferred}).</p>"
     )
 
@@ -402,6 +412,68 @@ def report_html(data: ReportData, images: dict[str, bytes]) -> str:
     )
     parts.append("</body></html>")
     return "\n".join(parts)
+
+
+def _memory_section(data: ReportData) -> list[str]:
+    """The memory model's predictions against the measured peaks, the pick at the production world, and the
+    typical vs worst-case peaks of the probed configs."""
+    f = data.memory
+    if f is None:
+        return []
+    out = ["<h2>Memory: the model, the production world, the worst case</h2>"]
+    if f.error:
+        errs = sorted(r["error"] for r in f.rows if r["error"] is not None)
+        p90 = errs[min(len(errs) - 1, int(0.9 * len(errs)))] if errs else None
+        out.append(
+            f"<p>A memory model (<code>tuner.memory_model</code>: analytic terms for the sharded model states, "
+            f"the unsharded FSDP units, activations and logits per micro-batch, the generation cache; weights "
+            f"fitted to this study's per-phase peaks) fitted on {f.num_samples} measured trials. Each trial "
+            f"below is predicted by the model fitted on the <i>other</i> trials: error of the peak median "
+            f"<b>{f.error['median']:.1%}</b>, 90th percentile {p90:.1%}, max <b>{f.error['max']:.1%}</b>. "
+            f"The search did not launch {f.predicted_oom} candidate(s) it predicted over the memory limit by more "
+            "than the max error (status <code>predicted_oom</code>); nearer the limit it launches them.</p>"
+        )
+        rows = "".join(
+            f"<tr><td>#{r['number']}</td><td>{r['measured_gb']:.3f}</td><td>{r['predicted_gb']:.3f}</td>"
+            f"<td>{_f(100 * r['error'], '.1f') if r['error'] is not None else '-'}%</td></tr>"
+            for r in sorted(f.rows, key=lambda r: r["number"] if r["number"] is not None else -1)
+        )
+        out.append(
+            "<table class='t'><tr><th>trial</th><th>measured peak GB</th><th>predicted GB (held out)</th>"
+            f"<th>error</th></tr>{rows}</table>"
+        )
+    else:
+        out.append(f"<p class='muted'>No memory model: {_e(f.why_not)}.</p>")
+    p = f.pick
+    if p is not None and p["scaled"]:
+        out.append(
+            f"<p>The pick, trial #{p['number']}, peaked at <b>{p['measured_gb']:.3g} GB</b> measured on "
+            f"{p['trial_world']} GPUs running the production's per-GPU batch; projected to the "
+            f"{p['target_world']}-GPU job: <b>{p['projected_gb']:.3g} GB</b> (the sharded state per GPU "
+            f"{p['state_trial_gb']:.3g} → {p['state_target_gb']:.3g} GB, by the model).</p>"
+        )
+    if f.worst_case:
+        rows = []
+        for w in f.worst_case:
+            probe = w["worst"]
+            if probe.status == Status.OOM:
+                worst = f"OOM in {_e(probe.oom_phase or '?')}"
+            elif probe.fits:
+                worst = f"{probe.peak_memory_gb:.3f}"
+            else:
+                worst = f"not measured ({_e(probe.status.value)})"
+            rows.append(
+                f"<tr><td>#{w['number']}</td><td>{_f(w['typical_gb'], '.3f')}</td><td>{worst}</td>"
+                f"<td>{probe.prompt_length} + {probe.response_length}</td></tr>"
+            )
+        out.append(
+            "<p>Worst case (<code>ppotune probe</code>: one step with every prompt and every response at its "
+            "maximum length, EOS ignored). Export never recommends a config whose worst case breaks the "
+            "headroom.</p>"
+            "<table class='t'><tr><th>trial</th><th>typical peak GB</th><th>worst-case peak GB</th>"
+            f"<th>tokens (prompt + response)</th></tr>{''.join(rows)}</table>"
+        )
+    return out
 
 
 def summary_md(data: ReportData) -> str:
@@ -445,6 +517,8 @@ def summary_md(data: ReportData) -> str:
         f"- cost: {_dur(c.trial_s)} of trials (OOM {_dur(c.by_status.get(Status.OOM, 0.0))}, "
         f"hang {_dur(c.by_status.get(Status.HANG, 0.0))}); {c.inferred} inferred OOM(s) saved ≈{_dur(c.saved_s)}"
     )
+    if data.memory is not None:
+        out += findings_md(data.memory, limit_gb=data.pick.limit_gb if data.pick is not None else None)
     out += [
         "",
         "## Pareto front",

@@ -26,6 +26,7 @@ STATUS_STYLE = {
     Status.OK: ("ok", "#1f77b4", "o"),
     Status.OOM: ("OOM", "#d62728", "X"),
     Status.INFERRED_OOM: ("inferred OOM (not run)", "#ff9896", "x"),
+    Status.PREDICTED_OOM: ("predicted OOM (not run)", "#f7b6d2", "x"),  # the memory model, beyond its error
     Status.HANG: ("hang (timed out)", "#ff7f0e", "v"),
     Status.CRASH: ("crash", "#7f7f7f", "s"),
     Status.INVALID: ("invalid config", "#bcbd22", "D"),
@@ -35,7 +36,7 @@ STATUS_STYLE = {
     "running": ("running", "#17becf", "o"),
 }
 #: the statuses on the strip under the Pareto plot: no throughput, maybe a memory peak
-STRIP_ROWS = (Status.OOM, Status.INFERRED_OOM, Status.HANG, Status.CRASH, Status.INVALID)
+STRIP_ROWS = (Status.OOM, Status.INFERRED_OOM, Status.PREDICTED_OOM, Status.HANG, Status.CRASH, Status.INVALID)
 
 
 def _memory_x(r: pd.Series) -> tuple[Optional[float], bool]:
@@ -48,7 +49,7 @@ def _memory_x(r: pd.Series) -> tuple[Optional[float], bool]:
         "mem.rss_peak_gb",
     ):
         v = r.get(col)
-        if v is not None and not pd.isna(v) and r["status"] != Status.INFERRED_OOM:
+        if v is not None and not pd.isna(v) and r["status"] not in (Status.INFERRED_OOM, Status.PREDICTED_OOM):
             return float(v), False
     v = r.get("value_memory")
     if v is not None and not pd.isna(v):

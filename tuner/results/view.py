@@ -204,7 +204,8 @@ def trials_frame(study: optuna.Study) -> pd.DataFrame:
             throughput = throughput if throughput is not None else _num(values[0])
             peak = peak if peak is not None else _num(values[1])
         duration = _num(rec.duration_s)
-        if duration is None and rec.status is not Status.INFERRED_OOM and t.datetime_start and t.datetime_complete:
+        launched = rec.status is None or rec.status.launched
+        if duration is None and launched and t.datetime_start and t.datetime_complete:
             duration = (t.datetime_complete - t.datetime_start).total_seconds()
         row = {
             "number": t.number,

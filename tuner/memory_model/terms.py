@@ -1,0 +1,356 @@
+"""The analytic memory terms of each PPO phase on one GPU, in bytes, from a config and the model's shape.
+
+Per phase (``trainer.contracts.PHASES``) the terms are (0 where a term does not apply):
+
+``states``
+    Model states resident on the device during the phase. A trained role (actor, critic) holds its
+    master parameters (``fsdp_config.model_dtype``: 4 B fp32), during its update their gradients (same
+    dtype) and Adam's two moments (2 x the master bytes): 16 B/param with fp32 masters; the reference
+    model its parameters. Everything is sharded by FSDP over the shard group (the world size, or
+    ``fsdp_size``): / N. ``param_offload`` keeps a role's parameters in host memory except during the
+    phases that use them, ``optimizer_offload`` its moments except during its update, FSDP2's
+    ``offload_policy`` all three always; the reference model's parameters always live in host memory
+    (verl's forward-only engine, compute-time offload). On a CPU run there is no separate device: every
+    tensor is in the memory that is measured and offload moves nothing (the trainer notes "no effect on
+    CPU"), so every state counts in every phase (gradients only during their update: they are freed after
+    the optimizer step).
+``buffers``
+    Unsharded FSDP units while the phase runs a model: the root unit (embedding, final norm, LM or value
+    head: usually the largest) plus one decoder block in the compute dtype
+    (``mixed_precision.param_dtype``), two with ``forward_prefetch``, all of them with
+    ``reshard_after_forward: false``; during an update also the unsharded gradients of those units before
+    their reduce-scatter (the whole model's with ``use_no_sync_for_gradient_accumulation``). HF generate
+    gathers the whole actor once (FSDP1 ``summon_full_params``: the fp32 masters; FSDP2 unshard: the
+    compute dtype). FSDP1 with a shard group of one rank does not shard (NO_SHARD): nothing is gathered
+    beyond a mixed-precision copy.
+``activations``
+    Per token of the phase's largest micro-batch (:mod:`tuner.memory_model.workload`). An update keeps
+    every layer's activations for backward: per token per layer ``cb·(6h + 4·kv + 4·i) + 4·2h`` bytes
+    (q/k/v/o inputs and outputs with rotary copies, the gated MLP's gate/up/act/product, the two RMSNorms'
+    fp32 inputs; Korthikanti et al. 2022, arXiv:2205.05198, count ~34·h for a GPT block in 16-bit with
+    fused attention, whose MLP is 4h wide where this one is i), plus the final norm and head inputs.
+    Gradient checkpointing (full recompute) keeps only each layer's input (``h·cb``, the paper's 2·h)
+    plus one layer's activations recomputed during backward; activation offload (GPU) keeps one layer's.
+    Backward adds one layer's worth of activation gradients (allocated and freed layer by layer).
+    Forward-only phases (old_log_prob, ref, values, gen's prefill) keep nothing for backward: the
+    transient of one layer, ``cb·(3h + 3i) + 4h`` per token.
+``attention``
+    The padded path's attention mask (``use_remove_padding: false``): transformers hands sdpa a
+    ``rows x 1 x width x width`` boolean mask, which the kernel turns into an additive mask in the compute
+    dtype and keeps for backward, in every layer (one layer with checkpointing), + one being built (measured
+    on torch 2.13's CPU flash kernel; neither it nor the GPU kernels keep a ``heads x L x L`` score matrix).
+    The packed path runs one causal sdpa per sequence, without a mask: 0. gen's prefill (left-padded
+    prompts, masked) holds one layer's at a time.
+``logits``
+    The LM head's output for every token of the micro-batch (``T x V x cb``) and the fp32 work on the
+    rows that are read (the response tokens, ``N x V x 4`` per tensor): the scaled fp32 copy and the
+    log-sum-exp (2 tensors; a forward-only log-prob), + the softmax and product of the entropy (old-log-prob
+    always, the update when the entropy is in its loss; chunked entropy: one chunk of them), + their
+    gradients in backward (update). The critic's head is one wide: no logits term. gen: sampling's fp32
+    scores over the vocabulary for each sequence.
+``kv_cache``
+    HF generate's KV cache: sequences x (max_prompt_length + longest response) x layers x 2 x kv_dim x cb.
+``engine``
+    A colocated vLLM engine (``rollout.name=vllm``): on a GPU ``gpu_memory_utilization`` x the device's
+    memory during gen (asleep otherwise, with ``free_cache_engine`` and sleep mode); on a CPU
+    ``max(utilization x ppotune.vllm_cpu_memory_gb, weights)`` in every phase (no sleep mode on CPU).
+
+The calibration (:mod:`tuner.memory_model.fit`) weighs each term and adds a constant per phase; the
+``carry`` feature it also uses (memory an allocator keeps from an earlier phase: the step's largest
+transient) is built there from these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+from trainer.config import PPOConfig, config_to_dict, flatten, resolve_follows
+from trainer.contracts import PHASES
+
+from .shape import ModelShape, param_counts
+from .workload import Lengths, MicroBatch, Plan, largest_micro_batch
+
+__all__ = ["TERMS", "TRANSIENT_TERMS", "flat_config", "world_of", "phase_terms", "PhaseTerms"]
+
+#: The analytic terms, in the order they are reported.
+TERMS = ("states", "buffers", "activations", "attention", "logits", "kv_cache", "engine")
+#: The terms a phase allocates and frees (everything but the resident states).
+TRANSIENT_TERMS = ("buffers", "activations", "attention", "logits", "kv_cache", "engine")
+
+_BYTES = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp32": 4, "float32": 4}
+_A, _REF, _RO, _C = "actor_rollout_ref.actor", "actor_rollout_ref.ref", "actor_rollout_ref.rollout", "critic"
+_DEFAULTS: Optional[dict] = None
+
+#: {phase: {term: bytes}}
+PhaseTerms = dict
+
+
+def flat_config(config: Mapping[str, Any]) -> dict:
+    """A nested or flat (dotted keys) config -> the complete flat config a run uses: defaults filled in,
+    null follow-keys resolved (``trainer.config.resolve_follows``)."""
+    global _DEFAULTS
+    if _DEFAULTS is None:
+        _DEFAULTS = flatten(config_to_dict(PPOConfig()))
+    flat = flatten(dict(config)) if any(isinstance(v, dict) and v for v in config.values()) else dict(config)
+    return resolve_follows({**_DEFAULTS, **flat})
+
+
+def world_of(flat: Mapping[str, Any]) -> int:
+    """The config's world size: ``trainer.n_gpus_per_node x trainer.nnodes``."""
+    return int(flat["trainer.n_gpus_per_node"]) * int(flat["trainer.nnodes"])
+
+
+@dataclass(frozen=True)
+class _Role:
+    """One model's knobs, as the terms need them."""
+
+    strategy: str
+    master_bytes: int
+    compute_bytes: int
+    reduce_bytes: int
+    shard: int  # ranks its states are sharded over
+    param_offload: bool
+    optimizer_offload: bool
+    offload_policy: bool
+    forward_prefetch: bool
+    reshard_after_forward: bool
+    no_sync: bool
+    checkpointing: bool
+    activation_offload: bool
+    remove_padding: bool
+
+
+def _role(flat: Mapping[str, Any], section: str, strategy: str, model: str, shard_world: int) -> _Role:
+    get = lambda leaf: flat[f"{section}.{leaf}"]  # noqa: E731
+    size = int(get("fsdp_size"))
+    return _Role(
+        strategy=strategy,
+        master_bytes=_BYTES[get("model_dtype")],
+        compute_bytes=_BYTES[get("mixed_precision.param_dtype")],
+        reduce_bytes=_BYTES[get("mixed_precision.reduce_dtype")],
+        shard=size if size not in (-1, 0) else shard_world,  # HSDP: the shard group stays fsdp_size ranks
+        param_offload=bool(get("param_offload")),
+        optimizer_offload=bool(get("optimizer_offload")),
+        offload_policy=bool(get("offload_policy")),
+        forward_prefetch=bool(get("forward_prefetch")),
+        reshard_after_forward=bool(get("reshard_after_forward")),
+        no_sync=bool(get("use_no_sync_for_gradient_accumulation")),
+        checkpointing=bool(flat[f"{model}.enable_gradient_checkpointing"]),
+        activation_offload=bool(flat[f"{model}.enable_activation_offload"]),
+        remove_padding=bool(flat[f"{model}.use_remove_padding"]),
+    )
+
+
+def _plan(flat: Mapping[str, Any], prefix: str, dynamic: str, micro: str, budget: str) -> Plan:
+    """A phase's micro-batching from its section's keys (``trainer.run.build_roles``'s ``Plans``)."""
+    return Plan(bool(flat[f"{prefix}.{dynamic}"]), flat[f"{prefix}.{micro}"], int(flat[f"{prefix}.{budget}"]))
+
+
+def phase_terms(
+    config: Mapping[str, Any],
+    shape: ModelShape,
+    lengths: Lengths,
+    *,
+    on_gpu: bool,
+    world: Optional[int] = None,
+    device_memory_gb: Optional[float] = None,
+) -> PhaseTerms:
+    """``{phase: {term: bytes}}`` for ``config`` (nested or flat) on one GPU.
+
+    ``world``: the world size the states are sharded over (default: the config's). The per-GPU batch is
+    always the config's own (``train_batch_size x rollout.n / its world``): projecting a trial to another
+    world size at the same per-GPU batch changes only the sharded terms. ``on_gpu``: False for a CPU run
+    (every state resident, offload inert). ``device_memory_gb``: the GPU's memory, for a vLLM engine's
+    ``gpu_memory_utilization`` (None: the engine term is 0 on a GPU and its memory falls to the constant).
+    """
+    flat = flat_config(config)
+    counts = param_counts(shape)
+    h, i, kv, layers, vocab = (
+        shape.hidden_size,
+        shape.intermediate_size,
+        shape.kv_dim,
+        shape.num_hidden_layers,
+        shape.vocab_size,
+    )
+    trial_world = world_of(flat)
+    shard_world = int(world or trial_world)
+    n = int(flat[f"{_RO}.n"])
+    rows = int(flat["data.train_batch_size"]) * n / trial_world  # sequences per GPU (the per-GPU batch)
+    P, R = int(flat["data.max_prompt_length"]), int(flat["data.max_response_length"])
+    strategy = flat[f"{_A}.strategy"]
+    actor = _role(flat, f"{_A}.fsdp_config", strategy, "actor_rollout_ref.model", shard_world)
+    ref = _role(flat, f"{_REF}.fsdp_config", strategy, "actor_rollout_ref.model", shard_world)
+    critic = _role(flat, f"{_C}.fsdp", flat[f"{_C}.strategy"], "critic.model", shard_world)
+    vllm = flat[f"{_RO}.name"] == "vllm"
+    pad_multiple = int(flat[f"{_A}.fsdp_config.pad_to_length_bucket"]) if flat[f"{_A}.pad_to_length"] else None
+    ref_pad = int(flat[f"{_REF}.fsdp_config.pad_to_length_bucket"]) if flat[f"{_A}.pad_to_length"] else None
+
+    def micro(plan: Plan, num_rows: float, role: _Role, multiple: Optional[int] = None) -> MicroBatch:
+        return largest_micro_batch(
+            lengths,
+            plan,
+            num_rows=int(round(num_rows)),
+            max_prompt_length=P,
+            max_response_length=R,
+            remove_padding=role.remove_padding,
+            pad_multiple=multiple,
+        )
+
+    # ---- states
+    def trained_states(role: _Role, params: int, uses: set, update: str, phase: str) -> float:
+        shard = params / role.shard
+        if not on_gpu:
+            return shard * role.master_bytes * (3 + (phase == update))  # params + 2 moments (+ grads)
+        if role.offload_policy:
+            return 0.0
+        here = (not role.param_offload) or phase in uses
+        moments = (not role.optimizer_offload) or phase == update
+        return shard * role.master_bytes * (here + 2 * moments + (phase == update))
+
+    actor_uses = {"gen", "old_log_prob", "update_actor"} | ({"update_weights"} if vllm else set())
+
+    def states(phase: str) -> float:
+        total = trained_states(actor, counts.actor, actor_uses, "update_actor", phase)
+        total += trained_states(critic, counts.critic, {"values", "update_critic"}, "update_critic", phase)
+        if not on_gpu:
+            total += counts.actor / ref.shard * ref.master_bytes
+        return total
+
+    # ---- buffers
+    def gathered(role: _Role, params: int, copied_in: bool) -> float:
+        """Bytes of ``params`` unsharded in the compute dtype. FSDP1 NO_SHARD computes on the local copy (a
+        mixed-precision copy at most), unless the parameters live in host memory (``copied_in``)."""
+        no_shard = role.strategy == "fsdp" and role.shard == 1 and not copied_in
+        if no_shard and role.compute_bytes == role.master_bytes:
+            return 0.0
+        return params * role.compute_bytes
+
+    def buffers(role: _Role, root: int, params: int, update: bool, copied_in: bool = False) -> float:
+        if role.reshard_after_forward:
+            unit = gathered(role, counts.block, copied_in)
+            total = gathered(role, root, copied_in) + unit * (2 if role.forward_prefetch else 1)
+        else:  # ZeRO-2: every unit stays gathered from its forward to its backward
+            total = gathered(role, params, copied_in)
+        if update:
+            total += (root + counts.block) * role.reduce_bytes  # unsharded gradients before the reduce-scatter
+            if role.no_sync:
+                total += params * role.master_bytes
+        return total
+
+    def generate_buffers() -> float:
+        if actor.strategy == "fsdp":  # summon_full_params: the fp32 masters, gathered (NO_SHARD: already whole)
+            return 0.0 if actor.shard == 1 else counts.actor * actor.master_bytes
+        return counts.actor * actor.compute_bytes
+
+    # ---- activations (bytes per token)
+    def layer_bytes(cb: int) -> float:
+        return cb * (6 * h + 4 * kv + 4 * i) + 4 * 2 * h
+
+    def update_activations(role: _Role, tokens: float) -> float:
+        cb = role.compute_bytes
+        outside = cb * 2 * h + 4 * h  # final norm (fp32 input) and the head's input
+        if role.activation_offload and on_gpu:
+            kept = h * cb + layer_bytes(cb)
+        elif role.checkpointing:
+            kept = layers * h * cb + layer_bytes(cb)  # layer inputs + the layer being recomputed
+        else:
+            kept = layers * layer_bytes(cb)
+        # backward holds one layer's activation gradients beside what is kept (freed layer by layer)
+        return tokens * (kept + layer_bytes(cb) + outside)
+
+    def forward_activations(role: _Role, tokens: float) -> float:
+        return tokens * (role.compute_bytes * (3 * h + 3 * i) + 4 * h)
+
+    def attention(role: _Role, mb: MicroBatch, *, update: bool) -> float:
+        if role.remove_padding:
+            return 0.0
+        one_layer = mb.rows * (P + R) ** 2 * role.compute_bytes
+        if not update:
+            return one_layer
+        kept = 1 if role.checkpointing or (role.activation_offload and on_gpu) else layers
+        return (kept + 1) * one_layer
+
+    # ---- logits
+    entropy_chunk = (
+        int(flat[f"{_A}.entropy_from_logits_chunk_size"]) if flat[f"{_A}.entropy_from_logits_with_chunking"] else None
+    )
+
+    def logits(role: _Role, mb: MicroBatch, *, fp32_tensors: int, entropy: bool) -> float:
+        rows_read = mb.response_tokens
+        total = mb.tokens * vocab * role.compute_bytes + rows_read * vocab * 4 * fp32_tensors
+        if entropy:
+            entropy_rows = min(rows_read, entropy_chunk) if entropy_chunk else rows_read
+            total += entropy_rows * vocab * 4 * 2  # softmax and product
+        return total
+
+    # ---- engine (vLLM)
+    def engine(phase: str) -> float:
+        if not vllm:
+            return 0.0
+        util = float(flat[f"{_RO}.gpu_memory_utilization"])
+        weights = counts.actor * _BYTES[flat[f"{_RO}.dtype"]]
+        if not on_gpu:
+            return max(util * float(flat["ppotune.vllm_cpu_memory_gb"]) * 2**30, weights)
+        asleep = flat[f"{_RO}.free_cache_engine"] and flat[f"{_RO}.enable_sleep_mode"]
+        if asleep and phase not in ("gen", "update_weights"):
+            return 0.0
+        if phase == "update_weights" and asleep:
+            return weights  # weights are loaded into an engine whose KV cache is not allocated yet
+        return util * device_memory_gb * 2**30 if device_memory_gb else 0.0
+
+    # ---- the phases
+    a_plan = _plan(flat, _A, "use_dynamic_bsz", "ppo_micro_batch_size_per_gpu", "ppo_max_token_len_per_gpu")
+    c_plan = _plan(flat, _C, "use_dynamic_bsz", "ppo_micro_batch_size_per_gpu", "ppo_max_token_len_per_gpu")
+    c_fwd = _plan(flat, _C, "use_dynamic_bsz", "forward_micro_batch_size_per_gpu", "forward_max_token_len_per_gpu")
+    log_prob = ("log_prob_use_dynamic_bsz", "log_prob_micro_batch_size_per_gpu", "log_prob_max_token_len_per_gpu")
+    ref_plan, ro_plan = _plan(flat, _REF, *log_prob), _plan(flat, _RO, *log_prob)
+    actor_mini = int(flat[f"{_A}.ppo_mini_batch_size"]) * n / trial_world
+    critic_mini = int(flat[f"{_C}.ppo_mini_batch_size"]) * n / trial_world
+    with_entropy = bool(flat[f"{_A}.entropy_coeff"]) or bool(flat[f"{_A}.calculate_entropy"])
+
+    out: PhaseTerms = {p: dict.fromkeys(TERMS, 0.0) for p in PHASES}
+    for p in PHASES:
+        out[p]["states"] = states(p)
+        out[p]["engine"] = engine(p)
+
+    # gen: HF generate over the rank's whole batch (prefill of the padded prompts, then one token at a time)
+    if not vllm:
+        longest_response = min(lengths.response["max"], R)
+        out["gen"]["buffers"] = generate_buffers()
+        out["gen"]["kv_cache"] = rows * (P + longest_response) * layers * 2 * kv * actor.compute_bytes
+        out["gen"]["activations"] = forward_activations(actor, rows * P)
+        out["gen"]["attention"] = rows * P**2 * actor.compute_bytes  # the prefill's mask over the padded prompts
+        out["gen"]["logits"] = rows * vocab * 4 * 3  # fp32 scores, softmax, top-p's sorted copy
+    else:
+        out["update_weights"]["buffers"] = counts.embedding * actor.master_bytes  # one full tensor at a time
+
+    mb = micro(ro_plan, rows, actor, pad_multiple)
+    out["old_log_prob"]["buffers"] = buffers(actor, counts.actor_root, counts.actor, update=False)
+    out["old_log_prob"]["activations"] = forward_activations(actor, mb.tokens)
+    out["old_log_prob"]["attention"] = attention(actor, mb, update=False)
+    out["old_log_prob"]["logits"] = logits(actor, mb, fp32_tensors=2, entropy=True)
+
+    mb = micro(ref_plan, rows, ref, ref_pad)
+    # on a GPU the reference model's shards live in host memory: each unit is copied in for its forward
+    out["ref"]["buffers"] = buffers(ref, counts.actor_root, counts.actor, update=False, copied_in=on_gpu)
+    out["ref"]["activations"] = forward_activations(ref, mb.tokens)
+    out["ref"]["attention"] = attention(ref, mb, update=False)
+    out["ref"]["logits"] = logits(ref, mb, fp32_tensors=2, entropy=False)
+
+    mb = micro(c_fwd, rows, critic)
+    out["values"]["buffers"] = buffers(critic, counts.critic_root, counts.critic, update=False)
+    out["values"]["activations"] = forward_activations(critic, mb.tokens)
+    out["values"]["attention"] = attention(critic, mb, update=False)
+
+    mb = micro(c_plan, critic_mini, critic)
+    out["update_critic"]["buffers"] = buffers(critic, counts.critic_root, counts.critic, update=True)
+    out["update_critic"]["activations"] = update_activations(critic, mb.tokens)
+    out["update_critic"]["attention"] = attention(critic, mb, update=True)
+
+    mb = micro(a_plan, actor_mini, actor, pad_multiple)
+    out["update_actor"]["buffers"] = buffers(actor, counts.actor_root, counts.actor, update=True)
+    out["update_actor"]["activations"] = update_activations(actor, mb.tokens)
+    out["update_actor"]["attention"] = attention(actor, mb, update=True)
+    out["update_actor"]["logits"] = logits(actor, mb, fp32_tensors=4, entropy=with_entropy)
+    return out
