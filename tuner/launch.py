@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
@@ -36,6 +37,7 @@ from trainer.proc import PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, kill_descenda
 from tuner.memory import MemoryPeaks, MemorySampler
 
 __all__ = [
+    "stop_on_signals",
     "TrialRun",
     "train_command",
     "launch_trial",
@@ -462,3 +464,22 @@ if __name__ == "__main__":
         sys.exit(_reap_main(sys.argv[2:]))
     print("usage: python -m tuner.launch --reap --ppid PID --grace S -- CMD...", file=sys.stderr)
     sys.exit(2)
+
+
+@contextmanager
+def stop_on_signals(stop: threading.Event):
+    """While in the block, SIGINT and SIGTERM set ``stop`` (the runner then ends its trial and the caller
+    records what it has) instead of raising; yields the list of signals received; the handlers are restored
+    on the way out. For ``ppotune search``, ``validate`` and ``probe``: Ctrl-C keeps what was measured."""
+    got: list[int] = []
+
+    def on_signal(signum, _frame):
+        got.append(signum)
+        stop.set()
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield got
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)

@@ -36,6 +36,7 @@ from trainer.config import (
     read_yaml_mapping,
 )
 from trainer.contracts import PHASES, ExitCode, Status
+from tuner.launch import stop_on_signals
 from tuner.memory import nvml_available
 from tuner.runners import SubprocessRunner, TrialOutcome, TrialRequest, TrialRunner
 
@@ -309,18 +310,8 @@ def run(args) -> int:
         flush=True,
     )
     stop = threading.Event()
-    got: list[int] = []
-
-    def on_signal(signum, _frame):
-        got.append(signum)
-        stop.set()
-
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
+    with stop_on_signals(stop) as got:
         result = probe(config, runner=runner, trial_dir=out, stop=stop)
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
     (out / "probe.json").write_text(json.dumps(result.to_dict(), indent=2) + "\n")
     if got or result.status is Status.INTERRUPTED:
         print(f"ppotune probe: stopped{f' by {signal.Signals(got[0]).name}' if got else ''}; nothing measured")

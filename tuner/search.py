@@ -33,6 +33,7 @@ from trainer.summary import MIN_MEASURED_STEPS
 from tuner import study as st
 from tuner.confirm import DEFAULT_ROUNDS, MAX_FINALISTS
 from tuner.decide import count_progress
+from tuner.launch import stop_on_signals
 from tuner.loop import SAMPLERS, Search, SearchOptions, TrialEvent, build_sampler
 from tuner.memory import gpu_info, nvml_available, visible_gpus
 from tuner.progress import Display, trial_line
@@ -517,22 +518,14 @@ def run(args: argparse.Namespace) -> int:
     )
     search.heartbeat.start()
 
-    got: list[int] = []
-
-    def on_signal(signum, _frame):
-        got.append(signum)
-        search.stop_event.set()
-
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        search.run()
-    finally:
-        if isinstance(runner, WarmRunner):
-            runner.close()
-        search.heartbeat.stop()
-        display.close()
-        for s, h in old.items():
-            signal.signal(s, h)
+    with stop_on_signals(search.stop_event) as got:
+        try:
+            search.run()
+        finally:
+            if isinstance(runner, WarmRunner):
+                runner.close()
+            search.heartbeat.stop()
+            display.close()
     _summary(study, search)
     close_storage(storage)  # the database connections go back to the server now, not at exit
     if got:

@@ -52,6 +52,7 @@ from trainer.config import (
 )
 from trainer.contracts import ExitCode, Status, StorageError
 from tuner.confirm import CONFIRMATION_ATTR, Rerun, entry_of, log_interval, paired_ratios, schedule
+from tuner.launch import stop_on_signals
 from tuner.memory import nvml_available
 from tuner.runners import SubprocessRunner, TrialRequest
 
@@ -339,17 +340,10 @@ def run(args) -> int:
         flush=True,
     )
     stop = threading.Event()
-    got: list[int] = []
-
-    def on_signal(signum, _frame):
-        got.append(signum)
-        stop.set()
-
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     runs: dict[str, list] = {"config": [], "baseline": []}
     records: dict[str, list] = {"config": [], "baseline": []}
     k = 0
-    try:
+    with stop_on_signals(stop) as got:
         for r, order in enumerate(plan):
             for label in order:
                 if stop.is_set():
@@ -380,9 +374,6 @@ def run(args) -> int:
                     f"{float(rec.duration_s or 0):.1f} s",
                     flush=True,
                 )
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
     if got:
         print(f"ppotune validate: stopped by {signal.Signals(got[0]).name}; nothing decided", flush=True)
         return ExitCode.INTERRUPTED if got[0] == signal.SIGINT else 128 + got[0]

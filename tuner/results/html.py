@@ -20,7 +20,7 @@ from tuner.results.analysis import (
     ReportData,
     lengths_seen,
 )
-from tuner.results.memory_findings import findings_md
+from tuner.results.memory_findings import findings_md, projection_text
 from tuner.results.plots import STATUS_STYLE
 from tuner.results.view import TIME_PREFIX, StudyView, missing, pareto_front
 
@@ -444,14 +444,8 @@ def _memory_section(data: ReportData) -> list[str]:
         )
     else:
         out.append(f"<p class='muted'>No memory model: {_e(f.why_not)}.</p>")
-    p = f.pick
-    if p is not None and p["scaled"]:
-        out.append(
-            f"<p>The pick, trial #{p['number']}, peaked at <b>{p['measured_gb']:.3g} GB</b> measured on "
-            f"{p['trial_world']} GPUs running the production's per-GPU batch; projected to the "
-            f"{p['target_world']}-GPU job: <b>{p['projected_gb']:.3g} GB</b> (the sharded state per GPU "
-            f"{p['state_trial_gb']:.3g} → {p['state_target_gb']:.3g} GB, by the model).</p>"
-        )
+    if f.pick is not None and f.pick["scaled"]:
+        out.append(f"<p>The pick, {_e(projection_text(f.pick))}.</p>")
     if f.worst_case:
         rows = []
         for w in f.worst_case:

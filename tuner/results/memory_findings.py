@@ -18,7 +18,7 @@ from tuner.probe import WORST_CASE_ATTR, ProbeResult
 from tuner.results.view import StudyView
 from tuner.world import WorldPlan
 
-__all__ = ["MemoryFindings", "memory_findings", "findings_md"]
+__all__ = ["MemoryFindings", "memory_findings", "findings_md", "projection_text"]
 
 
 @dataclass
@@ -94,6 +94,15 @@ def _projection(view: StudyView, model: Any, number: int, base_flat: dict) -> Op
     }
 
 
+def projection_text(p: dict) -> str:
+    """One sentence: the pick's peak measured at the trial world and projected to the production's."""
+    return (
+        f"trial #{p['number']}: peak {p['measured_gb']:.3g} GB measured on {p['trial_world']} GPUs running the "
+        f"production's per-GPU batch; projected to the {p['target_world']}-GPU job: {p['projected_gb']:.3g} GB "
+        f"(the sharded state per GPU {p['state_trial_gb']:.3g} -> {p['state_target_gb']:.3g} GB, by the model)"
+    )
+
+
 def findings_md(f: MemoryFindings, *, limit_gb: Optional[float] = None) -> list[str]:
     """The findings as Markdown lines (why.md, summary.md)."""
     out = []
@@ -105,13 +114,8 @@ def findings_md(f: MemoryFindings, *, limit_gb: Optional[float] = None) -> list[
         )
     elif f.why_not:
         out.append(f"- memory model: none ({f.why_not})")
-    p = f.pick
-    if p is not None and p["scaled"]:
-        out.append(
-            f"- trial #{p['number']}: peak {p['measured_gb']:.3g} GB measured on {p['trial_world']} GPUs (the "
-            f"production's per-GPU batch); projected to the {p['target_world']}-GPU job: {p['projected_gb']:.3g} GB "
-            f"(sharded state {p['state_trial_gb']:.3g} -> {p['state_target_gb']:.3g} GB per GPU, the model's)"
-        )
+    if f.pick is not None and f.pick["scaled"]:
+        out.append(f"- {projection_text(f.pick)}")
     for w in f.worst_case:
         probe: ProbeResult = w["worst"]
         typical = f"{w['typical_gb']:.3g} GB" if w["typical_gb"] is not None else "?"
