@@ -89,7 +89,7 @@ CPU_KEYS = (
 STRATEGY_KEYS = ("actor_rollout_ref.actor.strategy", "actor_rollout_ref.ref.strategy", "critic.strategy")
 _OOM = re.compile(
     r"CUDA out of memory|OutOfMemoryError|can't allocate memory|DefaultCPUAllocator|MemoryError|"
-    r"std::bad_alloc|running low on memory"
+    r"std::bad_alloc|running low on memory|unable to mmap \d+ bytes"  # the last: a checkpoint's mmap under the cap
 )
 _TAIL_LINES = 80
 OOM_GRACE_S = 30.0  # after an OOM line, how long verl gets to end by itself before it is ended

@@ -25,7 +25,6 @@ start-up, a later one does not. Every warm trial's notes say which job ran it.
 from __future__ import annotations
 
 import concurrent.futures
-import copy
 import os
 import subprocess
 import sys
@@ -59,29 +58,6 @@ __all__ = ["WarmRunner"]
 
 _POLL_S = 0.1
 _CLOSE_S = 30.0  # a job asked to stop between trials gets this long before it is terminated
-
-
-#: Said in the notes of a warm trial measured from its first step.
-WARM_NO_WARMUP_NOTE = (
-    "warm: no warm-up step (the job had run a trial: kernels, allocator and process group were warm); every step "
-    "is measured, and the median throughput absorbs a slower first step (the FSDP wrap's lazy init)"
-)
-
-
-def warm_without_warmup(config: dict) -> Optional[dict]:
-    """The config a later trial of a warm job runs: its warm-up steps turned into measured ones, or None to
-    keep them. The warm-up step of a cold run absorbs what a process does once (imports' lazy init, kernel
-    and allocator first use), which a warm job did in its first trial; what a trial does once by itself (the
-    FSDP wrap's lazy init, the optimizer's state) makes its first step ~10% slower on the CPU demo, which the
-    median over >= 3 steps absorbs. Kept when the trial compiles (``use_torch_compile``: its first step
-    compiles, a cost of seconds)."""
-    pp = config.get("ppotune") or {}
-    actor = (config.get("actor_rollout_ref") or {}).get("actor") or {}
-    if not pp.get("warmup_steps") or actor.get("use_torch_compile"):
-        return None
-    out = copy.deepcopy(config)
-    out["ppotune"]["warmup_steps"] = 0
-    return out
 
 
 @dataclass
@@ -198,9 +174,6 @@ class WarmRunner:
         job = self._job_for(request, serve_layout(request.config), config_path)
         job.trials += 1
         first = job.trials == 1
-        warmed = None if first else warm_without_warmup(request.config)
-        if warmed is not None:
-            config_path.write_text(yaml.safe_dump(warmed, sort_keys=False))
         gpus = self.cold.gpu_slice(request.slot)
         cmd = " ".join(train_command(config_path, result_path=result_path))
         with open(log_path, "ab") as log:
@@ -277,8 +250,6 @@ class WarmRunner:
         )
         record = trial_record(run, config_path=config_path, gpus=gpus, engine=self.name)
         record.notes.append(self._note(job, first, ended))
-        if warmed is not None:
-            record.notes.append(WARM_NO_WARMUP_NOTE)
         return TrialOutcome(status, record)
 
     def _timeout(self, first: bool, elapsed_s: float, watch: StepWatch, now: float) -> Optional[str]:

@@ -1,8 +1,9 @@
 """The search's memory-model gate (issue 12.2) on REAL trials: ``tuner.loop.Search`` with the real warm runner on
 the recorded grid's preset (a 128-wide tiny model, 1 CPU process, a real 0.15 GB cap: RLIMIT_DATA above the
-post-start level). Ten configs are measured first (micro-batch 1..16 x gradient checkpointing), which calibrates
-the model; then a candidate the model puts far over the cap is recorded ``predicted_oom`` and never launched,
-and one within the model's error of the cap is launched, so the boundary is measured, not guessed."""
+post-start level). Ten configs are measured first (micro-batch 1..16 x gradient checkpointing, FSDP1), which
+calibrates the model; then a candidate it puts far over the cap (micro-batch 32, no checkpointing) is recorded
+``predicted_oom`` and never launched, and one within the model's error of the cap (micro-batch 16 on FSDP2,
+whose FSDP1 twin measured ~0.14 GB) is launched, so the boundary is measured, not guessed."""
 
 from __future__ import annotations
 
@@ -25,21 +26,26 @@ pytestmark = pytest.mark.slow
 
 BASE = REPO / "benchmarks" / "data" / "grid_base.yaml"
 CAP_GB = 0.15
-MICRO, CKPT = (
-    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
-    "actor_rollout_ref.model.enable_gradient_checkpointing",
-)
+MICRO = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"
+CKPT = "actor_rollout_ref.model.enable_gradient_checkpointing"
+STRATEGY = "actor_rollout_ref.actor.strategy"
 SPACE = {
     "knobs": {
         MICRO: {"type": "pow2", "low": 1, "high": 32, "memory": "increasing"},
         CKPT: {"type": "bool", "memory": "decreasing"},
+        STRATEGY: {"type": "categorical", "choices": ["fsdp", "fsdp2"], "memory": "none"},
     },
-    "derived": {"critic.ppo_micro_batch_size_per_gpu": MICRO, "critic.model.enable_gradient_checkpointing": CKPT},
+    "derived": {
+        "critic.ppo_micro_batch_size_per_gpu": MICRO,
+        "critic.model.enable_gradient_checkpointing": CKPT,
+        "critic.strategy": STRATEGY,
+    },
 }
-# measured first (the calibration), then the two judged against the cap: 32 without checkpointing (its
-# activations are ~4x the cap's worth: far over), 32 with checkpointing (near the cap). The far one is asked
-# first: were the near one to run first and OOM, the far one would be an inferred OOM instead.
-ORDER = [(mb, ck) for mb in (1, 2, 4, 8, 16) for ck in (False, True)] + [(32, False), (32, True)]
+# measured first (the calibration), then the far candidate (free: not counted), then the near one (the 11th
+# counted trial: the budget, so nothing else is asked). The far one comes before any OOM that could make it an
+# inferred OOM instead.
+CALIBRATION = [(mb, ck, "fsdp") for mb in (1, 2, 4, 8, 16) for ck in (False, True)]
+FAR, NEAR = (32, False, "fsdp"), (16, False, "fsdp2")
 
 
 def test_far_over_the_cap_is_never_launched_and_near_it_is(tmp_path):
@@ -50,12 +56,12 @@ def test_far_over_the_cap_is_never_launched_and_near_it_is(tmp_path):
     storage = optuna.storages.RDBStorage(f"sqlite:///{tmp_path / 'study.db'}")
     study = optuna.create_study(storage=storage, directions=list(DIRECTIONS), study_name="gate")
     study.set_user_attr("base_config", trial_base)
-    for mb, ck in ORDER:
-        study.enqueue_trial(space.to_params({MICRO: mb, CKPT: ck}))
+    for mb, ck, strategy in [*CALIBRATION, FAR, NEAR]:
+        study.enqueue_trial(space.to_params({MICRO: mb, CKPT: ck, STRATEGY: strategy}))
     cold = SubprocessRunner(device_kind="cpu", nproc=1, grace_s=3.0, startup_timeout_s=300, step_timeout_s=120)
     runner = WarmRunner(cold=cold, jobs_dir=tmp_path / "jobs")
     search = Search(
-        options=SearchOptions(trials=11, sampler="random", seed=0),  # the 10 measured + the near one
+        options=SearchOptions(trials=len(CALIBRATION) + 1, sampler="random", seed=0),  # + the near one
         study=study,
         storage=storage,
         lock=st.StudyLock(None),
@@ -73,19 +79,25 @@ def test_far_over_the_cap_is_never_launched_and_near_it_is(tmp_path):
     recs = {}
     for t in study.get_trials():
         rec = TrialRecord.from_user_attrs(t.user_attrs)
-        recs[(rec.overrides or {}).get(MICRO), (rec.overrides or {}).get(CKPT)] = (t, rec)
+        o = rec.overrides or {}
+        recs[(o.get(MICRO), o.get(CKPT), o.get(STRATEGY))] = (t, rec)
     print(json.dumps({f"{k}": (str(r.status), r.peak_memory_gb, r.predicted) for k, (_, r) in recs.items()}, indent=1))
     assert study.user_attrs.get(MEMORY_MODEL_ATTR), "the search stored its calibrated model"
-    far_t, far = recs[(32, False)]
+    assert set(recs) == {*CALIBRATION, FAR, NEAR}  # nothing else was asked
+
+    def beyond_error(p: dict) -> bool:
+        return p["peak_gb"] / (1 + p["error"]) > CAP_GB
+
+    far_t, far = recs[FAR]
     assert far.status == Status.PREDICTED_OOM and far.duration_s == 0.0 and far.result_path is None
-    assert far.predicted["peak_gb"] / (1 + far.predicted["error"]) > CAP_GB  # over by more than the error
+    assert beyond_error(far.predicted)
     assert far_t.state == optuna.trial.TrialState.COMPLETE and far.constraint > 1.0  # told: infeasible, graded
-    near_t, near = recs[(32, True)]
+    _, near = recs[NEAR]
     assert near.status in (Status.OK, Status.OOM) and near.duration_s > 0  # launched: really measured
-    assert near.predicted is not None
-    assert (
-        near.predicted["peak_gb"] / (1 + near.predicted["error"])
-        <= CAP_GB
-        < near.predicted["peak_gb"] * (1 + near.predicted["error"])
-    )
+    p = near.predicted
+    assert p is not None and p["peak_gb"] / (1 + p["error"]) <= CAP_GB <= p["peak_gb"] * (1 + p["error"])
+    # every candidate judged with the model was launched exactly when it was not beyond the error
+    for _, rec in recs.values():
+        if rec.predicted is not None:
+            assert (rec.status == Status.PREDICTED_OOM) == beyond_error(rec.predicted), rec
     print(yaml.safe_dump({"near": near.predicted, "far": far.predicted}))
