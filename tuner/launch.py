@@ -38,6 +38,7 @@ from tuner.memory import MemoryPeaks, MemorySampler
 
 __all__ = [
     "stop_on_signals",
+    "next_numbered_dir",
     "TrialRun",
     "train_command",
     "launch_trial",
@@ -483,3 +484,13 @@ def stop_on_signals(stop: threading.Event):
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+
+
+def next_numbered_dir(root: Path) -> Path:
+    """A new directory ``root/<k>``, k one past the highest number there: one per ``ppotune validate`` or
+    ``ppotune probe`` session, so a second run never overwrites the first's files."""
+    root.mkdir(parents=True, exist_ok=True)
+    k = 1 + max((int(p.name) for p in root.iterdir() if p.name.isdigit()), default=0)
+    d = root / str(k)
+    d.mkdir()
+    return d

@@ -36,7 +36,7 @@ from trainer.config import (
     read_yaml_mapping,
 )
 from trainer.contracts import PHASES, ExitCode, Status
-from tuner.launch import stop_on_signals
+from tuner.launch import next_numbered_dir, stop_on_signals
 from tuner.memory import nvml_available
 from tuner.runners import SubprocessRunner, TrialOutcome, TrialRequest, TrialRunner
 
@@ -273,12 +273,7 @@ def _config_of(args) -> dict:
 
 
 def _session_dir(args) -> Path:
-    root = (Path(args.out) if args.out else Path(args.config).resolve().parent) / "probe"
-    root.mkdir(parents=True, exist_ok=True)
-    k = 1 + max((int(p.name) for p in root.iterdir() if p.name.isdigit()), default=0)
-    d = root / str(k)
-    d.mkdir()
-    return d
+    return next_numbered_dir((Path(args.out) if args.out else Path(args.config).resolve().parent) / "probe")
 
 
 _EXIT = {Status.OK: ExitCode.OK, Status.OOM: ExitCode.OOM, Status.INVALID: ExitCode.USAGE}

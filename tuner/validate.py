@@ -52,7 +52,7 @@ from trainer.config import (
 )
 from trainer.contracts import ExitCode, Status, StorageError
 from tuner.confirm import CONFIRMATION_ATTR, Rerun, entry_of, log_interval, paired_ratios, schedule
-from tuner.launch import stop_on_signals
+from tuner.launch import next_numbered_dir, stop_on_signals
 from tuner.memory import nvml_available
 from tuner.runners import SubprocessRunner, TrialRequest
 
@@ -294,12 +294,7 @@ def _inputs(args) -> tuple:
 
 
 def _session_dir(args) -> Path:
-    root = (Path(args.out) if args.out else Path(args.config).resolve().parent) / "validate"
-    root.mkdir(parents=True, exist_ok=True)
-    k = 1 + max((int(p.name) for p in root.iterdir() if p.name.isdigit()), default=0)
-    d = root / str(k)
-    d.mkdir()
-    return d
+    return next_numbered_dir((Path(args.out) if args.out else Path(args.config).resolve().parent) / "validate")
 
 
 def run(args) -> int:
