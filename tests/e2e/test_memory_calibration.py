@@ -117,7 +117,7 @@ def test_calibrated_model_predicts_held_out_trials_within_its_stated_error(measu
         assert set(phases) == set(PHASES)
         for p, e in phases.items():
             assert e <= phase_error(p), (s.number, p, e, phase_error(p))
-    assert peak_error < 0.25  # a statement that says something: the peaks span a factor of about 3
+    assert peak_error < 0.35  # a statement that says something: the peaks span a factor of about 3
 
 
 def test_the_knobs_not_the_library_move_the_memory(measured):

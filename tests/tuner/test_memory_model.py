@@ -23,7 +23,7 @@ from tuner.memory_model import (
     phase_terms,
     samples_from_trials,
 )
-from tuner.memory_model.fit import GB, PRIOR_WEIGHTS, fit_phase
+from tuner.memory_model.fit import GB, PRIOR_WEIGHTS, fit_phase, prediction_factor
 from tuner.memory_model.workload import lpt_bins
 
 A, M = "actor_rollout_ref.actor.", "actor_rollout_ref.model."
@@ -337,16 +337,30 @@ def test_gate_says_over_only_beyond_the_error():
 
 def test_stated_errors_follow_the_leave_one_out_spread():
     model = MemoryModel.analytic(WIDE, on_gpu=True)
-    stats = lambda mx, rms: {"median": rms, "max": mx, "rms": rms, "n": 6}  # noqa: E731
-    model.error = {"peak": stats(0.08, 0.02), "phases": stats(0.1, 0.06), "by_phase": {"adv": stats(0.3, 0.1)}}
+    k6 = prediction_factor(6)
+    stats = lambda mx, rms, n=6: {"median": rms, "max": mx, "rms": rms, "n": n}  # noqa: E731
+    model.error = {
+        "peak": stats(0.08, 0.01),
+        "phases": stats(0.1, 0.03, 54),
+        "by_phase": {"adv": stats(0.3, 0.1), "gen": stats(0.05, 0.01)},
+    }
     assert model.gate_error == pytest.approx(0.08)  # the worst leave-one-out error ...
     model.error["peak"] = stats(0.08, 0.04)
-    assert model.gate_error == pytest.approx(2.5 * 0.04)  # ... or 2.5 x the RMS, when larger
+    assert model.gate_error == pytest.approx(k6 * 0.04)  # ... or k(n) x the RMS, when larger
     model.error["peak"] = stats(0.01, 0.005)
     assert model.gate_error == MIN_ERROR
-    assert model.phase_error() == pytest.approx(2.5 * 0.06)  # every phase pooled
-    assert model.phase_error("adv") == pytest.approx(0.3)  # a phase's own spread, when larger
-    assert model.phase_error("gen") == pytest.approx(2.5 * 0.06)
+    assert model.phase_error() == pytest.approx(k6 * 0.03)  # every phase pooled, counted as 6 trials, not 54
+    assert model.phase_error("adv") == pytest.approx(k6 * 0.1)  # a phase's own spread, when larger
+    assert model.phase_error("gen") == pytest.approx(k6 * 0.03)
+
+
+def test_prediction_factor_is_students_t_for_one_new_trial():
+    # two-sided 99 % t quantiles (tables): 4.604 at 4 degrees of freedom, 4.032 at 5, 3.250 at 9, 2.750 at 30
+    for n, t in ((5, 4.604), (6, 4.032), (10, 3.250), (31, 2.750)):
+        assert prediction_factor(n) == pytest.approx(t * (1 + 1 / n) ** 0.5, rel=0.015)
+    assert prediction_factor(10_000) == pytest.approx(2.576, rel=0.001)  # the normal limit
+    factors = [prediction_factor(n) for n in range(5, 40)]
+    assert factors == sorted(factors, reverse=True)  # fewer trials, a wider statement
 
 
 def test_serialization_round_trip():

@@ -15,14 +15,15 @@ weighed per study by a regularized least-squares fit to the per-phase peaks its 
 """
 
 from .fit import (
+    ERROR_COVERAGE,
     FEATURES,
-    GATE_RMS_FACTOR,
     MIN_ERROR,
     MIN_LOO_SAMPLES,
     MemoryModel,
     Prediction,
     features_gb,
     fit_phase,
+    prediction_factor,
 )
 from .samples import Sample, sample_from_attrs, samples_from_trials
 from .shape import ModelShape, ParamCounts, param_counts, shape_of_config
@@ -31,7 +32,7 @@ from .workload import Lengths, MicroBatch, Plan, largest_micro_batch
 
 __all__ = [
     "FEATURES",
-    "GATE_RMS_FACTOR",
+    "ERROR_COVERAGE",
     "MIN_ERROR",
     "MIN_LOO_SAMPLES",
     "TERMS",
@@ -49,6 +50,7 @@ __all__ = [
     "largest_micro_batch",
     "param_counts",
     "phase_terms",
+    "prediction_factor",
     "sample_from_attrs",
     "samples_from_trials",
     "shape_of_config",
