@@ -18,6 +18,7 @@ sampler: :mod:`tuner.loop` does that and calls these.
 * :func:`incumbent`, :func:`distance` -- the fastest measured config, and how many ordered steps
   apart two configs are (where the loop explores once the sampler only repeats measured configs);
 * :func:`stop_reason` -- the budget: when a search process stops asking;
+* :func:`after_search_s` -- the seconds ``--timeout`` leaves the confirmation and the worst-case probes;
 * :func:`over_budget` -- after an ``ask()`` taken without a cross-process lock: was the
   trial asked past the budget by a race with another worker?
 """
@@ -45,6 +46,7 @@ __all__ = [
     "counted",
     "count_progress",
     "stop_reason",
+    "after_search_s",
     "over_budget",
     "INVALID_CONSTRAINT",
 ]
@@ -120,11 +122,15 @@ def stop_reason(
     timeout_s: Optional[float],
     free_in_a_row: int,
     max_free_in_a_row: int,
+    reserve_s: float = 0.0,
 ) -> Optional[str]:
-    """Why this search process should ask no more trials (None: go on)."""
+    """Why this search process should ask no more trials (None: go on). ``reserve_s``: the part of
+    ``timeout_s`` kept for the confirmation and the probes (:func:`after_search_s`)."""
     if count_progress(trials) >= budget:
         return f"the study holds {budget} counted trials"
-    if timeout_s is not None and elapsed_s > timeout_s:
+    if timeout_s is not None and elapsed_s > timeout_s - reserve_s:
+        if reserve_s > 0:
+            return f"--timeout {timeout_s:g} s: ~{reserve_s:.0f} s of it left for the confirmation and the probes"
         return f"--timeout {timeout_s:g} s reached"
     if free_in_a_row >= max_free_in_a_row:
         return (
@@ -132,6 +138,23 @@ def stop_reason(
             "(already measured, invalid or inferred OOM)"
         )
     return None
+
+
+def after_search_s(trials: Iterable[FrozenTrial], *, runs: int, timeout_s: float) -> float:
+    """How much of ``timeout_s`` the search leaves for ``runs`` trials after it (the confirmation's
+    re-runs and the worst-case probes): that many times the median duration of the search's measured
+    trials, at most half of ``timeout_s`` (the search itself keeps the other half); 0 before any trial
+    was measured or without runs."""
+    if runs <= 0:
+        return 0.0
+    durations = sorted(
+        rec.duration_s
+        for rec in (TrialRecord.from_user_attrs(t.user_attrs) for t in trials if t.state.is_finished())
+        if rec.status == Status.OK and rec.confirm_of is None and rec.duration_s
+    )
+    if not durations:
+        return 0.0
+    return min(runs * durations[len(durations) // 2], timeout_s / 2)
 
 
 def over_budget(trials: Iterable[FrozenTrial], number: int, *, budget: int) -> bool:

@@ -254,6 +254,7 @@ class Search:
                 timeout_s=self.options.timeout_s,
                 free_in_a_row=self._free_in_a_row,
                 max_free_in_a_row=MAX_CONSECUTIVE_FREE,
+                reserve_s=self._after_search_reserve(trials),
             )
         )
         if reason and self._others_still_running(trials, elapsed):
@@ -293,6 +294,21 @@ class Search:
                 cand,
                 decide.Verdict(Status.INVALID, f"tuner: could not prepare the trial: {type(e).__name__}: {e}"),
             )
+
+    def _after_search_reserve(self, trials: list) -> float:
+        """Seconds of ``--timeout`` kept for the confirmation's re-runs and the worst-case probes."""
+        if self.options.timeout_s is None:
+            return 0.0
+        reruns = self.options.confirm * (confirm_mod.MAX_FINALISTS + 1)
+        return decide.after_search_s(trials, runs=reruns + self.options.probe, timeout_s=self.options.timeout_s)
+
+    def _past_timeout(self, what: str) -> bool:
+        """True (and said once) when ``--timeout`` has passed: ``what`` starts no further run."""
+        if self.options.timeout_s is None or time.monotonic() - self._started <= self.options.timeout_s:
+            return False
+        if self.observer:
+            self.observer.message(f"{what}: --timeout {self.options.timeout_s:g} s reached; no further run started")
+        return True
 
     def _others_still_running(self, trials: list, elapsed_s: float) -> bool:
         """The budget is reached counting trials other workers still run: wait for them (if one's
@@ -563,7 +579,7 @@ class Search:
                 f"confirm: finalists {', '.join(f'#{n}' for n in finalists)}{base}, {rounds} interleaved round(s)"
             )
         last_round = -1
-        while not self.stop_event.is_set():
+        while not self.stop_event.is_set() and not self._past_timeout("confirm"):
             with self.lock():
                 got = self._confirm_next(order)
             if got is None:
@@ -667,7 +683,7 @@ class Search:
         with self.lock():
             numbers = self._probe_plan(count)
         for n in numbers:
-            if self.stop_event.is_set():
+            if self.stop_event.is_set() or self._past_timeout("worst case"):
                 return
             with self.lock():
                 if str(n) in (self.study.user_attrs.get(WORST_CASE_ATTR) or {}):

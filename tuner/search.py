@@ -55,7 +55,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         required=True,
         help="stop when the study holds N counted trials (all processes together; resumes count)",
     )
-    p.add_argument("--timeout", type=float, default=None, metavar="S", help="start no new trial after S seconds")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="start no new trial after S seconds, confirmation re-runs and worst-case probes included (the search "
+        "stops early enough to leave them their estimated time, at most half of S)",
+    )
     p.add_argument(
         "--storage",
         default=None,

@@ -316,3 +316,45 @@ def test_an_interrupted_confirmation_resumes_where_it_stopped(setup):
     conf = study.user_attrs[confirm.CONFIRMATION_ATTR]
     assert conf["complete"] and [e["rounds"] for e in conf["finalists"]] == [3, 3]
     assert math.isclose(conf["finalists"][0]["ratio"], 1.6)
+
+
+@dataclass
+class Clocked(ReplayRunner):
+    """The replay runner on a fake clock: every launch takes 10 s of it."""
+
+    now: float = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def run(self, request, stop):
+        self.now += 10.0
+        return super().run(request, stop)
+
+
+class Said:
+    def __init__(self):
+        self.messages: list[str] = []
+
+    def trial_done(self, event) -> None:
+        pass
+
+    def message(self, text: str) -> None:
+        self.messages.append(text)
+
+
+def test_timeout_bounds_the_confirmation_too(setup, monkeypatch):
+    space, _, flat = setup
+    study, storage = _study(space, flat, device_gb=10.0)
+    runner, said = Clocked(_table(space, flat)), Said()
+    monkeypatch.setattr("tuner.loop.time", type("Clock", (), {"monotonic": staticmethod(runner.monotonic)}))
+    search = search_over(
+        setup, study, storage, runner, trials=len(ORDER), sampler="grid", confirm=3, timeout_s=85.0, observer=said
+    )
+    search._started = 0.0
+    search.run()
+    # 5 search trials (0-50 s), then re-runs while the clock is not past 85 s: at 50, 60, 70 and 80 s
+    assert len(_reruns(study)) == 4 and runner.now == 90.0
+    conf = study.user_attrs[confirm.CONFIRMATION_ATTR]
+    assert not conf["complete"]  # what was measured is stored, marked incomplete
+    assert any("confirm: --timeout 85 s reached" in m for m in said.messages)

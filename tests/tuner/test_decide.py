@@ -433,3 +433,16 @@ def test_a_waiting_worker_runs_the_retry_of_a_dead_workers_trial(setup):
     (retry,) = [n for n, r in recs.items() if r.retry_of == dead.number]
     assert recs[retry].status == Status.OK and trials[retry].params == dead.params
     assert decide.count_progress(trials) == 2
+
+
+def test_timeout_leaves_the_confirmation_its_time():
+    ok = [frozen(i, "ok", {}, duration_s=d) for i, d in enumerate((10.0, 30.0, 20.0))]
+    rerun = frozen(3, "ok", {}, duration_s=500.0, confirm_of=0)  # a re-run's seconds are not the search's
+    assert decide.after_search_s([*ok, rerun], runs=4, timeout_s=1000.0) == 80.0  # 4 x the median 20 s
+    assert decide.after_search_s(ok, runs=40, timeout_s=1000.0) == 500.0  # at most half of the timeout
+    assert decide.after_search_s(ok, runs=0, timeout_s=1000.0) == 0.0
+    assert decide.after_search_s([], runs=4, timeout_s=1000.0) == 0.0  # nothing measured yet
+    kw = dict(budget=9, timeout_s=100.0, free_in_a_row=0, max_free_in_a_row=100)
+    assert decide.stop_reason(ok, elapsed_s=70.0, reserve_s=20.0, **kw) is None
+    why = decide.stop_reason(ok, elapsed_s=81.0, reserve_s=20.0, **kw)
+    assert why == "--timeout 100 s: ~20 s of it left for the confirmation and the probes"
