@@ -17,6 +17,7 @@ tuner itself is stopping).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -37,6 +38,8 @@ from trainer.proc import PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, kill_descenda
 from tuner.memory import MemoryPeaks, MemorySampler
 
 __all__ = [
+    "add_hang_flags",
+    "positive_seconds",
     "stop_on_signals",
     "next_numbered_dir",
     "TrialRun",
@@ -219,6 +222,40 @@ class StepWatch:
         if found:
             self.steps += found
             self.last = now
+
+
+def positive_seconds(text: str) -> float:
+    """argparse ``type=`` of a timeout flag: seconds, > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
+    return value
+
+
+def add_hang_flags(p: argparse.ArgumentParser, *, subject: str, step: bool = True) -> None:
+    """The hang timeouts of a command that launches ``subject`` (``"a trial"``, ``"a run"``, ``"a probe"``):
+    ``--startup-timeout`` (to the first step), ``--step-timeout`` (between steps; with ``step``) and the
+    hidden ``--kill-grace`` (SIGTERM to SIGKILL); what :func:`timeout_reason` enforces."""
+    p.add_argument(
+        "--startup-timeout",
+        type=positive_seconds,
+        default=900.0,
+        metavar="S",
+        help=f"a hang: {subject} logging no first step after S seconds (start-up, model and engine build, one step; "
+        "default 900)",
+    )
+    if step:
+        p.add_argument(
+            "--step-timeout",
+            type=positive_seconds,
+            default=300.0,
+            metavar="S",
+            help=f"a hang: {subject} logging no next step for S seconds once it has stepped (default 300)",
+        )
+    p.add_argument("--kill-grace", type=positive_seconds, default=10.0, metavar="S", help=argparse.SUPPRESS)
 
 
 def _total_timeout(total_s: float) -> str:

@@ -36,7 +36,7 @@ from trainer.config import (
     read_yaml_mapping,
 )
 from trainer.contracts import PHASES, ExitCode, Status
-from tuner.launch import next_numbered_dir, stop_on_signals
+from tuner.launch import add_hang_flags, next_numbered_dir, stop_on_signals
 from tuner.memory import nvml_available
 from tuner.runners import SubprocessRunner, TrialOutcome, TrialRequest, TrialRunner
 
@@ -248,14 +248,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="the probe's files go to DIR/probe/<k>/ (default: CONFIG's directory)",
     )
-    p.add_argument(
-        "--startup-timeout",
-        type=float,
-        default=900.0,
-        metavar="S",
-        help="a probe logging no step after S seconds is a hang (default 900)",
-    )
-    p.add_argument("--kill-grace", type=float, default=10.0, metavar="S", help=argparse.SUPPRESS)
+    add_hang_flags(p, subject="a probe", step=False)  # one step: no next step to wait for
 
 
 def _config_of(args) -> dict:

@@ -33,7 +33,7 @@ from trainer.summary import MIN_MEASURED_STEPS
 from tuner import study as st
 from tuner.confirm import DEFAULT_ROUNDS, MAX_FINALISTS
 from tuner.decide import count_progress
-from tuner.launch import stop_on_signals
+from tuner.launch import add_hang_flags, positive_seconds, stop_on_signals
 from tuner.loop import SAMPLERS, Search, SearchOptions, TrialEvent, build_sampler
 from tuner.memory import gpu_info, nvml_available, visible_gpus
 from tuner.progress import Display, trial_line
@@ -124,25 +124,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--trial-timeout",
-        type=float,
+        type=positive_seconds,
         default=None,
         metavar="S",
         help="kill a trial after S seconds in all and record it as a hang (default: no cap on the whole trial)",
     )
-    p.add_argument(
-        "--startup-timeout",
-        type=float,
-        default=900.0,
-        metavar="S",
-        help="a hang: no first step after S seconds (start-up, model and engine build, one step; default 900)",
-    )
-    p.add_argument(
-        "--step-timeout",
-        type=float,
-        default=300.0,
-        metavar="S",
-        help="a hang: no next step for S seconds once the trial has stepped (default 300)",
-    )
+    add_hang_flags(p, subject="a trial")
     p.add_argument(
         "--memory-limit-gb",
         type=float,
@@ -207,7 +194,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="PY",
         help="--engine verl: the interpreter of your verl environment (default: this one)",
     )
-    p.add_argument("--kill-grace", type=float, default=10.0, metavar="S", help=argparse.SUPPRESS)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -241,10 +227,6 @@ def options_from_args(args: argparse.Namespace, *, seed: Optional[int] = None) -
     """The loop's typed options from the parsed flags (``seed``: this process's, see _process_seed)."""
     if getattr(args, "precision", None) is not None and not 0 <= args.precision < 1:
         raise ValueError(f"--precision must be in [0, 1) (0: measure every step), got {args.precision:g}")
-    for flag in ("trial_timeout", "startup_timeout", "step_timeout"):
-        value = getattr(args, flag, None)
-        if value is not None and value <= 0:
-            raise ValueError(f"--{flag.replace('_', '-')} must be > 0 seconds, got {value:g}")
     return SearchOptions(
         trials=args.trials,
         sampler=args.sampler,

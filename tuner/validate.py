@@ -52,7 +52,7 @@ from trainer.config import (
 )
 from trainer.contracts import ExitCode, Status, StorageError
 from tuner.confirm import CONFIRMATION_ATTR, Rerun, entry_of, log_interval, paired_ratios, schedule
-from tuner.launch import next_numbered_dir, stop_on_signals
+from tuner.launch import add_hang_flags, next_numbered_dir, stop_on_signals
 from tuner.memory import nvml_available
 from tuner.runners import SubprocessRunner, TrialRequest
 
@@ -245,21 +245,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--warmup", type=int, default=None, help="leading steps left out of each run's figures (default: the study's)"
     )
     add_study_arguments(p)
-    p.add_argument(
-        "--startup-timeout",
-        type=float,
-        default=900.0,
-        metavar="S",
-        help="a run logging no first step after S seconds is a hang (default 900)",
-    )
-    p.add_argument(
-        "--step-timeout",
-        type=float,
-        default=300.0,
-        metavar="S",
-        help="a run logging no next step for S seconds is a hang (default 300)",
-    )
-    p.add_argument("--kill-grace", type=float, default=10.0, metavar="S", help=argparse.SUPPRESS)
+    add_hang_flags(p, subject="a run")
 
 
 def _fail(msg: str) -> int:
