@@ -74,14 +74,28 @@ def torch_dtype(name: str) -> torch.dtype:
     return {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}[name]
 
 
+#: meshes built in this process, per (device type, shape), with the default process group they were built on
+_MESHES: dict[tuple, tuple] = {}
+
+
 def _mesh(device: torch.device, fsdp_size: int):
-    """1-D mesh over all ranks, or (replicate, shard) for hybrid sharding (verl's create_device_mesh)."""
+    """1-D mesh over all ranks, or (replicate, shard) for hybrid sharding (verl's create_device_mesh).
+
+    Built once per process and shape: a hybrid mesh makes new process groups (NCCL communicators, with their
+    device memory), so building one per wrapped model would leak groups in a warm job, one set per trial,
+    and each later trial's peak would carry the earlier trials' communicators."""
     from torch.distributed.device_mesh import init_device_mesh
 
     world = dist.get_world_size()
-    if fsdp_size in (-1, world):
-        return init_device_mesh(device.type, (world,), mesh_dim_names=("fsdp",))
-    return init_device_mesh(device.type, (world // fsdp_size, fsdp_size), mesh_dim_names=("ddp", "fsdp"))
+    shape = (world,) if fsdp_size in (-1, world) else (world // fsdp_size, fsdp_size)
+    key = (device.type, shape)
+    cached = _MESHES.get(key)
+    if cached is not None and cached[0] is dist.group.WORLD:
+        return cached[1]
+    names = ("fsdp",) if len(shape) == 1 else ("ddp", "fsdp")
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
+    _MESHES[key] = (dist.group.WORLD, mesh)
+    return mesh
 
 
 def shard_model(model: nn.Module, knobs: ShardKnobs, *, device: torch.device, name: str, notes: list[str]) -> Sharded:

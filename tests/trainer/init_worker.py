@@ -1,6 +1,7 @@
 """Run by torchrun from test_model_init.py: build actor, ref and critic from a checkpoint whose LM head is
 tied to its embedding (rank 0 loads, the others build on the meta device) and report, per strategy,
-whether the tie survived sharding and whether every rank holds the same full weights."""
+whether the tie survived sharding and whether every rank holds the same full weights; then how many
+process groups three hybrid-sharded builds leave."""
 
 import json
 import sys
@@ -9,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-from trainer.config import load_config
+from trainer.config import FSDP_SECTIONS, load_config
 from trainer.models import load_tokenizer
 from trainer.proc import leave_rank
 from trainer.run import build_roles
@@ -32,10 +33,25 @@ def check(ckpt: str, strategy: str) -> dict:
     return {"tied": tied, "ranks_agree": all(torch.equal(every[0], w) for w in every)}
 
 
+def groups_after_rewraps(ckpt: str) -> list[int]:
+    """Process groups alive after each of three builds of every role with hybrid sharding (as a warm job
+    re-wraps per trial): a mesh per wrapped model would add groups every time."""
+    over = {"actor_rollout_ref.model.path": ckpt, "actor_rollout_ref.actor.strategy": "fsdp2"}
+    over["critic.strategy"] = "fsdp2"
+    over |= {f"{section}.fsdp_size": 1 for section in FSDP_SECTIONS}
+    cfg = load_config(sys.argv[3], over)
+    counts = []
+    for _ in range(3):
+        build_roles(cfg, load_tokenizer(ckpt), torch.device("cpu"), dist.get_world_size(), [])
+        counts.append(len(dist.distributed_c10d._world.pg_map))
+    return counts
+
+
 def main():
     dist.init_process_group("gloo")
     ckpt, out = sys.argv[1], sys.argv[2]
     got = {s: check(ckpt, s) for s in ("fsdp", "fsdp2")}
+    got["groups_after_rewraps"] = groups_after_rewraps(ckpt)
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(got, f)

@@ -28,4 +28,6 @@ def test_tied_checkpoint_stays_tied_and_every_rank_holds_rank0s_weights(tmp_path
     worker = REPO / "tests" / "trainer" / "init_worker.py"
     torchrun(worker, tmp_path / "ckpt", out, TINY_BASE, nproc=2, timeout=600)
     got = json.loads(out.read_text())
+    groups = got.pop("groups_after_rewraps")
     assert got == {s: {"tied": True, "ranks_agree": True} for s in ("fsdp", "fsdp2")}, got
+    assert groups[0] > 1 and groups == [groups[0]] * 3, groups  # hybrid groups made once, not per re-wrap
