@@ -2,12 +2,13 @@
 
 1. The same search twice, ``ppotune search`` as a user runs it (``configs/tiny_cpu.yaml``, the shipped
    ``search_spaces/tiny_cpu.yaml``, one seed, ``--confirm 0 --probe 0``): once ``--cold`` (one process group per
-   trial), once warm (the default: one job runs every trial of the layout). Each search is split in
-   halves (``--trials N/2``, then resumed to ``--trials N``) run interleaved, cold A, warm A, cold B,
-   warm B, so a machine that gets busier or quieter weighs on both alike. Printed for each: the tuning
-   wall time (every ``ppotune search`` process from start to exit), the measured step seconds (the
-   post-warm-up steps of every trial, from their result files), the unmeasured share
-   ``1 - measured / wall``, and the ratios warm/cold.
+   trial), once warm (the default: one job runs every trial of the layout), whole, in ``--rounds``
+   rounds of alternating order (cold, warm | warm, cold | ...), so a machine that gets busier or quieter
+   weighs on both alike. Printed for each (medians over the rounds): the tuning wall time (the ``ppotune
+   search`` process from start to exit), the measured step seconds (the post-warm-up steps of every
+   trial, from their result files), the unmeasured share ``1 - measured / wall``, and the ratios
+   warm/cold. (An earlier version split each search in halves resumed in turn: that paid a second tuner
+   start and, warm, a second job start-up that one search does not pay.)
 2. Memory, warm against cold: the same configs through the real runners (``SubprocessRunner`` cold,
    ``WarmRunner`` warm, each warm config as the second trial of a job), twice each: the CPU memory
    objective (resident memory above the post-start level) side by side; then the memory cap
@@ -15,7 +16,8 @@
    runs under, bisected cold and warm (an OOM far below it and a run far above it agree by construction
    of the bisection's end points, which are checked).
 
-    python benchmarks/bench_overhead.py [--trials 12] [--seed 0] [--json FILE] [--only overhead|memory] [--grid-preset]
+    python benchmarks/bench_overhead.py [--trials 12] [--seed 0] [--rounds 2] [--json FILE] [--only overhead|memory]
+                                       [--grid-preset]
 
 ``--grid-preset`` runs part 1 on the recorded grid's base and space instead of the demo's: the same tiny
 architecture at 128 wide with longer sequences, whose steps last longer than the demo's fraction of a second.
@@ -101,20 +103,24 @@ def _measured(out: Path) -> dict:
     return got
 
 
-def overhead(trials: int, seed: int, root: Path, extra: tuple = ()) -> dict:
-    halves = [trials // 2, trials]
-    wall = {"cold": 0.0, "warm": 0.0}
-    for n in halves:
-        for kind in ("cold", "warm"):
-            w = _search(root / kind, n, seed, cold=kind == "cold", extra=extra)
-            wall[kind] += w
-            print(f"  {kind:4s} search to {n:2d} trials: {w:6.1f} s", flush=True)
+def overhead(trials: int, seed: int, root: Path, extra: tuple = (), rounds: int = 2) -> dict:
+    """Each round runs the whole search cold and warm, in alternating order (cold first in even rounds), each
+    search in a fresh directory; the figures of each kind are the medians over the rounds."""
+    per_round: dict[str, list[dict]] = {"cold": [], "warm": []}
+    for r in range(rounds):
+        for kind in ("cold", "warm") if r % 2 == 0 else ("warm", "cold"):
+            out = root / f"{kind}-{r}"
+            w = _search(out, trials, seed, cold=kind == "cold", extra=extra)
+            m = _measured(out)
+            m["wall_s"] = w
+            m["unmeasured_share"] = 1.0 - m["measured_s"] / w
+            per_round[kind].append(m)
+            print(f"  round {r + 1}: {kind:4s} search of {trials} trials: {w:6.1f} s, unmeasured "
+                  f"{m['unmeasured_share']:.1%}", flush=True)  # fmt: skip
     rows = {}
-    for kind in ("cold", "warm"):
-        m = _measured(root / kind)
-        m["wall_s"] = wall[kind]
-        m["unmeasured_share"] = 1.0 - m["measured_s"] / wall[kind]
-        rows[kind] = m
+    for kind, ms in per_round.items():
+        rows[kind] = {key: statistics.median(m[key] for m in ms) for key in ms[0]}
+        rows[kind]["rounds"] = ms
     return rows
 
 
@@ -188,6 +194,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trials", type=int, default=12)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=2, help="part 1: whole searches of each kind, alternating")
     ap.add_argument("--json", default=None, help="also write the figures here")
     ap.add_argument("--only", choices=["overhead", "memory"], default=None, help="run one part")
     ap.add_argument(
@@ -217,10 +224,10 @@ def main() -> int:
 
 
 def _print_overhead(out: dict, args: argparse.Namespace, root: Path) -> None:
-    print("1. the search, cold and warm (halves interleaved)", flush=True)
+    print(f"1. the search, cold and warm ({args.rounds} rounds, alternating order; medians)", flush=True)
     extra = ("--nproc", "1", "--memory-limit-gb", "0.15") if args.grid_preset else ()
     print(f"   base {BASE.relative_to(REPO)}, space {SPACE.relative_to(REPO)}", flush=True)
-    rows = out["overhead"] = overhead(args.trials, args.seed, root / "search", extra)
+    rows = out["overhead"] = overhead(args.trials, args.seed, root / "search", extra, rounds=args.rounds)
     print(
         f"\n  {'':5s} {'wall s':>7s} {'measured':>9s} {'warm-up':>8s} {'in trials':>10s} {'outside':>8s}"
         f"  {'unmeasured':>10s}  trials"
@@ -229,8 +236,8 @@ def _print_overhead(out: dict, args: argparse.Namespace, root: Path) -> None:
         rest = m["trial_s"] - m["measured_s"] - m["warmup_s"]  # start-up, build, hand-over, teardown
         print(
             f"  {kind:5s} {m['wall_s']:7.1f} {m['measured_s']:9.1f} {m['warmup_s']:8.1f} {rest:10.1f} "
-            f"{m['wall_s'] - m['trial_s']:8.1f}  {m['unmeasured_share']:10.1%}  {m['launched']} "
-            f"({m['warm']} warm, {m['jobs']} jobs started)"
+            f"{m['wall_s'] - m['trial_s']:8.1f}  {m['unmeasured_share']:10.1%}  {m['launched']:.0f} "
+            f"({m['warm']:.0f} warm, {m['jobs']:.0f} jobs started)"
         )
     print("  (seconds; in trials: the trials' own seconds less their steps; outside: the tuner between them)")
     c, w = rows["cold"], rows["warm"]
