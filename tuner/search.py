@@ -138,6 +138,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="a real per-process memory cap for every trial (GPU: allocator fraction; CPU: rlimit)",
     )
     p.add_argument("--sampler", choices=list(SAMPLERS), default="tpe")
+    p.add_argument(
+        "--local-every",
+        type=int,
+        default=2,
+        metavar="N",
+        help="tpe: once its random start-up is done, every N-th launched trial is an unmeasured config one ordered "
+        "step from the fastest measured one (when there is one left); 0: the sampler alone (default 2)",
+    )
     p.add_argument("--seed", type=int, default=None)
     p.add_argument(
         "--confirm",
@@ -237,6 +245,7 @@ def options_from_args(args: argparse.Namespace, *, seed: Optional[int] = None) -
         # verl has no worst-case mode: the probe runs ppotune's own trainer
         probe=0 if getattr(args, "engine", "ppotune") == "verl" else getattr(args, "probe", 0),
         predict_oom=not getattr(args, "no_memory_model", False),
+        local_every=getattr(args, "local_every", 2),
         heartbeat_s=args.heartbeat,
         grace_s=args.grace,
     )

@@ -446,3 +446,38 @@ def test_timeout_leaves_the_confirmation_its_time():
     assert decide.stop_reason(ok, elapsed_s=70.0, reserve_s=20.0, **kw) is None
     why = decide.stop_reason(ok, elapsed_s=81.0, reserve_s=20.0, **kw)
     assert why == "--timeout 100 s: ~20 s of it left for the confirmation and the probes"
+
+
+def test_every_second_trial_after_the_start_up_steps_from_the_incumbent():
+    """``local_every=2``: once TPE's random start-up is done, every second launched trial is an unmeasured
+    config one ordered step from the fastest measured one (the incumbent at that moment)."""
+    rmpad, strategy = "actor_rollout_ref.model.use_remove_padding", "actor_rollout_ref.actor.strategy"
+    setup = tiny_setup(
+        SPACE + f"  {rmpad}: {{type: bool, memory: decreasing}}\n"
+        f"  {strategy}: {{type: categorical, choices: [fsdp, fsdp2], memory: none}}\n"
+    )
+    space, _, flat = setup
+    table = {}
+    for i, cand in enumerate(space.grid(flat)):
+        p = cand.params
+        thr = 100.0 * p[MICRO] * (0.8 if p[GC] else 1.0) * (1.2 if p[rmpad] else 1.0)
+        thr *= 1.1 if p[strategy] == "fsdp" else 1.0
+        table[space.identity(cand.effective)] = [Recorded(Status.OK, thr, 1.0, 10.0, i)]
+    storage = optuna.storages.InMemoryStorage()
+    sampler = build_sampler("tpe", seed=0, n_trials=14)
+    study = optuna.create_study(storage=storage, directions=list(DIRECTIONS), sampler=sampler)
+    search_over(setup, study, storage, ReplayRunner(table), trials=14, sampler="tpe", local_every=2).run()
+    launched = [t for t in study.get_trials() if TrialRecord.from_user_attrs(t.user_attrs).status == Status.OK]
+    startup = sampler._n_startup_trials
+    local = 0
+    for k in range(startup + 1, len(launched), 2):
+        known = decide.known_configs(launched[:k], space, flat)
+        near = decide.incumbent(known, flat)
+        here = decide.effective_of(launched[k], flat)
+        if decide.distance(space, here, near) == 1.0:
+            local += 1
+        else:  # only once the incumbent's neighbourhood is measured: then the sampler proposes
+            assert {
+                space.identity(c.effective) for c in space.grid(flat) if decide.distance(space, c.effective, near) == 1
+            } <= set(known), k
+    assert local >= 4
