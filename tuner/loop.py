@@ -4,8 +4,8 @@
 interrupt and resume, ``--confirm`` re-runs). A candidate rejected before launch (invalid, duplicate, inferred OOM)
 is told to Optuna at zero cost, outside ``--trials``, and the sampler is asked again inside the
 same :meth:`Search.ask`. With TPE, every ``--local-every``-th launched trial after the sampler's start-up is a
-local step instead: the unmeasured config one notch from the fastest measured one. What to do with a candidate is decided by the pure functions of
-:mod:`tuner.decide`; how a trial is measured is the runner's business
+local step instead: the unmeasured config one notch from the fastest measured one. What to do with a
+candidate is decided by the pure functions of :mod:`tuner.decide`; how a trial is measured is the runner's business
 (:mod:`tuner.runners`): the real subprocess runner in ``ppotune search``, a replay
 runner in benchmarks and tests. What happens is told to an optional
 :class:`SearchObserver` (the console display, wandb).
