@@ -8,7 +8,9 @@ The baseline trial is left out, so every trial is the sampler's own choice. Thre
 
 * ``ours``: ``tuner.loop.Search`` with TPE as ``ppotune search`` runs it: power-of-two knobs as
   ordered exponents, rejections before launch (invalid, inferred OOM, duplicate) free and resampled,
-  a duplicate answered with its twin's values, the graded memory constraint;
+  a duplicate answered with its twin's values, the graded memory constraint, and after TPE's start-up
+  every second launched trial a local step (the fastest measured config's nearest unmeasured neighbour,
+  ``--local-every 2``);
 * ``tpe-plain``: the same TPE sampler fed the way a plain Optuna loop would: power-of-two knobs as
   categoricals, invalid configs FAIL and count, every proposal launched (duplicates re-run, no OOM
   inference), OOM/hang COMPLETE with a binary constraint;
