@@ -18,6 +18,7 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass, field
+from itertools import chain
 from pathlib import Path
 from typing import Any, Optional, Protocol
 
@@ -459,9 +460,10 @@ class Search:
                 random.Random(self.options.seed).shuffle(grid)
                 self._grid = [(self.space.identity(c.effective), c) for c in grid]
             pool = (c for ident, c in self._grid if ident not in seen)
-        else:
+        else:  # too large to enumerate: random draws, and the neighbours of ``near`` (draws rarely land there)
             drawn = (self.space.sample(self.trial_flat, self._rng) for _ in range(200))
-            pool = (c for c in drawn if c is not None and self.space.identity(c.effective) not in seen)
+            steps = self.space.neighbours(near, self.trial_flat) if near is not None else []
+            pool = (c for c in chain(steps, drawn) if c is not None and self.space.identity(c.effective) not in seen)
         if near is None:
             return next(pool, None)
         got = min(pool, key=lambda c: decide.distance(self.space, c.effective, near), default=None)

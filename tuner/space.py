@@ -662,6 +662,38 @@ class Space:
                     return limit + 1
         return n * free_count
 
+    def neighbours(self, eff: dict, base_flat: dict) -> list[Candidate]:
+        """The configs one step from ``eff`` (a flat effective config of this space): one active knob moved
+        one position in its ordered domain (a power of two: one exponent), or to another choice of an
+        unordered categorical, the set of active knobs unchanged, the constraints kept (the configs at
+        :func:`tuner.decide.distance` 1). For a space too large to enumerate, where random draws would
+        rarely land next to a given config."""
+        active = self.active_keys(eff)
+        params = {k.key: eff[k.key] for k in self.knobs if k.key in active}
+        out = []
+        for knob in self.knobs:
+            if knob.key not in active:
+                continue
+            domain, value = knob.domain(), params[knob.key]
+            at = [j for j, v in enumerate(domain) if type(v) is type(value) and v == value]
+            if not at:
+                continue  # a value outside the domain (the base config's): no position to step from
+            i = at[0]
+            unordered = knob.type == "categorical" and knob.exponents is None
+            steps = (
+                [j for j in range(len(domain)) if j != i]
+                if unordered
+                else [j for j in (i - 1, i + 1) if 0 <= j < len(domain)]
+            )
+            for j in steps:
+                moved = {**params, knob.key: domain[j]}
+                if self.active_keys({**base_flat, **moved}) != active:
+                    continue  # the step switches other knobs on or off: further than one step
+                cand = self.complete(moved, base_flat)
+                if cand.violated is None and cand.error is None:
+                    out.append(cand)
+        return out
+
     def sample(self, base_flat: dict, rng: random.Random, *, tries: int = 2000) -> Optional[Candidate]:
         """A uniformly drawn knob assignment that satisfies the constraints (rejection sampling)."""
         for _ in range(tries):

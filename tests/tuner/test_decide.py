@@ -481,3 +481,47 @@ def test_every_second_trial_after_the_start_up_steps_from_the_incumbent():
                 space.identity(c.effective) for c in space.grid(flat) if decide.distance(space, c.effective, near) == 1
             } <= set(known), k
     assert local >= 4
+
+
+def test_neighbours_are_the_configs_one_step_away():
+    from support import REPO
+    from trainer.config import flatten
+    from tuner.space import base_flat_config, load_space
+
+    space = load_space(REPO / "benchmarks" / "data" / "grid_space.yaml")
+    flat = flatten(base_flat_config(str(REPO / "benchmarks" / "data" / "grid_base.yaml"), nproc=1)[0])
+    grid = [c.effective for c in space.grid(flat)]
+    for here in (grid[0], grid[len(grid) // 2], grid[-1]):
+        got = {space.identity(c.effective) for c in space.neighbours(here, flat)}
+        one_step = {space.identity(e) for e in grid if decide.distance(space, e, here) == 1}
+        assert got == one_step and got  # every config at distance 1, and nothing else
+
+
+def test_local_steps_reach_the_neighbours_of_a_space_too_large_to_enumerate():
+    """A token budget over 59,001 values: 200 random draws never land one token from the incumbent, the
+    neighbours do."""
+    from trainer.config import flatten
+
+    budget = "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"
+    setup = tiny_setup(SPACE + f"  {budget}: {{type: int, low: 1000, high: 60000, step: 1, memory: increasing}}\n")
+    space, _, flat = setup
+
+    class Formula(ReplayRunner):
+        def run(self, request, stop):
+            eff = flatten(request.config)
+            thr = 100.0 * eff[MICRO] * (0.8 if eff[GC] else 1.0) + eff[budget] / 1000
+            self.table[request.identity] = [Recorded(Status.OK, thr, 1.0, 1.0, len(self.table))]
+            return super().run(request, stop)
+
+    assert space.size(flat, limit=200_000) > 100_000  # sampled, not enumerated
+    storage = optuna.storages.InMemoryStorage()
+    sampler = build_sampler("tpe", seed=0, n_trials=12)
+    study = optuna.create_study(storage=storage, directions=list(DIRECTIONS), sampler=sampler)
+    search_over(setup, study, storage, Formula({}), trials=12, sampler="tpe", local_every=2).run()
+    launched = [t for t in study.get_trials() if TrialRecord.from_user_attrs(t.user_attrs).status == Status.OK]
+    startup = sampler._n_startup_trials
+    turns = range(startup + 1, len(launched), 2)
+    for k in turns:
+        near = decide.incumbent(decide.known_configs(launched[:k], space, flat), flat)
+        assert decide.distance(space, decide.effective_of(launched[k], flat), near) == 1.0, k
+    assert len(turns) >= 3
