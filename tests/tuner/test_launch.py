@@ -314,8 +314,17 @@ def test_sampler_reads_the_process_tree(tmp_path):
 def test_a_timeout_must_be_positive(cli, tmp_path, flag):
     r = cli("search", "configs/tiny_cpu.yaml", "--space", "search_spaces/tiny_cpu.yaml", "--trials", 1,
             flag, 0, "--out", tmp_path / "out")  # fmt: skip
-    assert r.returncode == 2 and r.stderr.strip() == f"ppotune search: {flag} must be > 0 seconds, got 0"
+    assert (
+        r.returncode == 2 and r.stderr.strip() == f"ppotune search: error: argument {flag}: must be > 0 seconds, got 0"
+    )
     assert not (tmp_path / "out").exists()  # nothing was started
+
+
+@pytest.mark.parametrize("command", ["probe", "validate"])
+def test_probe_and_validate_check_their_timeouts_too(cli, tmp_path, command):
+    r = cli(command, "configs/tiny_cpu.yaml", "--startup-timeout", -1, "--out", tmp_path / "out")
+    assert r.returncode == 2 and "argument --startup-timeout: must be > 0 seconds, got -1" in r.stderr
+    assert not (tmp_path / "out").exists()
 
 
 # --------------------------------------------------------------------------- warm jobs (what needs no trial)
