@@ -443,6 +443,10 @@ class Search:
         every = self.options.local_every
         if every <= 0 or self.options.sampler != "tpe":
             return False
+        if not (self.lock.exact or isinstance(self.storage, optuna.storages.InMemoryStorage)):
+            # no cross-process lock (the gRPC proxy, MySQL): two workers could enqueue the same neighbour at
+            # once and both run it, so local steps are left to workers that can serialize their asks
+            return False
         records = (TrialRecord.from_user_attrs(t.user_attrs) for t in trials)
         launched = sum(1 for r in records if r.status is not None and r.status.launched)
         startup = getattr(self.study.sampler, "_n_startup_trials", 0)  # TPE's random start-up (no public getter)

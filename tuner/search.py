@@ -144,7 +144,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=2,
         metavar="N",
         help="tpe: once its random start-up is done, every N-th launched trial is an unmeasured config one ordered "
-        "step from the fastest measured one (when there is one left); 0: the sampler alone (default 2)",
+        "step from the fastest measured one (when there is one left); off where the storage has no cross-process lock "
+        "(the gRPC proxy, MySQL); 0: the sampler alone (default 2)",
     )
     p.add_argument("--seed", type=int, default=None)
     p.add_argument(
