@@ -5,7 +5,7 @@ One study is shared by many assertions (module fixture): the baseline, a real di
 hang (``ppotune.fault=hang``), a real OOM (``--memory-limit-gb 0.25``: a 1024-wide model
 cannot allocate its weights under that RLIMIT_DATA cap, a 64-wide one runs), an inferred
 OOM that is never launched, a real crash (``ppotune.fault=crash``: rank 1 SIGKILLs
-itself), a duplicate proposal, a plain ok trial and a ``--confirm`` re-run. Trials are
+itself), a duplicate proposal, two plain ok trials and a ``--confirm`` re-run. Trials are
 enqueued through Optuna's own API so the sequence is deterministic.
 """
 
@@ -115,12 +115,13 @@ def shared(tmp_path_factory, cli):
     load(storage).enqueue_trial(point(knobs(64, 2, "hang")))
     runs.append(cli("search", *args, "--trials", 2, "--trial-timeout", 20))
     assert runs[-1].returncode == 0, runs[-1].stdout + runs[-1].stderr
-    # 3. OOM, inferred OOM, crash, a duplicate of the baseline, an ok trial; then --confirm 1. The inferred
-    # OOM and the duplicate are rejected before launch: free, they do not count toward --trials
+    # 3. OOM, inferred OOM, crash, a duplicate of the baseline, two ok trials (the second in the first's warm
+    # job, whatever the confirmation decides); then --confirm 1. The inferred OOM and the duplicate are rejected
+    # before launch: free, they do not count toward --trials
     study = load(storage)
-    for p in (knobs(1024, 1), knobs(1024, 4), knobs(64, 2, "crash"), BASELINE, knobs(64, 4)):
+    for p in (knobs(1024, 1), knobs(1024, 4), knobs(64, 2, "crash"), BASELINE, knobs(64, 4), knobs(64, 1)):
         study.enqueue_trial(point(p))
-    runs.append(cli("search", *args, "--trials", 5, "--trial-timeout", 180, "--confirm", 1))
+    runs.append(cli("search", *args, "--trials", 6, "--trial-timeout", 180, "--confirm", 1))
     assert runs[-1].returncode == 0, runs[-1].stdout + runs[-1].stderr
     return SimpleNamespace(
         dir=d, out=d / "out", storage=storage, study=load(storage), runs=runs, seconds=time.monotonic() - t0
@@ -138,8 +139,8 @@ def test_study_completes_with_baseline_first(shared):
     assert values(first) == BASELINE and first.user_attrs["overrides"] == {}
     assert first.params[f"log2:{MICRO}"] == 1  # Optuna holds micro-batch 2 as its exponent
     assert sum(1 for t in study.get_trials() if t.user_attrs.get("baseline")) == 1
-    assert count_progress(study.get_trials()) == 5
-    assert len([t for t in study.get_trials() if counted(t)]) == 5
+    assert count_progress(study.get_trials()) == 6
+    assert len([t for t in study.get_trials() if counted(t)]) == 6
 
 
 def test_every_trial_has_a_status_and_launched_ones_a_memory_source(shared):
@@ -248,7 +249,7 @@ def test_confirm_reruns_the_finalists_interleaved_with_the_baseline(shared):
     conf = study.user_attrs.get("confirmation")
     if conf is None:  # nothing to confirm: the baseline dominates every other measured config
         assert not reruns and all(dominated(t) for t in measured if t.number != 0)
-        pytest.skip("the baseline dominated the one other ok trial: nothing was confirmed this time")
+        pytest.skip("the baseline dominated the other ok trials: nothing was confirmed this time")
     finalists = [e["number"] for e in conf["finalists"]]
     assert conf["baseline"] == 0 and conf["rounds"] == 1 and conf["complete"] and finalists
     for n in finalists:  # a measured config besides the baseline, on the front or within noise of the best
@@ -314,7 +315,8 @@ def test_trials_run_warm_and_a_fault_ends_their_job(shared):
     for t in launched:
         ended = notes[t.number][0].endswith("the job ended with it")
         assert ended == (t.user_attrs["status"] != "ok"), (t.number, notes[t.number])
-    # run 3's ok trial started a job; its --confirm re-runs ran in it, without a start-up of their own
+    # run 3's first ok trial started a job; the second (and any --confirm re-runs) ran in it, without a start-up
+    # of their own
     later = [t for t in launched if " (started for trial " in notes[t.number][0]]
     assert later and all(t.user_attrs["status"] == "ok" for t in later)
 
@@ -341,7 +343,7 @@ def test_one_plain_line_per_finished_trial(shared):
 
 def test_resume_refuses_a_different_setup(shared, cli):
     r = cli(
-        "search", *common(shared.dir, shared.dir / "space.yaml", "--memory-limit-gb", 0.25), "--trials", 6, "--nproc", 1
+        "search", *common(shared.dir, shared.dir / "space.yaml", "--memory-limit-gb", 0.25), "--trials", 7, "--nproc", 1
     )
     assert r.returncode == 2
     assert "nproc=2" in r.stderr and len(r.stderr.strip().splitlines()) == 1
