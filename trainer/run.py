@@ -263,6 +263,7 @@ def run_trial(
     *,
     weights=None,
     first_use: Optional[MemoryLevel] = None,
+    later: bool = False,
 ) -> MemoryLevel:
     """One run on a started rank: memory cap, data, models built with the config's knobs, the steps, the
     optional checkpoint; ``state`` (the rank's status file) filled as it goes. Everything it builds is
@@ -272,6 +273,9 @@ def run_trial(
     ``weights`` (its copy of the loaded weights) and, after its first trial, ``first_use``: what that trial
     left behind in a process that gave back all it built (kernels, caches, lazily built state: memory a cold
     run allocates in its own figure); a later trial then counts from its start less that, as a cold run would.
+    ``later``: a later trial of a warm job: the process, its allocator and its libraries are warm, so it runs
+    no warm-up step; its first step is measured unless it turns out slower than ``FIRST_STEP_OUTLIER`` x the
+    median of the next two or more (trainer.summary.first_step_outlier), when it is marked warm-up after all.
     """
     import torch
     import torch.distributed as dist
@@ -281,7 +285,7 @@ def run_trial(
     from .metrics import PhaseMeter, actor_mfu, peak_flops
     from .models import load_tokenizer
     from .step import ppo_step
-    from .summary import stop_reason, summarize_steps
+    from .summary import first_step_outlier, stop_reason, summarize_steps
     from .tracking import StepLogger
 
     notes: list[str] = state["notes"]
@@ -335,6 +339,8 @@ def run_trial(
     logger = StepLogger(cfg, rank=rank, config_dict=config_to_dict(cfg))
     peak = peak_flops(state["environment"]["device_name"]) if use_cuda else None
     total_steps, warmup = cfg.trainer.total_training_steps, cfg.ppotune.warmup_steps
+    # a later warm trial: its first step measured provisionally instead of a warm-up (see the docstring)
+    provisional, warmup = (True, 0) if later and warmup > 0 else (False, warmup)
     my_rows = rows_of_rank(cfg, cfg.data.train_batch_size * n, world, rank)
     # what each GPU runs per step: the same at the trial's world and the production's (tuner.world)
     state["per_gpu"] = {
@@ -384,7 +390,7 @@ def run_trial(
         step_s = mem[-1]  # the slowest rank sets the step time
         sum_sq = metrics.pop("_sum_seqlen_sq")
         mine_lengths = metrics.pop("_lengths")
-        if step > warmup and len(lengths["prompt"]) < MAX_LENGTHS_KEPT:
+        if len(lengths["prompt"]) < MAX_LENGTHS_KEPT:  # every step's, warm-up included: the data the run saw
             everyone = [None] * world
             dist.all_gather_object(everyone, mine_lengths)
             for prompt_lens, response_lens in everyone:
@@ -413,6 +419,12 @@ def run_trial(
             row["perf/rss_start_gb"], row["perf/peak_rss_above_start_gb"] = mem[-5], mem[-4]
         row.update(metrics)
         state["steps"].append(row)
+        outlier = first_step_outlier([s["timing_s/step"] for s in state["steps"]]) if provisional else False
+        if outlier is not None:
+            provisional = False
+            if outlier:
+                state["steps"][0]["warmup"] = True
+                notes.append("warm job: the first step was slower than the next ones: counted as the warm-up")
         summary = state["summary"] = summarize_steps(state["steps"], device_type=device.type, lengths=lengths)
         # every rank decides alike: the inputs (step time, tokens, peaks) were all-reduced above
         stop = stop_reason(
@@ -422,6 +434,8 @@ def run_trial(
             min_steps=cfg.ppotune.min_measured_steps,
             front=cfg.ppotune.front,
         )
+        if provisional:  # the first step is not settled yet
+            stop = None
         if stop and step < total_steps:
             summary["stopped_early"] = f"{stop} (after step {step} of {total_steps})"
         if rank == 0:
@@ -450,7 +464,7 @@ def rows_of_rank(cfg, num_rows: int, world: int, rank: int) -> list[int]:
     return rank_rows(num_rows, group, world, rank)
 
 
-#: sequences whose lengths a run keeps for its summary (the first measured steps' worth)
+#: sequences whose lengths a run keeps for its summary (the first steps' worth)
 MAX_LENGTHS_KEPT = 100_000
 #: The HF config fields a result records under ``model`` (with ``head_dim`` and ``num_params``).
 SHAPE_KEYS = (

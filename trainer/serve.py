@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             weights.prime([(load, where, tokenizers[path], kw) for load, where, kw in model_loads(cfg, rank).values()])
             state["notes"] += weights.notes
             torch.manual_seed(fresh_seed)
-            start = run_trial(cfg, proc, rank, rank_file, state, weights=weights, first_use=first_use)
+            start = run_trial(cfg, proc, rank, rank_file, state, weights=weights, first_use=first_use, later=seq > 1)
             state["phase"] = "release"
             release(proc.device)
             if first_use is None and proc.device.type == "cpu":

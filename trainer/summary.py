@@ -14,7 +14,7 @@ import math
 import statistics
 from typing import Optional, Sequence
 
-__all__ = ["summarize_steps", "interval", "percentiles", "stop_reason", "MIN_MEASURED_STEPS"]
+__all__ = ["summarize_steps", "interval", "percentiles", "stop_reason", "first_step_outlier", "MIN_MEASURED_STEPS"]
 
 #: the fewest measured steps an interval is computed from (two give a t-factor of 6.3)
 MIN_MEASURED_STEPS = 3
@@ -32,6 +32,20 @@ def interval(xs: Sequence[float]) -> Optional[tuple[float, float]]:
     half = (_T90[len(xs) - 2] if len(xs) - 1 <= len(_T90) else 1.645) * statistics.stdev(xs) / math.sqrt(len(xs))
     mid = statistics.median(xs)
     return mid - half, mid + half
+
+
+#: a later trial of a warm job measures its first step unless that step took more than this times the median of
+#: the next ones (then it is the warm-up it skipped). On the 2-core CPU, a later warm trial's warm-up step took
+#: 0.74-1.38x the median of its measured steps (36 trials, median 1.02): it was a measured step in all but name.
+FIRST_STEP_OUTLIER = 1.5
+
+
+def first_step_outlier(step_seconds: Sequence[float], factor: float = FIRST_STEP_OUTLIER) -> Optional[bool]:
+    """Whether the first of ``step_seconds`` is a warm-up after all: slower than ``factor`` times the median of
+    the others; None until two others are known."""
+    if len(step_seconds) < 3:
+        return None
+    return step_seconds[0] > factor * statistics.median(step_seconds[1:])
 
 
 def percentiles(xs: Sequence[float], qs: Sequence[int] = (10, 50, 90)) -> dict:

@@ -118,13 +118,20 @@ def test_warm_results_and_files_follow_the_contract(seq):
         assert first.startswith("$ [warm job ") and first.endswith(
             f"train {d / 'config.yaml'} --result {d / 'result.json'}"
         )
-        assert log.count("step 1 (warm-up) |") == 1 and log.count("ppotune train: ok |") == 1
+        assert log.count("ppotune train: ok |") == 1
+        # a job's first trial runs its warm-up step; a later one none: its first step is measured unless it turns
+        # out to be an outlier (trainer.summary.first_step_outlier), when it is marked warm-up afterwards
+        later = name in ("second", "after_refused")
+        assert log.count("step 1 (warm-up) |") == (0 if later else 1)
+        counted_as_warmup = any("counted as the warm-up" in n for n in rec.notes)
+        assert result["steps"][0]["warmup"] == (counted_as_warmup or not later)
+        assert result["summary"]["num_measured_steps"] == 3 - result["steps"][0]["warmup"]
 
 
 def test_a_warm_trial_measures_what_a_cold_trial_measures(seq):
     warm, cold = seq.out["fresh_job"], seq.out["cold"]  # the same config; warm: the second job's first trial
     warm_first = seq.out["first"]
-    for w in (warm, warm_first):
+    for w in (warm, warm_first, seq.out["after_refused"]):  # the same batches, warm-up or none
         wr = json.loads(Path(w.record.result_path).read_text())
         cr = json.loads(Path(cold.record.result_path).read_text())
         # the same responses step by step: the trainer's code path and its random state are a cold run's

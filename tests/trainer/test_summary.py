@@ -5,7 +5,7 @@ import statistics
 
 import pytest
 
-from trainer.summary import interval, percentiles, stop_reason, summarize_steps
+from trainer.summary import first_step_outlier, interval, percentiles, stop_reason, summarize_steps
 
 
 def test_interval_is_the_t_half_width_around_the_median():
@@ -68,3 +68,10 @@ def test_summary_cpu_memory_is_above_the_post_start_level_with_the_absolute_besi
     lo, hi = s["throughput_ci"]
     assert lo < 100.0 < hi
     assert s["lengths"] == {"prompt": {"p10": 3.0, "p50": 5.0, "p90": 9.0, "max": 9.0}}
+
+
+def test_a_later_warm_trials_first_step_is_a_warm_up_only_when_slower_than_the_next():
+    assert first_step_outlier([5.0, 1.0]) is None  # two others needed
+    assert first_step_outlier([1.4, 1.0, 1.0]) is False  # within CPU noise: measured
+    assert first_step_outlier([1.6, 1.0, 1.1, 0.9]) is True  # lazy initialisation: the warm-up it skipped
+    assert first_step_outlier([1.6, 1.0, 1.2], factor=2.0) is False
