@@ -281,7 +281,7 @@ class Search:
                     return None
                 self.study.enqueue_trial(self.space.to_params(point.params), skip_if_exists=False)
             elif self._local_turn(trials):
-                point = self._unmeasured(seen, near=decide.incumbent(known, self.trial_flat), within=1.0)
+                point = self._unmeasured_neighbour(seen, decide.incumbent(known, self.trial_flat))
                 if point is not None:
                     self.study.enqueue_trial(self.space.to_params(point.params), skip_if_exists=False)
             elif self._dup_in_a_row >= EXPLORE_AFTER_DUPLICATES:
@@ -452,9 +452,18 @@ class Search:
         startup = getattr(self.study.sampler, "_n_startup_trials", 0)  # TPE's random start-up (no public getter)
         return launched >= startup and (launched - startup) % every == every - 1
 
-    def _unmeasured(
-        self, seen: set, *, near: Optional[dict] = None, within: Optional[float] = None
-    ) -> Optional[Candidate]:
+    def _unmeasured_neighbour(self, seen: set, near: Optional[dict]) -> Optional[Candidate]:
+        """A config one step from ``near`` (:meth:`tuner.space.Space.neighbours`: distance 1) not yet in the
+        study, drawn at random among them; None when there is none (or no ``near``). Generated from ``near``,
+        never by scanning the grid: a local turn runs under the study lock, and a scan of a 100k-config grid
+        for each one took seconds there (benchmarks/bench_storage.py)."""
+        if near is None:
+            return None
+        steps = self.space.neighbours(near, self.trial_flat)
+        steps = [c for c in steps if self.space.identity(c.effective) not in seen]
+        return self._rng.choice(steps) if steps else None
+
+    def _unmeasured(self, seen: set, *, near: Optional[dict] = None) -> Optional[Candidate]:
         """A config not yet in the study (the shuffled grid when it is small, else sampling): a random one,
         or with ``near`` (a flat effective config) the nearest to it (:func:`tuner.decide.distance`).
         ``seen``: :func:`tuner.decide.seen_configs` (rejected configs count as seen)."""
@@ -470,10 +479,7 @@ class Search:
             pool = (c for c in chain(steps, drawn) if c is not None and self.space.identity(c.effective) not in seen)
         if near is None:
             return next(pool, None)
-        got = min(pool, key=lambda c: decide.distance(self.space, c.effective, near), default=None)
-        if got is not None and within is not None and decide.distance(self.space, got.effective, near) > within:
-            return None
-        return got
+        return min(pool, key=lambda c: decide.distance(self.space, c.effective, near), default=None)
 
     def _exhausted(self, seen: set) -> bool:
         """Is every config of the space in the study (measured, running, or rejected before launch)?"""
