@@ -9,6 +9,7 @@ import time
 from typing import Optional
 
 from trainer.contracts import short_knob
+from tuner.units import gb
 
 __all__ = ["Display", "trial_line", "format_knobs"]
 
@@ -31,7 +32,7 @@ def trial_line(
     note: str = "",
 ) -> str:
     thr = f"{throughput:9.1f} tok/s/GPU" if throughput is not None else f"{'-':>9} tok/s/GPU"
-    mem = f"{memory_gb:6.2f} GB" if memory_gb is not None else f"{'-':>6} GB"
+    mem = f"{gb(memory_gb, 6)} GB"
     text = f"trial {number:4d} {status:<12} {thr} {mem} {seconds:7.1f} s | {format_knobs(params)}"
     return text + (f" | {note}" if note else "")
 
@@ -77,7 +78,7 @@ class Display:
     def info(self) -> str:
         parts = []
         if self.best is not None:
-            parts.append(f"best {self.best[0]:.1f} tok/s/GPU @ {self.best[1]:.2f} GB (trial {self.best[2]})")
+            parts.append(f"best {self.best[0]:.1f} tok/s/GPU @ {gb(self.best[1])} GB (trial {self.best[2]})")
         parts.append(f"OOM {self.ooms}")
         eta = self._eta_s()
         if eta is not None:

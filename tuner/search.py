@@ -40,6 +40,7 @@ from tuner.progress import Display, trial_line
 from tuner.runners import SubprocessRunner, VerlEngine
 from tuner.space import Space, base_flat_config, load_space
 from tuner.storage import close_storage, network_filesystem
+from tuner.units import gb
 from tuner.warm import WarmRunner
 from tuner.world import WorldPlan, plan_world, trial_overrides
 
@@ -57,7 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--timeout",
-        type=float,
+        type=positive_seconds,
         default=None,
         metavar="S",
         help="start no new trial after S seconds, confirmation re-runs and worst-case probes included (the search "
@@ -565,7 +566,7 @@ def _summary(study: optuna.Study, search: Search) -> None:
     for _, r in front.head(5).iterrows():
         rel = f" ({r['throughput'] / base_thr:.2f}x baseline)" if base_thr else ""
         print(
-            f"  pareto: trial {r['number']}: {r['throughput']:.1f} tok/s/GPU{rel}, {r['peak_memory_gb']:.2f} GB",
+            f"  pareto: trial {r['number']}: {r['throughput']:.1f} tok/s/GPU{rel}, {gb(r['peak_memory_gb'])} GB",
             flush=True,
         )
     _confirm_summary(study)
@@ -590,7 +591,7 @@ def _confirm_summary(study: optuna.Study) -> None:
     state = "" if conf.get("complete") else " (incomplete: re-run the same command to finish)"
     print(f"ppotune search: confirmed side by side with baseline #{conf.get('baseline')}{state}:", flush=True)
     for e in conf.get("finalists") or []:
-        mem = f", peak {e['peak_memory_gb']:.2f} GB" if e.get("peak_memory_gb") is not None else ""
+        mem = f", peak {gb(e['peak_memory_gb'])} GB" if e.get("peak_memory_gb") is not None else ""
         failed = f", {e['failed']} re-run(s) not ok: {', '.join(e.get('statuses') or [])}" if e.get("failed") else ""
         print(f"  confirmed: trial {e['number']}: {describe(e)}{mem}{failed}", flush=True)
 

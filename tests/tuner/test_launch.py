@@ -310,7 +310,7 @@ def test_sampler_reads_the_process_tree(tmp_path):
     assert len(peaks.pids_seen) >= 3
 
 
-@pytest.mark.parametrize("flag", ["--startup-timeout", "--step-timeout", "--trial-timeout"])
+@pytest.mark.parametrize("flag", ["--startup-timeout", "--step-timeout", "--trial-timeout", "--timeout"])
 def test_a_timeout_must_be_positive(cli, tmp_path, flag):
     r = cli("search", "configs/tiny_cpu.yaml", "--space", "search_spaces/tiny_cpu.yaml", "--trials", 1,
             flag, 0, "--out", tmp_path / "out")  # fmt: skip

@@ -39,6 +39,7 @@ from tuner.results.view import (
     pareto_mask,
     view_from_args,
 )
+from tuner.units import gb
 from tuner.world import WorldPlan, production_overrides
 
 __all__ = [
@@ -667,7 +668,7 @@ def write_export(
     r = _row(view, choice.chosen)
     header = (
         f"# ppotune export: study {view.name}, trial #{choice.chosen} ({choice.pick}, headroom {_pct(headroom)}):\n"
-        f"# {r['throughput']:.1f} tokens/s/GPU, peak {r['peak_memory_gb']:.2f} GB. See why.md.\n"
+        f"# {r['throughput']:.1f} tokens/s/GPU, peak {gb(r['peak_memory_gb'])} GB. See why.md.\n"
         + (
             f"# Confirmed: {describe(choice.confirmed)}.\n"
             if choice.confirmed is not None and choice.unconfirmed is None
@@ -742,7 +743,7 @@ def run(args) -> int:
     if c.warning:
         print(f"ppotune export: warning: {c.warning}", file=sys.stderr)
     r = _row(view, c.chosen)
-    print(f"trial #{c.chosen} ({c.pick}): {r['throughput']:.1f} tokens/s/GPU, peak {r['peak_memory_gb']:.2f} GB")
+    print(f"trial #{c.chosen} ({c.pick}): {r['throughput']:.1f} tokens/s/GPU, peak {gb(r['peak_memory_gb'])} GB")
     if c.confirmed is not None and c.unconfirmed is None:
         print(f"  confirmed: {describe(c.confirmed)}")
     else:

@@ -23,6 +23,7 @@ from tuner.results.analysis import (
 from tuner.results.memory_findings import findings_md, projection_text
 from tuner.results.plots import STATUS_STYLE
 from tuner.results.view import TIME_PREFIX, StudyView, missing, pareto_front
+from tuner.units import gb
 
 __all__ = ["report_html", "summary_md"]
 
@@ -238,7 +239,7 @@ def report_html(data: ReportData, images: dict[str, bytes]) -> str:
             (
                 "best under headroom",
                 f"#{int(best['number'])}",
-                f"{best['throughput']:.1f} tokens/s/GPU · {best['peak_memory_gb']:.2f} GB",
+                f"{best['throughput']:.1f} tokens/s/GPU · {gb(best['peak_memory_gb'])} GB",
             )
         )
     if bvb.confirmed is not None and bvb.confirmed.get("ratio") is not None:
@@ -294,7 +295,7 @@ def report_html(data: ReportData, images: dict[str, bytes]) -> str:
                 f"<b>{best['throughput']:.1f}</b> tokens/s/GPU against the base config's {b['throughput']:.1f} "
                 f"(trial #{int(b['number'])}): <b>{bvb.thr_ratio:.2f}x</b> throughput at "
                 f"{bvb.mem_ratio:.2f}x the peak memory "
-                f"({best['peak_memory_gb']:.2f} vs {b['peak_memory_gb']:.2f} GB).</p>"
+                f"({gb(best['peak_memory_gb'])} vs {gb(b['peak_memory_gb'])} GB).</p>"
             )
         else:
             parts.append(
@@ -488,7 +489,7 @@ def summary_md(data: ReportData) -> str:
         best = bvb.best
         out.append(
             f"- best under headroom: trial #{int(best['number'])}, {best['throughput']:.1f} tokens/s/GPU, "
-            f"peak {best['peak_memory_gb']:.2f} GB"
+            f"peak {gb(best['peak_memory_gb'])} GB"
         )
     if bvb.thr_ratio is not None:
         out.append(
