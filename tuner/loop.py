@@ -168,6 +168,7 @@ class Search:
     _dup_in_a_row: int = 0
     _started: float = field(default_factory=time.monotonic)
     _grid: Optional[list] = None
+    _rank: Optional[dict] = None  # identity -> position in the shuffled grid (local steps break ties by it)
     _size: Optional[int] = None
     _model: Any = None  # the study's memory model (tuner.memory_model), refitted when a measured trial is added
     _model_key: tuple = ()
@@ -461,18 +462,32 @@ class Search:
             return None
         steps = self.space.neighbours(near, self.trial_flat)
         steps = [c for c in steps if self.space.identity(c.effective) not in seen]
-        return self._rng.choice(steps) if steps else None
+        if not steps:
+            return None
+        if self._space_size() <= ENUMERATE_BELOW:  # ties broken by the seeded grid order, as every grid pick
+            rank = self._grid_rank()
+            return min(steps, key=lambda c: rank.get(self.space.identity(c.effective), len(rank)))
+        return self._rng.choice(steps)
+
+    def _shuffled_grid(self) -> list:
+        """``[(identity, Candidate)]``: the space's configs in an order fixed by the seed (built once)."""
+        if self._grid is None:
+            grid = list(self.space.grid(self.trial_flat))
+            random.Random(self.options.seed).shuffle(grid)
+            self._grid = [(self.space.identity(c.effective), c) for c in grid]
+        return self._grid
+
+    def _grid_rank(self) -> dict:
+        if self._rank is None:
+            self._rank = {ident: i for i, (ident, _) in enumerate(self._shuffled_grid())}
+        return self._rank
 
     def _unmeasured(self, seen: set, *, near: Optional[dict] = None) -> Optional[Candidate]:
         """A config not yet in the study (the shuffled grid when it is small, else sampling): a random one,
         or with ``near`` (a flat effective config) the nearest to it (:func:`tuner.decide.distance`).
         ``seen``: :func:`tuner.decide.seen_configs` (rejected configs count as seen)."""
         if self._space_size() <= ENUMERATE_BELOW:
-            if self._grid is None:
-                grid = list(self.space.grid(self.trial_flat))
-                random.Random(self.options.seed).shuffle(grid)
-                self._grid = [(self.space.identity(c.effective), c) for c in grid]
-            pool = (c for ident, c in self._grid if ident not in seen)
+            pool = (c for ident, c in self._shuffled_grid() if ident not in seen)
         else:  # too large to enumerate: random draws, and the neighbours of ``near`` (draws rarely land there)
             drawn = (self.space.sample(self.trial_flat, self._rng) for _ in range(200))
             steps = self.space.neighbours(near, self.trial_flat) if near is not None else []
