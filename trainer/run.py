@@ -419,9 +419,9 @@ def run_trial(
             row["perf/rss_start_gb"], row["perf/peak_rss_above_start_gb"] = mem[-5], mem[-4]
         row.update(metrics)
         state["steps"].append(row)
-        outlier = first_step_outlier([s["timing_s/step"] for s in state["steps"]]) if provisional else False
-        if outlier is not None:
-            provisional = False
+        if provisional:
+            outlier = first_step_outlier([s["timing_s/step"] for s in state["steps"]])
+            provisional = outlier is None  # settled once two more steps are known
             if outlier:
                 state["steps"][0]["warmup"] = True
                 notes.append("warm job: the first step was slower than the next ones: counted as the warm-up")

@@ -455,7 +455,8 @@ class Search:
 
     def _unmeasured_neighbour(self, seen: set, near: Optional[dict]) -> Optional[Candidate]:
         """A config one step from ``near`` (:meth:`tuner.space.Space.neighbours`: distance 1) not yet in the
-        study, drawn at random among them; None when there is none (or no ``near``). Generated from ``near``,
+        study, the first in the seeded grid order (a space too large to enumerate: drawn at random among them);
+        None when there is none (or no ``near``). Generated from ``near``,
         never by scanning the grid: a local turn runs under the study lock, and a scan of a 100k-config grid
         for each one took seconds there (benchmarks/bench_storage.py)."""
         if near is None:
