@@ -101,10 +101,10 @@ class PhaseMeter:
 
     def __init__(self, device: torch.device, on_phase=None, *, device_wide: bool = False):
         self.device = device
-        # CUDA: also count what the device holds at the end of a phase beyond torch's allocator
-        # (a colocated vLLM engine's KV cache and weights live in vLLM's own memory pool)
+        # CUDA: also count what the device holds beyond torch's allocator (a colocated vLLM engine's
+        # KV cache and weights can live in vLLM's own memory pool)
         self.device_wide = device_wide
-        self._device_peak = 0.0
+        self._outside_peak = 0.0
         self.on_phase = on_phase  # told each phase's name as it starts (so an OOM report can name it)
         self.timing: dict[str, float] = {}
         self.memory: dict[str, float] = {}
@@ -112,11 +112,12 @@ class PhaseMeter:
         self.reserved_peak = 0.0
 
     def sample(self) -> None:
-        """CUDA with ``device_wide``: count the device's used memory now in the current phase's peak
-        (call it where memory outside torch's allocator is at its height, e.g. before an engine sleeps)."""
+        """CUDA with ``device_wide``: count the device memory held outside torch's allocator now in the
+        current phase's peak (call it where that memory is at its height, e.g. before an engine sleeps)."""
         if self.device_wide and self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            self._device_peak = max(self._device_peak, (total - free) / GB)
+            outside = (total - free - torch.cuda.memory_reserved(self.device)) / GB
+            self._outside_peak = max(self._outside_peak, outside)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -127,7 +128,7 @@ class PhaseMeter:
         if self.on_phase is not None:
             self.on_phase(name)
         self._sync()
-        self._device_peak = 0.0
+        self._outside_peak = 0.0
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         else:
@@ -142,8 +143,10 @@ class PhaseMeter:
             self.allocated_peak = max(self.allocated_peak, alloc)
             self.reserved_peak = max(self.reserved_peak, reserved)
             self.sample()
-            reserved = max(reserved, self._device_peak)
-            self.memory[name] = max(self.memory.get(name, 0.0), reserved)
+            # what this phase itself needs: the allocator's cache keeps every earlier phase's blocks
+            # reserved, so the reserved peak reads the same in every phase (seen on an H200); the
+            # step's reserved peak and NVML stay the objective
+            self.memory[name] = max(self.memory.get(name, 0.0), alloc + self._outside_peak)
         else:
             self.memory[name] = max(self.memory.get(name, 0.0), rss_gb() or 0.0)
 

@@ -2,12 +2,14 @@
 
 Features (GB) of a phase are its analytic terms (:mod:`tuner.memory_model.terms`) and ``carry``: the
 largest transient (buffers, activations, attention, logits, KV cache, engine) of any phase of the step.
-The recorded per-phase peaks are high-water marks of memory that allocators keep: glibc's heap keeps
-much of what a phase freed resident (CPU), the CUDA caching allocator keeps every segment it reserved
-(GPU, no ``empty_cache`` between phases), so a phase's recorded peak includes what an earlier phase or
+On CPU the recorded per-phase peaks are high-water marks of memory that the allocator keeps: glibc's heap
+keeps much of what a phase freed resident, so a phase's recorded peak includes what an earlier phase or
 step left behind (measured on CPU, hidden 256: reward and adv, which allocate nothing, record 70-90 % of
-the step's largest peak). ``carry`` stands for that, with a prior weight of 0 (the analytic model has no
-such memory) that the data moves. What the allocator keeps varies from run to run, so the per-phase
+the step's largest peak). On a GPU a phase records the allocator's *allocated* peak within it (the
+reserved peak reads the same in every phase: the caching allocator keeps every segment; seen on an H200),
+and the objective offset (NVML and the reserved peak over the largest phase) carries the cache and the
+CUDA context. ``carry`` stands for what is left behind, with a prior weight of 0 (the analytic model has
+no such memory) that the data moves. What the allocator keeps varies from run to run, so the per-phase
 peaks are predicted less well than the largest one (the memory objective), and their error is stated
 apart.
 
