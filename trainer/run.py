@@ -448,6 +448,7 @@ def run_trial(
     if cfg.trainer.default_local_dir:
         _save_checkpoint(cfg, roles, tokenizer, device, rank)
     logger.finish()
+    roles.free()  # a warm job's next trial must not find these models' memory still held
     dist.barrier()
     return start
 

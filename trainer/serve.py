@@ -93,8 +93,14 @@ class WeightCache:
             self._kept[key] = model
 
 
-def release(device) -> None:
-    """Give back what the finished trial held and reset what the next trial measures (see the module doc)."""
+#: GB still allocated on the device after a trial's release above which the next trial says so
+LEFTOVER_NOTE_GB = 0.016
+
+
+def release(device) -> float:
+    """Give back what the finished trial held and reset what the next trial measures (see the module doc).
+    -> GB the device's allocator still holds in live tensors afterwards (0 on CPU): what the next trial
+    starts with that a fresh process would not have."""
     import resource
 
     import torch
@@ -110,14 +116,17 @@ def release(device) -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
     if soft != hard:
         resource.setrlimit(resource.RLIMIT_DATA, (hard, hard))
+    left = 0.0
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         torch.cuda.set_per_process_memory_fraction(1.0, device)
         torch.cuda.reset_peak_memory_stats(device)
         torch.cuda.reset_accumulated_memory_stats(device)
+        left = torch.cuda.memory_allocated(device) / 2**30
     malloc_trim()
     _reset_rss_peak()
+    return left
 
 
 def _next_task(job: JobDir, seq: int) -> dict:
@@ -149,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         proc = start_rank(load_config(args.config, validate=False))
         weights, tokenizers = WeightCache(), {}
         first_use = None  # CPU: what the job's first trial left behind (see trainer.run.run_trial)
+        left_gb = 0.0  # CUDA: what the earlier trials left allocated on the device
         seq = 0
         while True:
             seq += 1
@@ -164,10 +174,14 @@ def main(argv: list[str] | None = None) -> int:
                 tokenizers[path] = load_tokenizer(path)
             weights.prime([(load, where, tokenizers[path], kw) for load, where, kw in model_loads(cfg, rank).values()])
             state["notes"] += weights.notes
+            if left_gb > LEFTOVER_NOTE_GB:
+                state["notes"].append(
+                    f"warm job: earlier trials left {left_gb:.3f} GB allocated on the device: in this trial's peaks"
+                )
             torch.manual_seed(fresh_seed)
             start = run_trial(cfg, proc, rank, rank_file, state, weights=weights, first_use=first_use, later=seq > 1)
             state["phase"] = "release"
-            release(proc.device)
+            left_gb = release(proc.device)
             if first_use is None and proc.device.type == "cpu":
                 left = MemoryLevel.now() - start
                 first_use = MemoryLevel(max(0.0, left.rss_gb), max(0, left.data_bytes))

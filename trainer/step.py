@@ -35,6 +35,7 @@ from .parallel import (
     activation_offload_context,
     clip_grad_norm,
     compute_autocast,
+    free_memory,
     gradient_sync,
     iter_full_params,
     move_optimizer_state,
@@ -513,6 +514,12 @@ class Roles:
     plans: Plans
     settings: StepSettings
     rollout: Optional["VLLMRollout"] = None  # rollout.name=vllm: the colocated engine; None: HF generate
+
+    def free(self) -> None:
+        """The run is over: give back the models' memory now (:func:`trainer.parallel.free_memory`), so a
+        later trial of the same process starts from what it would have in a fresh one."""
+        for trainee in (self.actor, self.ref, self.critic):
+            free_memory(trainee.sharded, trainee.optimizer)
 
     def update_weights(self, device: torch.device) -> None:
         """Push the actor's current weights into the rollout engine (no-op for HF generate, which

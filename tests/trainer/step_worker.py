@@ -6,6 +6,7 @@ all-gathers of one generate call, runs N full PPO steps, and reports per phase t
 variant that fails is recorded as data (``error``) and the next one runs on a fresh process group state.
 """
 
+import gc
 import itertools
 import json
 import os
@@ -63,12 +64,15 @@ def refusal(overrides: dict) -> str | None:
     return None
 
 
-def gathers_per_generate(roles, prompt_ids, prompt_mask, device) -> int:
-    """All-gather collectives one generate call issues (the profiler's record of every backend)."""
+def gathers_per_generate(roles, prompt_ids, prompt_mask, device) -> tuple[int, list[str]]:
+    """All-gather collectives one generate call issues (the profiler's record of every backend), and the
+    names of the profiler's events that mention a collective backend or a gather (what was counted)."""
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         roles.generate(prompt_ids, prompt_mask, device)
     # the backend's own record of each collective: "gloo:all_gather", "nccl:all_gather", ...
-    return sum(1 for e in prof.events() if e.name.startswith(("gloo:", "nccl:")) and "gather" in e.name)
+    names = [e.name for e in prof.events()]
+    seen = sorted({n for n in names if any(w in n.lower() for w in ("gloo", "nccl", "gather"))})
+    return sum(1 for n in names if n.startswith(("gloo:", "nccl:")) and "gather" in n), seen
 
 
 def relocation_check(roles, log_probs) -> dict:
@@ -110,7 +114,8 @@ def run_variant(base: str, overrides: dict, steps: int, device: torch.device, re
     ids, mask = left_pad([ds.input_ids[i % len(ds)] for i in mine], cfg.data.max_prompt_length, tokenizer.pad_token_id)
     truths = [ds.ground_truths[i % len(ds)] for i in mine]
     ids, mask = ids.to(device), mask.to(device)
-    result = {"gathers_per_generate": gathers_per_generate(roles, ids, mask, device), "notes": notes}
+    gathers, events = gathers_per_generate(roles, ids, mask, device)
+    result = {"gathers_per_generate": gathers, "collective_events": events, "notes": notes}
     if relocate:
         from trainer.step import assemble_batch, compute_log_probs
 
@@ -137,7 +142,23 @@ def run_variant(base: str, overrides: dict, steps: int, device: torch.device, re
     result["memory_gb"] = memory
     result["actor/pg_loss"] = metrics["actor/pg_loss"]
     result["critic/vf_loss"] = metrics["critic/vf_loss"]
+    roles.free()  # as a trial of a warm job ends: the next variant starts without this one's memory
     return result
+
+
+def live_tensor_bytes() -> int:
+    """Bytes of every distinct storage a live tensor holds (after a collection): the device-independent
+    view of what a finished variant left behind."""
+    gc.collect()
+    seen: dict[tuple, int] = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and not obj.is_meta:
+            try:
+                storage = obj.untyped_storage()
+            except (RuntimeError, NotImplementedError):  # a tensor subclass without one of its own
+                continue
+            seen[(storage.device.type, storage.data_ptr())] = storage.nbytes()
+    return sum(seen.values())
 
 
 def main():
@@ -148,6 +169,7 @@ def main():
     dist.init_process_group("nccl" if use_cuda else "gloo")
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     results = {}
+    before = live_tensor_bytes()
     for name, overrides in spec["variants"].items():
         try:
             got = run_variant(spec["base"], overrides, spec["steps"], device, relocate=spec.get("relocate", False))
@@ -155,8 +177,11 @@ def main():
         except Exception as exc:  # noqa: BLE001 - a crash is the finding: record it, go on
             results[name] = {"status": "error", "error": f"{type(exc).__name__}: {exc}"[:400]}
             traceback.print_exc()
+        # what the variant left behind once its models are gone (a leak shows here, on any device)
+        results[name]["leftover_tensor_mb"] = (live_tensor_bytes() - before) / 2**20
         if use_cuda:
             torch.cuda.empty_cache()
+            results[name]["leftover_allocated_gb"] = torch.cuda.memory_allocated() / 2**30
         if dist.get_rank() == 0:
             line = {k: v for k, v in results[name].items() if k != "notes"}
             print(f"[variant] {name}: {json.dumps(line)}", flush=True)
