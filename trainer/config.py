@@ -278,6 +278,9 @@ class PPOTuneSection:
 
     device: str = "auto"  # auto | cpu | cuda
     warmup_steps: int = 0  # leading steps excluded from the result summary
+    # profile this step (1-based) with torch.profiler: rank 0 prints where its time went, operator by
+    # operator; the step is left out of the summary (the profiler slows it). 0: off
+    profile_step: int = 0
     # A trial's measurement (`ppotune search` sets these; a training run leaves them off): stop before
     # total_training_steps once the 90% interval of the per-step throughput is within +/- precision of
     # its median (after min_measured_steps), or once a point of `front` ([trial, throughput low, peak GB],

@@ -49,6 +49,13 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--warmup", type=int, default=None, help="leading steps left out of the summary; sets ppotune.warmup_steps"
     )
+    p.add_argument(
+        "--profile-step",
+        type=int,
+        default=None,
+        metavar="N",
+        help="profile step N (torch.profiler): rank 0 prints its top operators; the step is not measured",
+    )
     p.add_argument("--result", default=None, help="write the result JSON here")
     p.add_argument(
         "--memory-limit-gb",
@@ -91,6 +98,7 @@ def _overrides(args) -> list[str]:
         "trainer.n_gpus_per_node": args.nproc,
         "trainer.total_training_steps": args.steps,
         "ppotune.warmup_steps": args.warmup,
+        "ppotune.profile_step": args.profile_step,
         "ppotune.memory_limit_gb": args.memory_limit_gb,
         "ppotune.device": args.device,
         "trainer.default_local_dir": args.save,

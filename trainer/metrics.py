@@ -12,7 +12,7 @@ import time
 
 import torch
 
-__all__ = ["PhaseMeter", "actor_mfu", "peak_flops", "rss_gb", "rss_now_gb", "vm_data_bytes"]
+__all__ = ["PhaseMeter", "actor_mfu", "peak_flops", "profiled", "rss_gb", "rss_now_gb", "vm_data_bytes"]
 
 GB = 1024**3
 
@@ -94,6 +94,26 @@ def _reset_rss_peak() -> None:
             f.write("5")
     except OSError:
         pass
+
+
+@contextlib.contextmanager
+def profiled(enabled: bool, device: torch.device, *, rows: int = 25):
+    """Run the body under torch.profiler when ``enabled``; yields a list that then holds one line: the
+    table of the operators that took the most time (self time on the device on CUDA, on the host on CPU)."""
+    out: list[str] = []
+    if not enabled:
+        yield out
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        yield out
+    if cuda:
+        torch.cuda.synchronize(device)
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    out.append(prof.key_averages().table(sort_by=key, row_limit=rows))
 
 
 class PhaseMeter:

@@ -282,7 +282,7 @@ def run_trial(
 
     from .config import config_to_dict, world_size
     from .data import PromptDataset, PromptLoader, left_pad, load_rows
-    from .metrics import PhaseMeter, actor_mfu, peak_flops
+    from .metrics import PhaseMeter, actor_mfu, peak_flops, profiled
     from .models import load_tokenizer
     from .step import ppo_step
     from .summary import first_step_outlier, stop_reason, summarize_steps
@@ -371,8 +371,12 @@ def run_trial(
         _inject_fault(cfg.ppotune.fault, rank, step)
         meter.reset()
         t0 = time.perf_counter()
-        metrics = ppo_step(roles, prompt_ids.to(device), prompt_mask.to(device), truths, meter, device)
+        profiling = step == cfg.ppotune.profile_step
+        with profiled(profiling, device) as table:
+            metrics = ppo_step(roles, prompt_ids.to(device), prompt_mask.to(device), truths, meter, device)
         step_s = time.perf_counter() - t0
+        if table and rank == 0:
+            print(f"profile of step {step} (rank 0, {device.type}; not measured):\n{table[0]}", flush=True)
         # memory: max over ranks of each phase's peak (one collective)
         above_start = max(meter.memory.values(), default=0.0) - rss_start  # CPU: what this step added
         # CPU: each phase's peak above this rank's own start level (the objective's basis, taken per rank
@@ -396,7 +400,7 @@ def run_trial(
             for prompt_lens, response_lens in everyone:
                 lengths["prompt"] += prompt_lens
                 lengths["response"] += response_lens
-        row = {"step": step, "warmup": step <= warmup, "timing_s/step": step_s}
+        row = {"step": step, "warmup": step <= warmup or profiling, "timing_s/step": step_s}
         row.update({f"timing_s/{p}": meter.timing.get(p, 0.0) for p in PHASES})
         row["perf/throughput"] = metrics["perf/total_num_tokens"] / (step_s * world)
         row["perf/mfu/actor"] = actor_mfu(

@@ -97,6 +97,17 @@ def test_three_steps_on_two_processes(tmp_path, strategy):
 
 
 @pytest.mark.slow
+def test_profile_step_prints_where_the_time_went_and_is_not_measured(tmp_path):
+    proc, r = train(BASE, "--nproc", 1, "--steps", 3, "--warmup", 1, "--profile-step", 2, result=tmp_path / "r.json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "profile of step 2 (rank 0, cpu; not measured)" in proc.stdout
+    table = proc.stdout.split("profile of step 2", 1)[1]
+    assert "Self CPU" in table and "aten::mm" in table  # the operators of a real step, by host time
+    assert [s["warmup"] for s in r["steps"]] == [True, True, False]  # the profiled step is left out
+    assert r["summary"]["num_measured_steps"] == 1 and r["config"]["ppotune"]["profile_step"] == 2
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy, n", [("fsdp", 1), ("fsdp2", 2)])
 def test_three_steps_with_vllm_rollout(tmp_path, vllm_installed, strategy, n):
     """rollout.name=vllm: a real vLLM engine per rank generates every step from the weights pushed to it."""
