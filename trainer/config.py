@@ -697,6 +697,12 @@ def validate_config(cfg: PPOConfig, *, source: Optional[str] = None) -> None:
             "ppotune.warmup_steps",
             f"must be in [0, total_training_steps={cfg.trainer.total_training_steps}), got {cfg.ppotune.warmup_steps}",
         )
+    if not 0 <= cfg.ppotune.profile_step <= cfg.trainer.total_training_steps:
+        fail(
+            "ppotune.profile_step",
+            f"must be 0 (off) or a step in [1, total_training_steps={cfg.trainer.total_training_steps}], "
+            f"got {cfg.ppotune.profile_step}",
+        )
     if cfg.ppotune.precision is not None and not 0 < cfg.ppotune.precision < 1:
         fail("ppotune.precision", f"must be in (0, 1) (a share of the median) or null, got {cfg.ppotune.precision}")
     if cfg.ppotune.min_measured_steps < 2:

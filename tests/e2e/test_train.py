@@ -274,6 +274,7 @@ def test_one_rank_crashing_ends_the_run(tmp_path):
             "actor_rollout_ref.model.path: not 'tiny' and not a local HF checkpoint",
         ),
         (["data.train_files=/no/such/train.parquet"], "data.train_files: file not found"),
+        (["--steps", "3", "--profile-step", "4"], "ppotune.profile_step: must be 0 (off) or a step in [1, "),
     ],
 )
 def test_bad_input_exits_2_with_one_line(tmp_path, args, needle):
