@@ -29,7 +29,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import psutil
 
@@ -53,6 +53,8 @@ __all__ = [
     "kill_leftovers",
     "StepWatch",
     "timeout_reason",
+    "Verdict",
+    "judge",
     "REPO_ROOT",
 ]
 
@@ -285,6 +287,48 @@ def timeout_reason(
     return None
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """What the watch of a running trial decided at one poll: go on, or end it and why."""
+
+    interrupted: bool = False  # the tuner is stopping
+    reason: Optional[str] = None  # the timeout that fired (:func:`timeout_reason`)
+
+    @property
+    def timed_out(self) -> bool:
+        return self.reason is not None
+
+    @property
+    def ends(self) -> bool:
+        return self.interrupted or self.timed_out
+
+
+def judge(
+    t0: float,
+    watch: Optional[StepWatch],
+    stop_event: Optional[threading.Event],
+    reason_of: Callable[[float, Optional[StepWatch], float], Optional[str]],
+    *,
+    log_path: Path,
+    what: str,
+) -> Verdict:
+    """One poll of a running trial (cold or warm): read its new step lines, then decide. A trial to end
+    gets a line in its log saying why (``what``: the processes about to be terminated);
+    ``reason_of(elapsed_s, watch, now)`` is the timeout rule of the trial's kind."""
+    now = time.monotonic()
+    if watch is not None:
+        watch.poll(now)
+    if stop_event is not None and stop_event.is_set():
+        verdict = Verdict(interrupted=True)
+    else:
+        verdict = Verdict(reason=reason_of(now - t0, watch, now))
+    if verdict.ends:
+        why = f"timed out ({verdict.reason})" if verdict.timed_out else "interrupted"
+        with open(log_path, "ab") as log:
+            log.write(f"\nppotune search: trial {why} after {now - t0:.1f} s; terminating {what}\n".encode())
+    return verdict
+
+
 def launch_trial(
     cmd: Sequence[str],
     *,
@@ -323,32 +367,21 @@ def launch_trial(
         on_start(proc.pid)
     sampler = MemorySampler(proc.pid, gpus=gpus, use_nvml=use_nvml, hz=sample_hz)
     sampler.start()
-    timed_out = interrupted = False
-    reason = None
+    verdict = Verdict()
     watch = StepWatch(log_path, step_line) if step_line else None
+
+    def reason_of(elapsed_s: float, w: Optional[StepWatch], now: float) -> Optional[str]:
+        limits = dict(total_s=timeout_s, startup_s=startup_timeout_s, step_s=step_timeout_s)
+        return timeout_reason(elapsed_s, w, **limits, now=now)
+
     while True:
         try:
             rc = proc.wait(timeout=0.2)
             break
         except subprocess.TimeoutExpired:
             pass
-        now = time.monotonic()
-        if watch is not None:
-            watch.poll(now)
-        if stop_event is not None and stop_event.is_set():
-            interrupted = True
-        else:
-            reason = timeout_reason(
-                now - t0, watch, total_s=timeout_s, startup_s=startup_timeout_s, step_s=step_timeout_s, now=now
-            )
-            timed_out = reason is not None
-        if timed_out or interrupted:
-            why = f"timed out ({reason})" if timed_out else "interrupted"
-            with open(log_path, "ab") as log:
-                log.write(
-                    f"\nppotune search: trial {why} after {time.monotonic() - t0:.1f} s; "
-                    f"terminating its process group\n".encode()
-                )
+        verdict = judge(t0, watch, stop_event, reason_of, log_path=log_path, what="its process group")
+        if verdict.ends:
             rc = terminate_reaped(proc, grace_s, sampler.pids_seen)
             break
     duration = time.monotonic() - t0
@@ -358,10 +391,10 @@ def launch_trial(
     status, error = classify(
         rc,
         result,
-        timed_out=timed_out,
-        interrupted=interrupted,
+        timed_out=verdict.timed_out,
+        interrupted=verdict.interrupted,
         timeout_s=timeout_s,
-        timeout_reason=reason,
+        timeout_reason=verdict.reason,
         stderr_hint=_last_error_line(log_path),
     )
     if read_error and status == Status.CRASH and result is None:

@@ -42,7 +42,9 @@ from trainer.proc import write_json_atomic
 from tuner.launch import (
     StepWatch,
     TrialRun,
+    Verdict,
     classify,
+    judge,
     kill_leftovers,
     log_tail,
     read_result,
@@ -185,24 +187,14 @@ class WarmRunner:
         sampler = MemorySampler(job.proc.pid, gpus=gpus, use_nvml=self.cold.device_kind == "cuda", hz=self.sample_hz)
         sampler.start()
         watch = StepWatch(log_path, STEP_LINE[self.name])
-        timed_out = interrupted = False
-        reason: Optional[str] = None
+        verdict = Verdict()
+        what = f"its warm job's process group ({job.name})"
         while not result_path.is_file() and job.alive():
             time.sleep(_POLL_S)
-            now = time.monotonic()
-            watch.poll(now)
-            if stop.is_set():
-                interrupted = True
-            else:
-                reason = self._timeout(first, now - t0, watch, now)
-                timed_out = reason is not None
-            if timed_out or interrupted:
-                why = f"timed out ({reason})" if timed_out else "interrupted"
-                with open(log_path, "ab") as log:
-                    log.write(
-                        f"\nppotune search: trial {why} after {now - t0:.1f} s; terminating its warm job's "
-                        f"process group ({job.name})\n".encode()
-                    )
+            verdict = judge(
+                t0, watch, stop, lambda e, w, n: self._timeout(first, e, w, n), log_path=log_path, what=what
+            )
+            if verdict.ends:
                 terminate_reaped(job.proc, self.cold.grace_s, job.pids | sampler.pids_seen)
                 break
         duration = time.monotonic() - t0
@@ -229,10 +221,10 @@ class WarmRunner:
         status, error = classify(
             returncode,
             result,
-            timed_out=timed_out,
-            interrupted=interrupted,
+            timed_out=verdict.timed_out,
+            interrupted=verdict.interrupted,
             timeout_s=self.cold.timeout_s,
-            timeout_reason=reason,
+            timeout_reason=verdict.reason,
         )
         if read_error and status == Status.CRASH and result is None:
             error = read_error

@@ -155,7 +155,9 @@ def test_every_trial_has_a_status_and_launched_ones_a_memory_source(shared):
             assert source == "rss_above_start" if ok else source in ("rss_above_start", "psutil")
             mem = t.user_attrs["memory"]
             assert mem["external_source"] == "psutil" and mem["external_peak_gb"] > 0
-            assert mem["samples"] >= 10
+            # sampled throughout at its 10 Hz: at least half the rate (a later warm trial lasts ~1 s)
+            took = t.user_attrs["duration_s"]
+            assert mem["samples"] >= 5 * took, (t.number, mem["samples"], took)
             assert t.user_attrs["duration_s"] > 0
             assert Path(t.user_attrs["log_path"]).is_file()
 
