@@ -312,9 +312,12 @@ class Search:
         reruns = self.options.confirm * (confirm_mod.MAX_FINALISTS + 1)
         return decide.after_search_s(trials, runs=reruns + self.options.probe, timeout_s=self.options.timeout_s)
 
+    def _over_timeout(self, elapsed_s: float) -> bool:
+        return self.options.timeout_s is not None and elapsed_s > self.options.timeout_s
+
     def _past_timeout(self, what: str) -> bool:
         """True (and said once) when ``--timeout`` has passed: ``what`` starts no further run."""
-        if self.options.timeout_s is None or time.monotonic() - self._started <= self.options.timeout_s:
+        if not self._over_timeout(time.monotonic() - self._started):
             return False
         if self.observer:
             self.observer.message(f"{what}: --timeout {self.options.timeout_s:g} s reached; no further run started")
@@ -325,7 +328,7 @@ class Search:
         worker dies, its trial is swept and re-enqueued, and this worker runs the retry)."""
         if self.stop_event.is_set() or decide.count_progress(trials) < self.options.trials:
             return False
-        if self.options.timeout_s is not None and elapsed_s > self.options.timeout_s:
+        if self._over_timeout(elapsed_s):
             return False
         return any(t.state == TrialState.RUNNING and decide.counted(t) and not st.owned_here(t) for t in trials)
 
