@@ -7,6 +7,7 @@ Sizes, one H200 (2026-11-30, torch 2.11): nvml 0 s, e2e_nccl 18 s each, packed a
 MFU 50 s in fp32 (over 80 s in bf16, with a profiled step more now), offload matrix 104-117 s, invariance 61 s,
 search over 150 s (cut off there in its confirmation): give the whole file ~10 min, or run it in groups.
 
+On a lent GPU machine run scripts/gpu_check.sh (these tests in timed groups, the timing-sensitive ones alone).
 Run on a GPU machine with either of:
     python -m pytest tests/trainer/test_gpu.py -v -s
     python tests/trainer/test_gpu.py [NAME ...]  # no pytest plugins needed: every test (or those whose name

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The prepared GPU check: tests/trainer/test_gpu.py in timed groups, sized from the first H200 run
+# (2026-11-30) to end inside one 10-minute command of a 15-minute device lease.
+#
+#   bash scripts/gpu_check.sh fetch    here, with a package index: optuna and what it needs that a bare
+#                                      CUDA image lacks, as wheels for Python 3.12 under .whl/ (ignored)
+#   bash scripts/gpu_check.sh [DIR]    there, from the repository root (.whl/ carried along): one log per
+#                                      group under DIR (default: $OUT, else gpu_logs), then each summary
+#
+# Order: the timing-sensitive tests alone first (MFU with a profiled step, then a real search, whose
+# memory objective is NVML's and must not see other processes), then the rest side by side.
+set -u
+cd "$(dirname "$0")/.."
+WHEELS=(optuna==5.0.0 sqlalchemy==2.1.9 alembic==1.20.1 mako colorlog)
+
+if [ "${1:-}" = fetch ]; then
+    platforms=()
+    for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64; do
+        platforms+=(--platform "$p")
+    done
+    exec python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        "${platforms[@]}" -d .whl "${WHEELS[@]}"
+fi
+
+LOGS="${1:-${OUT:-gpu_logs}}"
+mkdir -p "$LOGS"
+export PYTHONUNBUFFERED=1
+if ls .whl/*.whl > /dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+T0=$(date +%s)
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, \
+'gpus', torch.cuda.device_count())"
+
+group() {  # group NAME SECONDS TEST-NAME...
+    local name=$1 limit=$2
+    shift 2
+    timeout "$limit" python3 tests/trainer/test_gpu.py "$@" > "$LOGS/$name.log" 2>&1
+    echo "group $name: exit $? at $(( $(date +%s) - T0 )) s"
+}
+group 1_mfu 150 mfu nvml
+group 2_search 240 search
+group 3_e2e 150 e2e oom packed vllm &
+group 4_offload 150 offload &
+group 5_invariance 150 invariance &
+wait
+for f in "$LOGS"/*.log; do
+    echo "##### $f"
+    sed -n '/===== summary/,$p' "$f"
+done
