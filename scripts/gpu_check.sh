@@ -40,12 +40,20 @@ group() {  # group NAME SECONDS TEST-NAME...
     timeout "$limit" python3 tests/trainer/test_gpu.py "$@" > "$LOGS/$name.log" 2>&1
     echo "group $name: exit $? at $(( $(date +%s) - T0 )) s"
 }
+# the SM clock and load every 2 s, the whole run: later trials of the first H200 warm job ran up to 1.4x
+# faster than earlier ones (clock ramp-up, lazy module loading or library caches: not known yet)
+nvidia-smi --query-gpu=timestamp,clocks.sm,utilization.gpu,memory.used --format=csv -l 2 > "$LOGS/clocks.csv" 2>&1 &
+CLOCKS=$!
 group 1_mfu 150 mfu nvml
 group 2_search 240 search
 group 3_e2e 150 e2e oom packed vllm &
+P3=$!
 group 4_offload 150 offload &
+P4=$!
 group 5_invariance 150 invariance &
-wait
+P5=$!
+wait "$P3" "$P4" "$P5"
+kill "$CLOCKS" 2> /dev/null
 for f in "$LOGS"/*.log; do
     echo "##### $f"
     sed -n '/===== summary/,$p' "$f"
