@@ -112,7 +112,7 @@ def profiled(enabled: bool, device: torch.device, *, rows: int = 25):
         yield out
     if cuda:
         torch.cuda.synchronize(device)
-    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
     out.append(prof.key_averages().table(sort_by=key, row_limit=rows))
 
 
