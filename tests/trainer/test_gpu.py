@@ -52,10 +52,10 @@ HALF_B = [
     "ppotune.tiny.intermediate_size=4864",
 ]
 # verl's default compute dtype (the CPU demo config computes in fp32)
-BF16 = [
-    f"{s}.mixed_precision.param_dtype=bf16"
+BF16 = {
+    f"{s}.mixed_precision.param_dtype": "bf16"
     for s in ("actor_rollout_ref.actor.fsdp_config", "actor_rollout_ref.ref.fsdp_config", "critic.fsdp")
-]
+}
 # Wide enough that parameters and optimizer state show in the per-phase memory.
 WIDE = {
     "ppotune.tiny.hidden_size": 1024,
@@ -177,7 +177,8 @@ def test_mfu_half_b_shape(tmp_path):
     """The actor update's MFU on the 0.5B shape in verl's bf16, with the step's time by phase and the
     operators of one profiled step (the step of a GPU trial was overhead-bound on the first H200 run)."""
     # 3 steps: warm-up, profiled, measured (a bf16 step of this shape took over 20 s on the first H200 run)
-    proc, r = _train(tmp_path, *HALF_B, *BF16, "--nproc", 1, "--steps", 3, "--warmup", 1, "--profile-step", 2)
+    bf16 = [f"{k}={v}" for k, v in BF16.items()]
+    proc, r = _train(tmp_path, *HALF_B, *bf16, "--nproc", 1, "--steps", 3, "--warmup", 1, "--profile-step", 2)
     print(proc.stdout[proc.stdout.find("profile of step") :][:6000])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     mfu = r["summary"]["mfu"]
@@ -243,22 +244,6 @@ def test_vllm_rollout_colocated(tmp_path, free_cache_engine):
     print(f"free_cache_engine={free_cache_engine}", "per-phase GB:", phases, "timing:", r["summary"]["timing_s"])
 
 
-def _nested(dotted: dict) -> dict:
-    """{"a.b.c": v} -> {"a": {"b": {"c": v}}}."""
-    out: dict = {}
-    for key, value in dotted.items():
-        *path, leaf = key.split(".")
-        node = out
-        for part in path:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return out
-
-
-def _merge(base: dict, over: dict) -> dict:
-    return {**base, **{k: _merge(base.get(k, {}), v) if isinstance(v, dict) else v for k, v in over.items()}}
-
-
 def test_search_on_gpu(tmp_path):
     """A real ppotune search on the GPU (a 1024-wide model, verl's bf16): warm trials on nccl, the memory
     objective from NVML, the memory model fitted on GPU peaks, the confirmation and the export; the same
@@ -266,19 +251,18 @@ def test_search_on_gpu(tmp_path):
     Skipped, saying so, where optuna is not importable (the lent GPU machine has none unless carried)."""
     import yaml
 
+    from trainer.config import apply_overrides, read_yaml_mapping
+
     if subprocess.run([sys.executable, "-c", "import optuna"], capture_output=True).returncode:
         pytest.skip("optuna is not importable on this device: no search was run on a GPU")
     over = {
         **{k: v for k, v in WIDE.items() if k.startswith("ppotune.tiny.")},
         "ppotune.device": "cuda",
         "trainer.n_gpus_per_node": 1,
-        **{
-            f"{s}.mixed_precision.param_dtype": "bf16"
-            for s in ("actor_rollout_ref.actor.fsdp_config", "actor_rollout_ref.ref.fsdp_config", "critic.fsdp")
-        },
+        **BF16,
     }
     base = tmp_path / "gpu.yaml"
-    base.write_text(yaml.safe_dump(_merge(yaml.safe_load(Path(BASE).read_text()), _nested(over))))
+    base.write_text(yaml.safe_dump(apply_overrides(read_yaml_mapping(BASE), over)))
     out = tmp_path / "out"
     space = ROOT / "search_spaces" / "tiny_cpu.yaml"
     cmd = [sys.executable, "-m", "tuner.cli", "search", str(base), "--space", str(space), "--report"]
