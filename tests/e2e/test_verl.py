@@ -191,7 +191,9 @@ def test_verl_oom_under_a_memory_cap(cli, verl_python, tmp_path):
     r = _train(cli, run, tmp_path / "r.json", "--memory-limit-gb", 0.2)
     res = json.loads((tmp_path / "r.json").read_text())
     assert r.returncode == 3 and res["status"] == "oom", (res["status"], res["error"], r.stdout[-2000:])
-    assert "can't allocate memory" in res["error"]
+    # the allocator's own failure, whichever allocation hit the cap first: a tensor ("can't allocate memory")
+    # or the checkpoint's mmap while loading ("Cannot allocate memory (12)", ENOMEM)
+    assert "allocate memory" in res["error"].lower(), res["error"]
     assert wait_until(lambda: not ray_processes(), 20), ray_processes()
 
 
