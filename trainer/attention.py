@@ -28,7 +28,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 
-__all__ = ["PACKED_ATTENTION", "packed_attention_kwargs", "packed_attention_forward"]
+__all__ = ["PACKED_ATTENTION", "packed_attention_kwargs", "packed_attention_forward", "packed_kernel", "FLASH_VARLEN"]
 
 PACKED_ATTENTION = "ppotune_packed"
 
@@ -38,6 +38,19 @@ PACKED_ATTENTION = "ppotune_packed"
 _SEQ_LENS = "ppotune_seq_lens"
 
 _HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
+
+
+FLASH_VARLEN = "flash_attn_varlen"
+PER_SEQUENCE_SDPA = "sdpa_per_sequence"
+
+
+def packed_kernel(device_type: str, dtype: torch.dtype, *, has_flash: bool = _HAS_FLASH_ATTN) -> str:
+    """The kernel a packed row's attention runs on ``device_type`` in ``dtype``: :data:`FLASH_VARLEN` (one call
+    for the whole row: what verl runs) where flash-attn is installed and the compute is half precision on
+    CUDA, else :data:`PER_SEQUENCE_SDPA` (one fused sdpa call per sequence: the same memory, more calls)."""
+    if has_flash and device_type == "cuda" and dtype in (torch.float16, torch.bfloat16):
+        return FLASH_VARLEN
+    return PER_SEQUENCE_SDPA
 
 
 def _sequence_starts(position_ids: torch.Tensor) -> torch.Tensor:
@@ -186,7 +199,7 @@ def packed_attention_forward(
         assert sum(seq_lens) == q_length, "the varlen kwargs do not match the packed row"
         if window is not None and max(seq_lens) > window:
             raise ValueError(f"{PACKED_ATTENTION}: a packed sequence is longer than the sliding window {window}")
-        if _HAS_FLASH_ATTN and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16):
+        if packed_kernel(query.device.type, query.dtype) == FLASH_VARLEN:
             return _flash_varlen(query, key, value, kwargs, dropout=dropout, scaling=scaling, is_causal=is_causal), None
         out = _per_sequence_sdpa(query, key, value, seq_lens, dropout=dropout, scaling=scaling, is_causal=is_causal)
         return out, None

@@ -514,6 +514,37 @@ def model_loads(cfg, rank: int) -> dict:
     return {"actor": actor, "ref": actor, "critic": (load_critic, cfg.critic.model.path, kw)}
 
 
+def packed_attention_notes(cfg, device_type: str, *, has_flash: Optional[bool] = None) -> list[str]:
+    """What a GPU run of packed rows (``use_remove_padding``) says when its attention is not verl's: verl runs
+    flash-attn varlen, one kernel per packed row; without flash-attn, or computing in fp32 (flash-attn is
+    half precision only), each sequence gets its own sdpa call. The memory is the same; on a GPU the many
+    small calls make the step slower than verl's, so the figure understates this config. On CPU neither
+    engine has a varlen kernel (verl runs padded there): nothing to say. ``cfg``: an effective config."""
+    import torch
+
+    from .attention import FLASH_VARLEN, packed_kernel
+    from .config import PRECISIONS
+
+    if device_type != "cuda":
+        return []
+    kw = {} if has_flash is None else {"has_flash": has_flash}
+    out = []
+    arr = cfg.actor_rollout_ref
+    roles = [
+        ("actor_rollout_ref.model.use_remove_padding", arr.model.use_remove_padding, arr.actor.fsdp_config),
+        ("critic.model.use_remove_padding", cfg.critic.model.use_remove_padding, cfg.critic.fsdp),
+    ]
+    for key, packed, fc in roles:
+        dtype = getattr(torch, PRECISIONS[fc.mixed_precision.param_dtype])
+        if packed and packed_kernel(device_type, dtype, **kw) != FLASH_VARLEN:
+            why = "fp32 compute (flash-attn is half precision only)" if dtype == torch.float32 else "no flash-attn"
+            out.append(
+                f"{key}: packed attention ran one sdpa call per sequence ({why}), where verl runs one flash-attn "
+                "varlen call per row: the same memory, a slower step on a GPU (install flash-attn, compute in bf16)"
+            )
+    return out
+
+
 def build_roles(cfg, tokenizer, device, world: int, notes: list[str], *, weights=None):
     """Load, shard and equip actor, ref and critic with this config's knobs; -> (Roles, model shape info).
 
@@ -597,6 +628,7 @@ def build_roles(cfg, tokenizer, device, world: int, notes: list[str], *, weights
             f"mixed_precision.param_dtype: {'/'.join(fp32)} compute in fp32, not verl's default bf16: "
             "these figures are fp32's"
         )
+    notes.extend(packed_attention_notes(cfg, device.type))
     if a.pad_to_length and not mdl.use_remove_padding:
         notes.append("actor_rollout_ref.actor.pad_to_length: no effect without use_remove_padding (nothing is packed)")
     for key in ("param_offload", "optimizer_offload", "offload_policy"):

@@ -150,3 +150,35 @@ def test_peak_memory_grows_linearly_with_packed_tokens():
     print(f"peak MB {peak}; 4x tokens -> new x{new_ratio:.2f}, old (dense mask) x{old_ratio:.2f}")
     assert new_ratio < 6
     assert old_ratio > 8
+
+
+def test_the_kernel_and_the_note_say_when_packed_attention_is_not_verls():
+    """flash-attn varlen only with flash-attn, on CUDA, in half precision; a GPU run says when it ran the
+    per-sequence path instead (fp32, or no flash-attn), and a CPU run says nothing (verl runs padded there)."""
+    from trainer.attention import FLASH_VARLEN, packed_kernel
+    from trainer.config import effective_config, load_config
+    from trainer.run import packed_attention_notes
+
+    assert packed_kernel("cuda", torch.bfloat16, has_flash=True) == FLASH_VARLEN
+    assert packed_kernel("cuda", torch.float16, has_flash=True) == FLASH_VARLEN
+    for dev, dtype, flash in (
+        ("cuda", torch.float32, True),
+        ("cuda", torch.bfloat16, False),
+        ("cpu", torch.bfloat16, True),
+    ):
+        assert packed_kernel(dev, dtype, has_flash=flash) != FLASH_VARLEN
+
+    def cfg(over: dict):
+        return effective_config(load_config(REPO / "configs" / "tiny_cpu.yaml", over))
+
+    packed = {"actor_rollout_ref.model.use_remove_padding": True, "critic.model.use_remove_padding": True}
+    bf16 = {f"{s}.mixed_precision.param_dtype": "bf16" for s in ("actor_rollout_ref.actor.fsdp_config", "critic.fsdp")}
+    on = cfg(packed)
+    assert packed_attention_notes(on, "cpu", has_flash=False) == []
+    assert packed_attention_notes(cfg({**packed, **bf16}), "cuda", has_flash=True) == []
+    fp32 = packed_attention_notes(on, "cuda", has_flash=True)
+    assert [n.split(":")[0] for n in fp32] == list(packed) and all("fp32 compute" in n for n in fp32)
+    missing = packed_attention_notes(cfg({**packed, **bf16}), "cuda", has_flash=False)
+    assert len(missing) == 2 and all("no flash-attn" in n for n in missing)
+    off = cfg({k: False for k in packed})
+    assert packed_attention_notes(off, "cuda", has_flash=False) == []
