@@ -1,9 +1,10 @@
 """The search's memory-model gate (issue 12.2) on REAL trials: ``tuner.loop.Search`` with the real warm runner on
 the recorded grid's preset (a 128-wide tiny model, 1 CPU process, a real 0.15 GB cap: RLIMIT_DATA above the
-post-start level). Ten configs are measured first (micro-batch 1..16 x gradient checkpointing, FSDP1), which
-calibrates the model; then a candidate it puts far over the cap (micro-batch 32, no checkpointing) is recorded
-``predicted_oom`` and never launched, and one within the model's error of the cap (micro-batch 16 on FSDP2,
-whose FSDP1 twin measured ~0.14 GB) is launched, so the boundary is measured, not guessed."""
+post-start level). Nine configs are measured first (micro-batch 1..8 x gradient checkpointing and micro-batch
+16 with it, FSDP1), which calibrates the model; then a candidate it puts far over the cap (micro-batch 32, no
+checkpointing) is recorded ``predicted_oom`` and never launched, and one within the model's error of the cap
+(micro-batch 16 without checkpointing on FSDP2: its FSDP1 twin peaks at ~0.14 GB) is launched, so the boundary
+is measured, not guessed."""
 
 from __future__ import annotations
 
@@ -41,10 +42,12 @@ SPACE = {
         "critic.strategy": STRATEGY,
     },
 }
-# measured first (the calibration), then the far candidate (free: not counted), then the near one (the 11th
+# measured first (the calibration), then the far candidate (free: not counted), then the near one (the 10th
 # counted trial: the budget, so nothing else is asked). The far one comes before any OOM that could make it an
 # inferred OOM instead.
-CALIBRATION = [(mb, ck, "fsdp") for mb in (1, 2, 4, 8, 16) for ck in (False, True)]
+# Micro-batch 16 without checkpointing is left out: it peaks at ~0.14 GB, so close to the cap that it once ran out of
+# memory in CI, and that OOM made the far candidate an inferred OOM before the model could judge it.
+CALIBRATION = [(mb, ck, "fsdp") for mb in (1, 2, 4, 8) for ck in (False, True)] + [(16, True, "fsdp")]
 FAR, NEAR = (32, False, "fsdp"), (16, False, "fsdp2")
 
 
