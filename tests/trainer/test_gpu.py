@@ -109,6 +109,12 @@ def test_e2e_nccl(tmp_path, strategy):
     assert r["status"] == "ok" and r["environment"]["backend"] == "nccl"
     assert r["summary"]["memory_source"] == "torch_cuda" and r["summary"]["peak_memory_allocated_gb"] > 0
     assert not any("no effect on CPU" in n for n in r["notes"])
+    # the demo config packs rows (use_remove_padding) and computes in fp32: flash-attn cannot run it, and the
+    # result says so (trainer.run.packed_attention_notes), where a CPU run says nothing
+    assert any(
+        n.startswith("actor_rollout_ref.model.use_remove_padding: packed attention ran one sdpa call per sequence")
+        for n in r["notes"]
+    ), r["notes"]
     print(strategy, r["summary"]["throughput"], r["summary"]["peak_memory_reserved_gb"])
     last = r["steps"][-1]
     print("per-phase peak GB:", {k[7:-3]: round(v, 3) for k, v in last.items() if k.startswith("memory/")})
