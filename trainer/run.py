@@ -523,7 +523,7 @@ def packed_attention_notes(cfg, device_type: str, *, has_flash: Optional[bool] =
     import torch
 
     from .attention import FLASH_VARLEN, packed_kernel
-    from .config import PRECISIONS
+    from .parallel import torch_dtype
 
     if device_type != "cuda":
         return []
@@ -535,7 +535,7 @@ def packed_attention_notes(cfg, device_type: str, *, has_flash: Optional[bool] =
         ("critic.model.use_remove_padding", cfg.critic.model.use_remove_padding, cfg.critic.fsdp),
     ]
     for key, packed, fc in roles:
-        dtype = getattr(torch, PRECISIONS[fc.mixed_precision.param_dtype])
+        dtype = torch_dtype(fc.mixed_precision.param_dtype)
         if packed and packed_kernel(device_type, dtype, **kw) != FLASH_VARLEN:
             why = "fp32 compute (flash-attn is half precision only)" if dtype == torch.float32 else "no flash-attn"
             out.append(
