@@ -5,8 +5,11 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import signal
 import sys
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator, Sequence
 
 __all__ = [
     "prctl",
@@ -14,6 +17,7 @@ __all__ = [
     "die_with_parent",
     "write_json_atomic",
     "leave_rank",
+    "signals_caught",
     "PR_SET_PDEATHSIG",
     "PR_SET_CHILD_SUBREAPER",
 ]
@@ -33,6 +37,28 @@ def prctl(option: int, arg: int) -> bool:
 def die_with_parent(signum: int) -> bool:
     """Have the kernel send ``signum`` to this process when its parent dies, even by SIGKILL."""
     return prctl(PR_SET_PDEATHSIG, signum)
+
+
+@contextmanager
+def signals_caught(signals: Sequence[int]) -> Iterator[list[int]]:
+    """While in the block, each of ``signals`` is appended to the yielded list instead of acting; the old
+    handlers come back on the way out. The caller polls the list.
+
+    The handler takes no lock, on purpose. Python runs a handler in the main thread between two bytecodes,
+    possibly while that thread holds a lock, e.g. inside ``threading.Event.wait``, which holds the event's
+    own non-reentrant lock at moments. A handler that then calls ``Event.set`` waits forever for it: a
+    trial's reaper did, and outlived its SIGKILLed tuner with the trial still running below it."""
+    got: list[int] = []
+
+    def on_signal(signum, _frame):
+        got.append(signum)  # atomic under the GIL; nothing to wait for
+
+    old = {s: signal.signal(s, on_signal) for s in signals}
+    try:
+        yield got
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
 
 
 def write_json_atomic(path: Path, data: dict) -> None:

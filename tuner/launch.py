@@ -34,7 +34,7 @@ from typing import Callable, Optional, Sequence
 import psutil
 
 from trainer.contracts import ExitCode, Status
-from trainer.proc import PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, kill_descendants, prctl
+from trainer.proc import PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, kill_descendants, prctl, signals_caught
 from tuner.memory import MemoryPeaks, MemorySampler
 
 __all__ = [
@@ -59,6 +59,7 @@ __all__ = [
 ]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+_SIGNAL_POLL_S = 0.05  # how soon a caught SIGINT/SIGTERM sets the stop event
 
 
 @dataclass
@@ -494,30 +495,28 @@ def _reap_main(argv: list[str]) -> int:
     prctl(PR_SET_CHILD_SUBREAPER, 1)
     if ppid is not None and os.getppid() != ppid:
         return 143  # the tuner died before we could watch it
-    stop = threading.Event()
 
-    def on_signal(signum, _frame):
-        stop.set()
+    def parent_gone() -> bool:  # PDEATHSIG's backstop: a dead tuner's children are re-parented
+        return ppid is not None and os.getppid() != ppid
 
-    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(s, on_signal)
-    child = subprocess.Popen(cmd)  # same process group: our session
-    me = os.getpid()
-    rc: Optional[int] = None
-    while rc is None and not stop.is_set():
-        # We are a subreaper: reap adopted orphans too, and find our child's status among them.
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            pid, status = 0, 0
-        if pid == child.pid:
-            rc = os.waitstatus_to_exitcode(status)
-            child.returncode = rc
-            continue
-        if pid == 0:
-            stop.wait(0.05)
-    # Whatever is still below us now is either being stopped or an orphan of a finished trial.
-    kill_descendants(grace if stop.is_set() else 2.0)
+    with signals_caught((signal.SIGTERM, signal.SIGINT, signal.SIGHUP)) as got:
+        child = subprocess.Popen(cmd)  # same process group: our session
+        me = os.getpid()
+        rc: Optional[int] = None
+        while rc is None and not got and not parent_gone():
+            # We are a subreaper: reap adopted orphans too, and find our child's status among them.
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                pid, status = 0, 0
+            if pid == child.pid:
+                rc = os.waitstatus_to_exitcode(status)
+                child.returncode = rc
+                continue
+            if pid == 0:
+                time.sleep(0.05)
+        # Whatever is still below us now is either being stopped or an orphan of a finished trial.
+        kill_descendants(grace if rc is None else 2.0)
     if rc is None:
         return 128 + signal.SIGTERM
     if rc < 0:  # re-raise the child's signal so the tuner sees it
@@ -541,19 +540,27 @@ if __name__ == "__main__":
 def stop_on_signals(stop: threading.Event):
     """While in the block, SIGINT and SIGTERM set ``stop`` (the runner then ends its trial and the caller
     records what it has) instead of raising; yields the list of signals received; the handlers are restored
-    on the way out. For ``ppotune search``, ``validate`` and ``probe``: Ctrl-C keeps what was measured."""
-    got: list[int] = []
+    on the way out. For ``ppotune search``, ``validate`` and ``probe``: Ctrl-C keeps what was measured.
 
-    def on_signal(signum, _frame):
-        got.append(signum)
-        stop.set()
+    A relay thread sets ``stop``: the handler itself must not take the event's lock
+    (:func:`trainer.proc.signals_caught` says why)."""
+    done = threading.Event()
+    with signals_caught((signal.SIGINT, signal.SIGTERM)) as got:
 
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield got
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
+        def relay() -> None:
+            while not done.wait(_SIGNAL_POLL_S):
+                if got:
+                    stop.set()
+
+        relay_thread = threading.Thread(target=relay, name="signal-relay", daemon=True)
+        relay_thread.start()
+        try:
+            yield got
+        finally:
+            done.set()
+            relay_thread.join()
+            if got:
+                stop.set()
 
 
 def next_numbered_dir(root: Path) -> Path:

@@ -276,6 +276,30 @@ def test_trial_dies_with_a_sigkilled_tuner(tmp_path):
 
 
 # --------------------------------------------------------------------------- memory
+def test_a_signal_stops_even_while_the_main_thread_holds_the_stop_events_lock():
+    """``Event.wait`` and ``Event.set`` hold the event's non-reentrant lock for a moment; a handler runs in the
+    main thread between two bytecodes, maybe then. A handler that called ``Event.set`` itself would wait
+    forever for its own thread (a trial's reaper did, and outlived its SIGKILLed tuner)."""
+    code = textwrap.dedent(
+        """
+        import os, signal, threading, time
+        from tuner.launch import stop_on_signals
+        stop = threading.Event()
+        with stop_on_signals(stop) as got:
+            with stop._cond:  # the moment inside stop.wait() when the lock is held
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.3)  # the handler runs in here
+            print("stopped" if stop.wait(10) else "not stopped", got)
+        """
+    )
+    try:
+        r = subprocess.run([PY, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the signal handler deadlocked on the stop event's lock")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["stopped", f"[{int(signal.SIGTERM)}]"], r.stdout
+
+
 def test_psutil_fallback_without_nvml(tmp_path):
     assert not nvml_available()  # this CPU machine: nvmlInit raises NVMLError_LibraryNotFound
     r = run(
