@@ -15,8 +15,13 @@
    (``ppotune.memory_limit_gb``, RLIMIT_DATA above the start level): the smallest cap the 4x-wider config
    runs under, bisected cold and warm (an OOM far below it and a run far above it agree by construction
    of the bisection's end points, which are checked).
+3. Launch: what a job's start costs with and without torchrun's agent. The time from starting 2 ranks to
+   both having imported torch and transformers' Qwen2 and formed a gloo process group, through
+   ``python -m torch.distributed.run --standalone`` (what ``ppotune train`` ran until 2026-12-01) and through
+   :class:`trainer.ranks.RankGroup` (what it runs now), ``--launch-rounds`` times each, interleaved.
 
-    python benchmarks/bench_overhead.py [--trials 12] [--seed 0] [--rounds 2] [--json FILE] [--only overhead|memory]
+    python benchmarks/bench_overhead.py [--trials 12] [--seed 0] [--rounds 2] [--json FILE]
+                                       [--only overhead|memory|launch] [--launch-rounds 6]
                                        [--grid-preset]
 
 ``--grid-preset`` runs part 1 on the recorded grid's base and space instead of the demo's: the same tiny
@@ -196,7 +201,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=2, help="part 1: whole searches of each kind, alternating")
     ap.add_argument("--json", default=None, help="also write the figures here")
-    ap.add_argument("--only", choices=["overhead", "memory"], default=None, help="run one part")
+    ap.add_argument("--only", choices=["overhead", "memory", "launch"], default=None, help="run one part")
+    ap.add_argument("--launch-rounds", type=int, default=6, help="part 3: starts of each kind, interleaved")
     ap.add_argument(
         "--grid-preset",
         action="store_true",
@@ -213,11 +219,13 @@ def main() -> int:
     out: dict = {"date": when, "host": platform.node(), "trials": args.trials, "seed": args.seed}
     with tempfile.TemporaryDirectory(prefix="bench_overhead_") as tmp:
         root = Path(tmp)
-        if args.only != "memory":
+        if args.only in (None, "overhead"):
             _print_overhead(out, args, root)
-        if args.only != "overhead":
+        if args.only in (None, "memory"):
             print("2. memory objective and cap, warm against cold (each warm config is a job's second trial)")
             out["memory"] = memory(root / "memory")
+        if args.only in (None, "launch"):
+            out["launch"] = _print_launch(args.launch_rounds, root / "launch")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1, default=str))
     return 0
@@ -246,6 +254,53 @@ def _print_overhead(out: dict, args: argparse.Namespace, root: Path) -> None:
         f"vs {c['unmeasured_share']:.1%} (goal: <= 20% warm)\n",
         flush=True,
     )
+
+
+# a rank of part 3: what every rank of a trial does before its model: the imports and the process group
+_LAUNCH_RANK = """
+import os, time
+import torch, torch.distributed as dist
+from transformers import Qwen2ForCausalLM
+dist.init_process_group("gloo")
+dist.barrier()
+if dist.get_rank() == 0:
+    print("ready", time.time() - float(os.environ["BENCH_T0"]), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def _start_ranks(kind: str, env: dict) -> float:
+    """Seconds from the start to both ranks ready (imports done, process group formed), ``kind`` torchrun|direct."""
+    from trainer.ranks import RankGroup
+
+    env = {**env, "BENCH_T0": repr(time.time())}
+    if kind == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "bench_rank"]
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
+    else:
+        group = RankGroup(["bench_rank"], nproc=2, env=env)
+        out = group.stdout.read()
+        assert group.wait() == 0, out
+    return float(out.split("ready", 1)[1].split()[0])
+
+
+def _print_launch(rounds: int, root: Path) -> dict:
+    import os
+
+    print(f"3. launch: 2 ranks to imports done and gloo group formed, torchrun's agent vs direct ({rounds} rounds)")
+    root.mkdir(parents=True)
+    (root / "bench_rank.py").write_text(_LAUNCH_RANK)
+    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+    got: dict[str, list[float]] = {"torchrun": [], "direct": []}
+    for i in range(rounds):
+        for kind in ("torchrun", "direct") if i % 2 == 0 else ("direct", "torchrun"):
+            got[kind].append(_start_ranks(kind, env))
+    med = {k: statistics.median(v) for k, v in got.items()}
+    for k, v in got.items():
+        print(f"  {k:8s} median {med[k]:.2f} s  ({', '.join(f'{x:.2f}' for x in v)})")
+    saved = med["torchrun"] - med["direct"]
+    print(f"  direct/torchrun {med['direct'] / med['torchrun']:.2f}x, {saved:.2f} s saved per start\n")
+    return {"seconds": got, "median_s": med}
 
 
 def _cpus() -> int:

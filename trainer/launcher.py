@@ -1,19 +1,17 @@
-"""``ppotune train``: validate the config, run torchrun, write the result JSON.
+"""``ppotune train``: validate the config, start the ranks, write the result JSON.
 
-This process never imports torch. It starts ``python -m torch.distributed.run`` in its own
-process group, forwards SIGTERM/SIGINT to it, and once every rank has exited it reads the
-per-rank status files and writes the result (``trainer/result_schema.json``). torchrun exits 1
-whatever a rank's code was, so the files, not the exit code, say what happened.
+This process never imports torch. It starts the ranks (:class:`trainer.ranks.RankGroup`, no torchrun
+agent), forwards SIGTERM/SIGINT to them, and once every rank has exited it reads the per-rank status
+files and writes the result (``trainer/result_schema.json``). A rank ended because a peer failed exits
+with a signal's code, so the files, not the exit codes, say what happened.
 """
 
 from __future__ import annotations
 
 import collections
 import json
-import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -26,7 +24,8 @@ import yaml
 
 from .config import ConfigError, config_to_dict, load_config
 from .contracts import RESULT_SCHEMA_VERSION, ExitCode
-from .proc import die_with_parent, write_json_atomic
+from .proc import write_json_atomic
+from .ranks import RankGroup
 from .summary import summarize_steps
 
 __all__ = ["add_arguments", "run", "build_result", "error_result", "serve", "JobDir", "serve_layout", "warm_refusal"]
@@ -144,12 +143,12 @@ def build_result(
         parts = []
         if missing:  # the root cause: a rank that died without writing (a signal); peers only saw broken links
             parts.append(
-                f"rank(s) {missing} exited without a status (killed by a signal?); torchrun exit code {returncode}"
+                f"rank(s) {missing} exited without a status (killed by a signal?); ranks' exit code {returncode}"
             )
         if errors:
             first = rank_files[errors[0]]
             parts.append(f"rank {errors[0]} failed in phase {first.get('phase')}: {first.get('error')}")
-        error = "; ".join(parts) or f"torchrun exit code {returncode}"
+        error = "; ".join(parts) or f"ranks' exit code {returncode}"
     env = lead.get("environment") or next((f["environment"] for f in rank_files.values() if f.get("environment")), None)
     notes = list(
         dict.fromkeys(lead.get("notes") or next((f["notes"] for f in rank_files.values() if f.get("notes")), []))
@@ -203,11 +202,11 @@ def run(args) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="ppotune_run_", dir=result_path.parent if result_path else None))
     cfg_file = workdir / "config.yaml"
     cfg_file.write_text(yaml.safe_dump(config, sort_keys=False))
-    proc = _torchrun(["trainer.run", str(cfg_file), "--rank-dir", str(workdir)], nproc=nproc, workdir=workdir)
+    proc = RankGroup(["trainer.run", str(cfg_file), "--rank-dir", str(workdir)], nproc=nproc)
     tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
 
     def forward(signum, _frame):
-        # torchrun passes SIGTERM on to its ranks; then we still collect and write what happened.
+        # the ranks write what they were doing and exit; then we still collect and write what happened.
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
 
@@ -266,28 +265,6 @@ def _read_rank_files(rank_dir: Path, nproc: int) -> dict[int, dict]:
             except (OSError, json.JSONDecodeError):
                 pass
     return rank_files
-
-
-def _torchrun(module_argv: list[str], *, nproc: int, workdir: Path) -> subprocess.Popen:
-    """``python -m torch.distributed.run --standalone`` of ``nproc`` ranks running ``python -m MODULE ARGS``;
-    its output (the ranks' too) on a pipe, line by line."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "--module"]
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH", "")]
-    ).rstrip(os.pathsep)
-    env.setdefault("TORCHELASTIC_ERROR_FILE", str(workdir / "torchelastic_error.json"))
-    return subprocess.Popen(
-        [*cmd, *module_argv],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env=env,
-        text=True,
-        bufsize=1,
-        # torchrun ends with us even if we are SIGKILLed (it then SIGTERMs its ranks)
-        preexec_fn=lambda: die_with_parent(signal.SIGTERM),
-    )
 
 
 # --------------------------------------------------------------------------- a warm job (--serve)
@@ -352,15 +329,15 @@ def warm_refusal(config: dict) -> Optional[str]:
             "(trainer/vllm_rollout.py), so each vLLM trial gets fresh processes"
         )
     if config["trainer"]["nnodes"] != 1:
-        return "trainer.nnodes > 1: a warm job is one node's processes (torchrun --standalone)"
+        return "trainer.nnodes > 1: a warm job is one node's processes"
     return None
 
 
 class _LinePump(threading.Thread):
-    """torchrun's output (the ranks' too), line by line, to our stdout (the job's log) and to the log of the
+    """The ranks' output, line by line, to our stdout (the job's log) and to the log of the
     trial in flight; keeps that trial's last lines for its result's ``log_tail``."""
 
-    def __init__(self, proc: subprocess.Popen):
+    def __init__(self, proc: RankGroup):
         super().__init__(name="ppotune-serve-output", daemon=True)
         self.proc = proc
         self._lock = threading.Lock()
@@ -402,7 +379,7 @@ class _LinePump(threading.Thread):
 
 
 def serve(job_root: Path, config: dict) -> int:
-    """``ppotune train CONFIG --serve JOBDIR``: one torchrun whose ranks (trainer/serve.py) start once and
+    """``ppotune train CONFIG --serve JOBDIR``: one group of ranks (trainer/serve.py) that start once and
     then run trial after trial as :class:`JobDir` hands them over, each trial the same code a cold
     ``ppotune train`` runs, with the same result JSON.
 
@@ -419,15 +396,13 @@ def serve(job_root: Path, config: dict) -> int:
     layout = serve_layout(config)
     cfg_file = job.root / "job.yaml"
     cfg_file.write_text(yaml.safe_dump(config, sort_keys=False))
-    proc = _torchrun(
-        ["trainer.serve", str(cfg_file), "--job-dir", str(job.root)], nproc=layout["nproc"], workdir=job.root
-    )
+    proc = RankGroup(["trainer.serve", str(cfg_file), "--job-dir", str(job.root)], nproc=layout["nproc"])
     pump = _LinePump(proc)
     pump.start()
 
     def forward(signum, _frame):
         if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)  # torchrun passes it on; the trial in flight still gets its result
+            proc.send_signal(signal.SIGTERM)  # to every rank; the trial in flight still gets its result
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     failed: Optional[dict] = None
@@ -456,7 +431,7 @@ def serve(job_root: Path, config: dict) -> int:
     return ExitCode.OK if returncode == 0 else ExitCode.ERROR
 
 
-def _next_request(job: JobDir, seq: int, proc: subprocess.Popen) -> Optional[dict]:
+def _next_request(job: JobDir, seq: int, proc: RankGroup) -> Optional[dict]:
     """Request ``seq`` once it is there (answered even if the job has ended meanwhile); None on ``stop`` or
     when the job ended with no request waiting."""
     path = job.request(seq)
@@ -472,7 +447,7 @@ def _next_request(job: JobDir, seq: int, proc: subprocess.Popen) -> Optional[dic
 
 
 def _serve_trial(
-    job: JobDir, seq: int, task: int, request: dict, layout: dict, proc: subprocess.Popen, pump: _LinePump
+    job: JobDir, seq: int, task: int, request: dict, layout: dict, proc: RankGroup, pump: _LinePump
 ) -> tuple[dict, bool, bool]:
     """Run request ``seq`` in the job as the ranks' task ``task``: -> (its result, whether the job ended with
     it, whether it was handed to the ranks)."""

@@ -73,7 +73,7 @@ def kill_descendants(grace_s: float = 5.0) -> None:
     """SIGTERM every process below this one, wait up to ``grace_s``, SIGKILL the rest; reap as we go.
 
     With ``PR_SET_CHILD_SUBREAPER`` set, that includes orphans whose parent died first (a rank whose
-    torchrun died, Ray's daemons after its driver): they are re-parented to us, not to init."""
+    launcher died, Ray's daemons after its driver): they are re-parented to us, not to init."""
     import signal
     import time
 
@@ -121,11 +121,11 @@ def kill_descendants(grace_s: float = 5.0) -> None:
 
 
 def leave_rank() -> None:
-    """End a finished torchrun rank now: flush stdio, then exit 0 without interpreter teardown.
+    """End a finished rank now: flush stdio, then exit 0 without interpreter teardown.
 
     Call it once the rank's work is recorded and its process group destroyed. Teardown with FSDP
     modules and gloo's threads still alive occasionally aborts ("terminate called without an active
-    exception", seen on 2 busy cores), which torchrun reports as a failed rank.
+    exception", seen on 2 busy cores), which the launcher would report as a failed rank.
     """
     sys.stdout.flush()
     sys.stderr.flush()

@@ -1,4 +1,4 @@
-"""One rank of a PPO run (started by torchrun via ``ppotune train``).
+"""One rank of a PPO run (started by ``ppotune train``: trainer/ranks.py).
 
 :func:`start_rank` (device, process group) -> :func:`run_trial` (memory cap, data, models, steps --
 the first ``ppotune.warmup_steps`` marked warm-up -- optional HF checkpoint) -> cleanup. A warm job
@@ -6,7 +6,7 @@ the first ``ppotune.warmup_steps`` marked warm-up -- optional HF checkpoint) -> 
 Each rank writes ``<rank-dir>/rank<r>.json``: its status (ok | oom | error), and on rank 0 the
 per-step metrics, rewritten after every step so a later failure keeps what was measured.
 An OOM anywhere is caught, recorded, and the rank exits at once (code 3): its peers, blocked in
-a collective, are then ended by torchrun, and the launcher reads the files.
+a collective, are then ended by the launcher, which reads the files.
 """
 
 from __future__ import annotations
@@ -117,13 +117,13 @@ def new_state() -> dict:
 
 
 def on_sigterm_write(current: dict) -> None:
-    """On SIGTERM write ``current["state"]`` to ``current["rank_file"]`` and exit. torchrun SIGTERMs the peers
+    """On SIGTERM write ``current["state"]`` to ``current["rank_file"]`` and exit. The launcher SIGTERMs the peers
     of a failed rank: say so, so the launcher can tell the rank that died first (no status file) from the
     ones that were stopped. ``current`` is read when the signal comes (a warm job points it at each trial)."""
 
     def handler(signum, _frame):
         state = current["state"]
-        state["error"] = f"stopped by signal {signum} (torchrun ends the other ranks when one fails)"
+        state["error"] = f"stopped by signal {signum} (the launcher ends the other ranks when one fails)"
         try:
             write_json_atomic(current["rank_file"], state)
         finally:
@@ -143,7 +143,7 @@ def fail(exc: BaseException, rank: int, rank_file: Path, state: dict) -> NoRetur
     except OSError:
         pass
     print(f"[rank {rank}] {state['status']} in phase {state['phase']}: {state['error']}", file=sys.stderr, flush=True)
-    # Peers may be blocked in a collective: leave now, torchrun ends them.
+    # Peers may be blocked in a collective: leave now, the launcher ends them.
     os._exit(ExitCode.OOM if oom else ExitCode.ERROR)
 
 
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("config")
     ap.add_argument("--rank-dir", required=True)
     args = ap.parse_args(argv)
-    die_with_parent(signal.SIGKILL)  # torchrun died (even by SIGKILL): no orphan rank keeps a GPU
+    die_with_parent(signal.SIGKILL)  # the launcher died (even by SIGKILL): no orphan rank keeps a GPU
     rank = int(os.environ.get("RANK", "0"))
     rank_file = Path(args.rank_dir) / f"rank{rank}.json"
     state = new_state()
@@ -304,7 +304,7 @@ def run_trial(
     rss_start = counted_from.rss_gb  # CPU: the memory objective is the resident memory gained after this
     if world != world_size(cfg):
         notes.append(
-            f"trainer.n_gpus_per_node x nnodes = {world_size(cfg)} but torchrun started {world} ranks; using {world}"
+            f"trainer.n_gpus_per_node x nnodes = {world_size(cfg)} but {world} ranks were started; using {world}"
         )
     state["environment"] = proc.environment
     meter = PhaseMeter(

@@ -1,4 +1,4 @@
-"""One rank of a warm job (``ppotune train CONFIG --serve JOBDIR``; the launcher starts it under torchrun).
+"""One rank of a warm job (``ppotune train CONFIG --serve JOBDIR``; the launcher starts its ranks: trainer/ranks.py).
 
 The rank starts once (:func:`trainer.run.start_rank`: device, process group), then runs trial after trial
 as the launcher hands them over (:class:`trainer.launcher.JobDir` task files, read by every rank: the job
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("config", help="the job's config: its layout (world size, device, process-group timeout)")
     ap.add_argument("--job-dir", required=True)
     args = ap.parse_args(argv)
-    die_with_parent(signal.SIGKILL)  # torchrun died (even by SIGKILL): no orphan rank keeps a GPU
+    die_with_parent(signal.SIGKILL)  # the launcher died (even by SIGKILL): no orphan rank keeps a GPU
     job = JobDir(Path(args.job_dir))
     rank = int(os.environ.get("RANK", "0"))
     idle = {"state": new_state(), "rank_file": job.setup_dir / f"rank{rank}.json"}  # before and between trials

@@ -99,7 +99,7 @@ def engine_plan(
 def _import_vllm():
     # In-process engine (no engine-core subprocess): it joins this rank's lifetime and memory accounting.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # torchrun's OMP_NUM_THREADS decides
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # the launcher's OMP_NUM_THREADS decides
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the run's notes say what did not act
     try:
         import vllm

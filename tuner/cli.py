@@ -17,7 +17,7 @@ __all__ = ["main"]
 
 # command -> (module, one-line help)
 _COMMANDS = {
-    "train": ("trainer.launcher", "run one PPO config with torchrun (a trial or a full training run)"),
+    "train": ("trainer.launcher", "run one PPO config on this node's ranks (a trial or a full training run)"),
     "search": ("tuner.search", "run an Optuna study of short, isolated PPO trials"),
     "check": ("trainer.check", "validate a training config without launching anything (no GPU needed)"),
     "space": ("tuner.space_cli", "validate a search space YAML and print its size"),

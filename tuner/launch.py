@@ -4,7 +4,7 @@ The tuner starts ``python -m tuner.launch --reap ... -- ppotune train ...`` in a
 That tiny wrapper ("reaper") is what makes a trial die with the tuner:
 
 * it sets ``PR_SET_PDEATHSIG`` (SIGTERM when the tuner dies, even by SIGKILL) and
-  ``PR_SET_CHILD_SUBREAPER`` (a rank whose torchrun died is re-parented to the wrapper, not
+  ``PR_SET_CHILD_SUBREAPER`` (a rank whose launcher died is re-parented to the wrapper, not
   to init, so it is still found);
 * on SIGTERM it terminates its whole tree (process group + every descendant): SIGTERM,
   a grace period, then SIGKILL; when the trial exits by itself it kills any leftover.

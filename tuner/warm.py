@@ -1,6 +1,6 @@
 """Warm trials: the trials of one process layout run one after another inside one long-lived job.
 
-A cold trial (:class:`tuner.runners.SubprocessRunner`) pays for its processes every time: torchrun, the
+A cold trial (:class:`tuner.runners.SubprocessRunner`) pays for its processes every time: the launcher, the
 ranks' ``import torch, transformers``, the process group, the model load, before a single step is
 measured (on the CPU demo ~9 s of a ~11 s trial). :class:`WarmRunner` starts one job per ``--parallel``
 slot, ``ppotune train CONFIG --serve JOBDIR`` (trainer/launcher.py, ranks in trainer/serve.py), under

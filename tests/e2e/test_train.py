@@ -1,4 +1,4 @@
-"""`ppotune train` end to end: real torchrun, 2 processes on gloo, the tiny preset."""
+"""`ppotune train` end to end: 2 real rank processes on gloo, the tiny preset."""
 
 import json
 import os

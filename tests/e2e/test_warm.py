@@ -53,9 +53,9 @@ SEQUENCE = [  # (name, config): run in this order by one WarmRunner
 
 
 def serve_ranks(jobs_dir: Path) -> set[int]:
-    """The rank processes of the warm jobs under ``jobs_dir`` (not their torchrun)."""
+    """The rank processes of the warm jobs under ``jobs_dir`` (not their launcher)."""
     cmds = {p.pid: " ".join(p.cmdline()) for p in processes_with(str(jobs_dir))}
-    return {pid for pid, cmd in cmds.items() if "trainer.serve" in cmd and "torch.distributed.run" not in cmd}
+    return {pid for pid, cmd in cmds.items() if "-m trainer.serve" in cmd}
 
 
 @pytest.fixture(scope="module")

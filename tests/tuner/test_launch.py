@@ -209,7 +209,7 @@ def test_sigterm_ignoring_trial_is_sigkilled_after_grace(tmp_path):
 
 
 def test_orphaned_grandchild_is_reaped_when_the_trial_exits(tmp_path):
-    # the trial exits at once, leaving a detached grandchild (a rank whose torchrun died)
+    # the trial exits at once, leaving a detached grandchild (a rank whose launcher died)
     marker = f"marker-{os.getpid()}-orphan"
     r = run(
         tmp_path,
