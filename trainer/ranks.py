@@ -21,6 +21,7 @@ of every cold trial and of every warm job's start.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -39,7 +40,27 @@ FAIL_GRACE_S = 10.0
 _POLL_S = 0.05
 
 
-def _free_port() -> int:
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def _free_port(rng: Optional[random.Random] = None) -> int:
+    """A port for rank 0's rendezvous store, free now and below the kernel's ephemeral range: rank 0 binds
+    it only once torch is imported (seconds later), and in between an outgoing connection of any process on
+    the host could be given an ephemeral port (what ``bind(0)`` returns) and take it."""
+    rng = rng or random.Random()
+    low = _ephemeral_low()
+    for _ in range(64):
+        port = rng.randrange(max(1024, low // 2), low) if low > 2048 else 0
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

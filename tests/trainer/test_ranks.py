@@ -51,6 +51,7 @@ def test_every_rank_gets_its_environment_and_one_pipe_carries_all_output(env):
     out = sorted(lines(g))
     assert g.wait(timeout=30) == 0 and g.failed_rank is None
     port = out[0].split()[7]
+    assert int(port) < ranks_mod._ephemeral_low()  # no outgoing connection is given it meanwhile
     assert out == [f"rank {r} {r} {r} 3 3 127.0.0.1 {port} 1 --arg x" for r in range(3)]
 
 
