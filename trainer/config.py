@@ -12,6 +12,7 @@ naming the key.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -378,12 +379,19 @@ def _coerce(key: str, value: Any, tp: Any, source: Optional[str]) -> Any:
     raise ConfigError(key, f"expected {_type_name(tp)}, got {type(value).__name__} {value!r}", source=source)
 
 
+@functools.lru_cache(maxsize=None)
+def _type_hints(cls: type) -> dict:
+    """The config dataclass's resolved field types (resolving them is most of building a config: the tuner
+    builds one per candidate)."""
+    return typing.get_type_hints(cls)
+
+
 def _build(cls: type, data: Any, prefix: str, source: Optional[str]) -> Any:
     if not isinstance(data, dict):
         raise ConfigError(
             prefix.rstrip(".") or "<root>", f"expected a mapping, got {type(data).__name__}", source=source
         )
-    hints = typing.get_type_hints(cls)
+    hints = _type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     for k in data:
         if k not in names:
