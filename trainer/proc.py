@@ -18,6 +18,7 @@ __all__ = [
     "write_json_atomic",
     "leave_rank",
     "signals_caught",
+    "with_pythonpath",
     "PR_SET_PDEATHSIG",
     "PR_SET_CHILD_SUBREAPER",
 ]
@@ -59,6 +60,11 @@ def signals_caught(signals: Sequence[int]) -> Iterator[list[int]]:
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+
+
+def with_pythonpath(env: dict, first: str | Path) -> dict:
+    """``env`` with ``first`` put at the front of its ``PYTHONPATH`` (the rest kept after it)."""
+    return {**env, "PYTHONPATH": os.pathsep.join(p for p in (str(first), env.get("PYTHONPATH", "")) if p)}
 
 
 def write_json_atomic(path: Path, data: dict) -> None:

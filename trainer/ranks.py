@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .proc import die_with_parent
+from .proc import die_with_parent, with_pythonpath
 
 __all__ = ["RankGroup", "rank_env", "FAIL_GRACE_S"]
 
@@ -47,23 +47,23 @@ def _ephemeral_low() -> int:
         return 32768  # Linux's default
 
 
-def _free_port(rng: Optional[random.Random] = None) -> int:
+def _free_port() -> int:
     """A port for rank 0's rendezvous store, free now and below the kernel's ephemeral range: rank 0 binds
     it only once torch is imported (seconds later), and in between an outgoing connection of any process on
-    the host could be given an ephemeral port (what ``bind(0)`` returns) and take it."""
-    rng = rng or random.Random()
+    the host could be given an ephemeral port (what ``bind(0)`` returns) and take it. 64 random tries, then
+    any free port."""
     low = _ephemeral_low()
-    for _ in range(64):
-        port = rng.randrange(max(1024, low // 2), low) if low > 2048 else 0
+    tries = [random.randrange(max(1024, low // 2), low) for _ in range(64)] if low > 2048 else []
+    for port in [*tries, 0]:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
+                if port == 0:
+                    raise
                 continue
             return s.getsockname()[1]
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    raise AssertionError("unreachable: port 0 either binds or raises")
 
 
 def rank_env(base: dict, *, rank: int, nproc: int, port: int) -> dict:
@@ -87,9 +87,7 @@ class RankGroup:
     """``nproc`` ranks of ``python -m MODULE ARGS`` as one job (see the module's docstring)."""
 
     def __init__(self, module_argv: Sequence[str], *, nproc: int, env: Optional[dict] = None):
-        base = dict(os.environ if env is None else env)
-        root = str(Path(__file__).resolve().parent.parent)
-        base["PYTHONPATH"] = os.pathsep.join([root, base.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        base = with_pythonpath(dict(os.environ if env is None else env), Path(__file__).resolve().parent.parent)
         port = _free_port()
         read_fd, write_fd = os.pipe()
         self._procs: list[subprocess.Popen] = []

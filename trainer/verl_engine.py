@@ -43,7 +43,7 @@ from typing import Any, Optional
 
 from .config import ConfigError, flatten, read_yaml_mapping
 from .contracts import RESULT_SCHEMA_VERSION, ExitCode
-from .proc import PR_SET_CHILD_SUBREAPER, die_with_parent, kill_descendants, prctl, write_json_atomic
+from .proc import PR_SET_CHILD_SUBREAPER, die_with_parent, kill_descendants, prctl, with_pythonpath, write_json_atomic
 from .summary import summarize_steps
 
 __all__ = [
@@ -247,10 +247,8 @@ def shim_path(workdir: Path) -> Path:
 
 
 def verl_env(spec: RunSpec, *, device: str, metrics_path: Path) -> dict[str, str]:
-    env = dict(os.environ)
+    env = with_pythonpath(dict(os.environ), shim_path(metrics_path.parent))
     env["VERL_FILE_LOGGER_PATH"] = str(metrics_path)
-    path = shim_path(metrics_path.parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(path), env.get("PYTHONPATH", "")) if p)
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("RAY_DEDUP_LOGS", "0")  # every worker's error lines reach the log we classify
     env.setdefault("TOKENIZERS_PARALLELISM", "false")

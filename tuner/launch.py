@@ -34,7 +34,14 @@ from typing import Callable, Optional, Sequence
 import psutil
 
 from trainer.contracts import ExitCode, Status
-from trainer.proc import PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, kill_descendants, prctl, signals_caught
+from trainer.proc import (
+    PR_SET_CHILD_SUBREAPER,
+    PR_SET_PDEATHSIG,
+    kill_descendants,
+    prctl,
+    signals_caught,
+    with_pythonpath,
+)
 from tuner.memory import MemoryPeaks, MemorySampler
 
 __all__ = [
@@ -59,7 +66,7 @@ __all__ = [
 ]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-_SIGNAL_POLL_S = 0.05  # how soon a caught SIGINT/SIGTERM sets the stop event
+_SIGNAL_POLL_S = 0.05  # how soon a caught SIGINT/SIGTERM is acted on (the reaper, the stop event)
 
 
 @dataclass
@@ -191,8 +198,7 @@ def _signal_all(pids: Sequence[int], sig: int) -> None:
 
 
 def _trial_env(extra_env: Optional[dict]) -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    env = with_pythonpath(dict(os.environ), REPO_ROOT)
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # CUDA's indices == NVML's indices
     if extra_env:
@@ -514,7 +520,7 @@ def _reap_main(argv: list[str]) -> int:
                 child.returncode = rc
                 continue
             if pid == 0:
-                time.sleep(0.05)
+                time.sleep(_SIGNAL_POLL_S)
         # Whatever is still below us now is either being stopped or an orphan of a finished trial.
         kill_descendants(grace if rc is None else 2.0)
     if rc is None:

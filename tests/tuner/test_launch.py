@@ -275,7 +275,6 @@ def test_trial_dies_with_a_sigkilled_tuner(tmp_path):
     assert wait_until(lambda: not processes_with(marker), 15), [p.cmdline() for p in processes_with(marker)]
 
 
-# --------------------------------------------------------------------------- memory
 def test_a_signal_stops_even_while_the_main_thread_holds_the_stop_events_lock():
     """``Event.wait`` and ``Event.set`` hold the event's non-reentrant lock for a moment; a handler runs in the
     main thread between two bytecodes, maybe then. A handler that called ``Event.set`` itself would wait
@@ -300,6 +299,7 @@ def test_a_signal_stops_even_while_the_main_thread_holds_the_stop_events_lock():
     assert r.stdout.split() == ["stopped", f"[{int(signal.SIGTERM)}]"], r.stdout
 
 
+# --------------------------------------------------------------------------- memory
 def test_psutil_fallback_without_nvml(tmp_path):
     assert not nvml_available()  # this CPU machine: nvmlInit raises NVMLError_LibraryNotFound
     r = run(
