@@ -412,12 +412,8 @@ class Search:
         else:
             cand = self.space.suggest(trial, self.trial_flat)
         baseline = asked.baseline and asked.confirm_of is None
-        for k, v in (
-            TrialRecord(baseline=baseline, overrides=cand.overrides)
-            .to_user_attrs(only={"baseline", "overrides"})
-            .items()
-        ):
-            trial.set_user_attr(k, v)
+        chosen = TrialRecord(baseline=baseline, overrides=cand.overrides)
+        st.set_user_attrs(trial, chosen.to_user_attrs(only={"baseline", "overrides"}))
         verdict = decide.judge(
             cand,
             number=trial.number,
@@ -458,7 +454,8 @@ class Search:
 
     def _unmeasured_neighbour(self, seen: set, near: Optional[dict]) -> Optional[Candidate]:
         """A config one step from ``near`` (:meth:`tuner.space.Space.neighbours`: distance 1) not yet in the
-        study, the first in the seeded grid order (a space too large to enumerate: drawn at random among them);
+        study: first those the knobs' ``speed`` hints expect to be faster (:meth:`tuner.space.Space.expected_speed`),
+        among them the first in the seeded grid order (a space too large to enumerate: drawn at random among them);
         None when there is none (or no ``near``). Generated from ``near``,
         never by scanning the grid: a local turn runs under the study lock, and a scan of a 100k-config grid
         for each one took seconds there (benchmarks/bench_storage.py)."""
@@ -468,10 +465,13 @@ class Search:
         steps = [c for c in steps if self.space.identity(c.effective) not in seen]
         if not steps:
             return None
-        if self._space_size() <= ENUMERATE_BELOW:  # ties broken by the seeded grid order, as every grid pick
+        # the knobs' speed hints first (a step the space expects to be faster), then the seeded grid order
+        speed = {id(c): self.space.expected_speed(near, c.effective) for c in steps}
+        if self._space_size() <= ENUMERATE_BELOW:
             rank = self._grid_rank()
-            return min(steps, key=lambda c: rank.get(self.space.identity(c.effective), len(rank)))
-        return self._rng.choice(steps)
+            return min(steps, key=lambda c: (-speed[id(c)], rank.get(self.space.identity(c.effective), len(rank))))
+        best = max(speed.values())
+        return self._rng.choice([c for c in steps if speed[id(c)] == best])
 
     def _shuffled_grid(self) -> list:
         """``[(identity, Candidate)]``: the space's configs in an order fixed by the seed (built once)."""

@@ -12,6 +12,7 @@ A space file looks like::
         low: 1
         high: 16
         memory: increasing                   # increasing | decreasing | none (default)
+        speed: increasing                    # the same values: the expected throughput (a prior)
         when: not actor_rollout_ref.actor.use_dynamic_bsz
       actor_rollout_ref.actor.strategy:
         type: categorical
@@ -46,6 +47,8 @@ Semantics:
   categorical: ``order``). It drives the inferred-OOM rule: a candidate at least as
   memory-hungry as a known OOM on every monotone knob, and equal on the others, is not
   launched.
+* ``speed`` says how throughput is expected to move as the value grows (same order). A prior,
+  not a rule: local steps (tuner.loop) try the neighbours it favours first; nothing is skipped.
 """
 
 from __future__ import annotations
@@ -79,11 +82,11 @@ KNOB_TYPES = ("int", "pow2", "float", "categorical", "bool")
 MEMORY_HINTS = ("increasing", "decreasing", "none")
 _TOP_KEYS = ("name", "description", "fixed", "knobs", "derived", "constraints")
 _KNOB_SPEC_KEYS = {
-    "int": {"type", "low", "high", "step", "memory", "when", "help"},
-    "pow2": {"type", "low", "high", "memory", "when", "help"},
-    "float": {"type", "low", "high", "step", "memory", "when", "help"},
-    "categorical": {"type", "choices", "order", "memory", "when", "help"},
-    "bool": {"type", "memory", "when", "help"},
+    "int": {"type", "low", "high", "step", "memory", "speed", "when", "help"},
+    "pow2": {"type", "low", "high", "memory", "speed", "when", "help"},
+    "float": {"type", "low", "high", "step", "memory", "speed", "when", "help"},
+    "categorical": {"type", "choices", "order", "memory", "speed", "when", "help"},
+    "bool": {"type", "memory", "speed", "when", "help"},
 }
 # Grid enumeration stops counting past this (``space check`` prints ">LIMIT").
 GRID_LIMIT = 1_000_000
@@ -237,6 +240,7 @@ class Knob:
     key: str
     type: str
     memory: str = "none"
+    speed: str = "none"  # the expected direction of throughput along the domain (a prior for local steps)
     when: Optional[Expr] = None
     low: Any = None
     high: Any = None
@@ -336,6 +340,8 @@ class Knob:
         else:
             dom = "{" + ", ".join(str(c) for c in self.choices) + "}"
         text = f"{self.key}: {self.type} {dom} memory={self.memory}"
+        if self.speed != "none":
+            text += f" speed={self.speed}"
         if self.memory != "none" and self.type == "categorical":
             text += " order=" + "<".join(str(c) for c in self.order)
         if self.exponents is not None:
@@ -694,6 +700,23 @@ class Space:
                     out.append(cand)
         return out
 
+    def expected_speed(self, eff_from: dict, eff_to: dict) -> int:
+        """The knobs' ``speed`` hints on a move from one flat effective config to another: +1 for each
+        knob moved the way its hint expects to be faster, -1 for each moved the other way (0: no hint, or
+        a knob not ordered the same in both). A prior, not a measurement: local steps try first the
+        neighbours it favours (:meth:`tuner.loop.Search._unmeasured_neighbour`)."""
+        score = 0
+        for knob in self.knobs:
+            if knob.speed == "none" or knob.key not in eff_from or knob.key not in eff_to:
+                continue
+            try:
+                a, b = knob.rank(eff_from[knob.key]), knob.rank(eff_to[knob.key])
+            except KeyError:
+                continue
+            if a != b:
+                score += 1 if (b > a) == (knob.speed == "increasing") else -1
+        return score
+
     def sample(self, base_flat: dict, rng: random.Random, *, tries: int = 2000) -> Optional[Candidate]:
         """A uniformly drawn knob assignment that satisfies the constraints (rejection sampling)."""
         for _ in range(tries):
@@ -821,6 +844,9 @@ def _parse_knob(key: str, spec: Any, source: Optional[str]) -> Knob:
     memory = spec.get("memory", "none")
     if memory not in MEMORY_HINTS:
         raise err(f"{key}.memory", f"must be one of {list(MEMORY_HINTS)}, got {memory!r}")
+    speed = spec.get("speed", "none")
+    if speed not in MEMORY_HINTS:
+        raise err(f"{key}.speed", f"must be one of {list(MEMORY_HINTS)}, got {speed!r}")
     when = None
     if spec.get("when") is not None:
         try:
@@ -832,7 +858,7 @@ def _parse_knob(key: str, spec: Any, source: Optional[str]) -> Knob:
                 raise err(f"{key}.when", "a knob's condition cannot name the knob itself")
             if name not in CONFIG_KEYS:
                 raise err(f"{key}.when", f"unknown key {name!r} (not a key of trainer.config.PPOConfig)")
-    kw: dict = {"key": key, "type": typ, "memory": memory, "when": when}
+    kw: dict = {"key": key, "type": typ, "memory": memory, "speed": speed, "when": when}
     if typ in ("int", "float"):
         kind = int if typ == "int" else float
         low, high = _num(spec, "low", key, source, kind=kind), _num(spec, "high", key, source, kind=kind)

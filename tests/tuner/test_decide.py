@@ -483,6 +483,34 @@ def test_every_second_trial_after_the_start_up_steps_from_the_incumbent():
     assert local >= 4
 
 
+def test_a_local_step_tries_first_the_neighbours_the_speed_hints_favour():
+    """From any config of the recorded grid's space (benchmarks/data/grid_space.yaml: larger micro-batches and
+    budgets, dynamic bsz and remove-padding expected faster, checkpointing slower), the local step is a neighbour
+    the knobs' ``speed`` hints favour most; once those are measured, the others follow (nothing is skipped)."""
+    from support import REPO
+    from trainer.config import flatten
+    from tuner.space import base_flat_config, load_space
+
+    space = load_space(REPO / "benchmarks" / "data" / "grid_space.yaml")
+    flat = flatten(base_flat_config(str(REPO / "benchmarks" / "data" / "grid_base.yaml"), nproc=1)[0])
+    storage = optuna.storages.InMemoryStorage()
+    study = optuna.create_study(storage=storage, directions=list(DIRECTIONS))
+    search = search_over((space, {}, flat), study, storage, ReplayRunner({}), trials=1, sampler="tpe")
+    rank = search._grid_rank()
+    moved = 0
+    for here in (c.effective for c in space.grid(flat)):
+        steps = space.neighbours(here, flat)
+        speed = {space.identity(c.effective): space.expected_speed(here, c.effective) for c in steps}
+        seen = {space.identity(here)}
+        order = []
+        while (step := search._unmeasured_neighbour(seen, here)) is not None:
+            order.append(speed[space.identity(step.effective)])
+            seen.add(space.identity(step.effective))
+        assert order == sorted(speed.values(), reverse=True)  # favoured first, then the rest, all of them
+        moved += speed[min(speed, key=rank.__getitem__)] < order[0]  # the seeded grid order alone would differ
+    assert moved > space.size(flat) // 2
+
+
 def test_neighbours_are_the_configs_one_step_away():
     from support import REPO
     from trainer.config import flatten

@@ -486,3 +486,27 @@ def test_space_check_cli_bad_space_exit_2_one_line(cli, tmp_path, text, key):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1, r.stderr
     assert str(path) in lines[0] and key in lines[0]
+
+
+def test_speed_hints_are_read_checked_and_scored():
+    """``speed``: how throughput is expected to move along a knob's order (a prior for local steps): +1 per knob
+    moved the way it expects, -1 the other way, 0 without a hint; a bad value is one line naming the key."""
+    space = space_from_dict(
+        {
+            "knobs": {
+                MICRO: {"type": "pow2", "low": 1, "high": 8, "memory": "increasing", "speed": "increasing"},
+                CKPT: {"type": "bool", "memory": "decreasing", "speed": "decreasing"},
+                STRATEGY: {"type": "categorical", "choices": ["fsdp", "fsdp2"]},
+            }
+        },
+        source="s.yaml",
+    )
+    here = {MICRO: 2, CKPT: True, STRATEGY: "fsdp"}
+    assert space.expected_speed(here, {**here, MICRO: 4}) == 1
+    assert space.expected_speed(here, {**here, MICRO: 1}) == -1
+    assert space.expected_speed(here, {**here, CKPT: False}) == 1
+    assert space.expected_speed(here, {**here, STRATEGY: "fsdp2"}) == 0
+    assert space.expected_speed(here, {**here, MICRO: 4, CKPT: False}) == 2
+    assert "speed=increasing" in space.knobs[0].describe()
+    with pytest.raises(SpaceError, match=r"s\.yaml: actor_rollout_ref\.actor\.ppo_micro_batch_size_per_gpu\.speed: "):
+        space_from_dict({"knobs": {MICRO: {"type": "pow2", "low": 1, "high": 8, "speed": "faster"}}}, source="s.yaml")
