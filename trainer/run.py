@@ -262,6 +262,7 @@ def run_trial(
     state: dict,
     *,
     weights=None,
+    data_cache: Optional[dict] = None,
     first_use: Optional[MemoryLevel] = None,
     later: bool = False,
 ) -> MemoryLevel:
@@ -270,7 +271,9 @@ def run_trial(
     garbage once it returns; -> the memory level it started from (after its imports).
 
     The CPU memory objective and the CPU cap count from that level. A warm job (trainer/serve.py) passes
-    ``weights`` (its copy of the loaded weights) and, after its first trial, ``first_use``: what that trial
+    ``weights`` (its copy of the loaded weights), ``data_cache`` (the prompts it tokenized, reused while the
+    data config is the same: the first trial built them inside its own figures, so they are in ``first_use``)
+    and, after its first trial, ``first_use``: what that trial
     left behind in a process that gave back all it built (kernels, caches, lazily built state: memory a cold
     run allocates in its own figure); a later trial then counts from its start less that, as a cold run would.
     ``later``: a later trial of a warm job: the process, its allocator and its libraries are warm, so it runs
@@ -316,16 +319,22 @@ def run_trial(
 
     # ---- data
     tokenizer = load_tokenizer(cfg.actor_rollout_ref.model.path)
-    rows = load_rows(cfg.data, cfg.ppotune.synthetic)
-    source = cfg.data.train_files or "synthetic"
-    dataset = PromptDataset.build(
-        rows,
-        tokenizer,
-        max_prompt_length=cfg.data.max_prompt_length,
-        truncation=cfg.data.truncation,
-        prompt_key=cfg.data.prompt_key,
-        source=source,
-    )
+    data_key = repr((cfg.data, cfg.ppotune.synthetic, cfg.actor_rollout_ref.model.path))
+    if data_cache is not None and data_key in data_cache:  # a later trial of a warm job on the same data
+        rows, dataset = data_cache[data_key]
+    else:
+        rows = load_rows(cfg.data, cfg.ppotune.synthetic)
+        dataset = PromptDataset.build(
+            rows,
+            tokenizer,
+            max_prompt_length=cfg.data.max_prompt_length,
+            truncation=cfg.data.truncation,
+            prompt_key=cfg.data.prompt_key,
+            source=cfg.data.train_files or "synthetic",
+        )
+        if data_cache is not None:
+            data_cache.clear()
+            data_cache[data_key] = (rows, dataset)
     if cfg.ppotune.worst_case:  # the worst-case probe: every prompt max_prompt_length real tokens
         dataset = dataset.at_length(cfg.data.max_prompt_length)
     loader = PromptLoader(len(dataset), cfg.data.train_batch_size, seed=cfg.trainer.seed)

@@ -17,8 +17,9 @@ Between two trials it gives back what the trial held and resets what the next on
 
 What a job keeps: the process, its imports, the process group and a CPU copy of the weights the last trial
 loaded (:class:`WeightCache`, rank 0 only: the other ranks build on the meta device and get their shards
-from rank 0). An OOM, an error or a signal ends the rank exactly as in a cold run (trainer.run.fail: status
-file, exit code 3/1); the launcher then ends the job and the tuner starts a fresh one for the next trial.
+from rank 0), and the tokenized prompts while the data config stays the same. An OOM, an error or a signal
+ends the rank exactly as in a cold run (trainer.run.fail: status file, exit code 3/1); the launcher then ends
+the job and the tuner starts a fresh one for the next trial.
 """
 
 from __future__ import annotations
@@ -156,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
 
         fresh_seed = torch.initial_seed()  # a fresh process's generators: every trial starts from them
         proc = start_rank(load_config(args.config, validate=False))
-        weights, tokenizers = WeightCache(), {}
+        weights, tokenizers, data_cache = WeightCache(), {}, {}
         first_use = None  # CPU: what the job's first trial left behind (see trainer.run.run_trial)
         left_gb = 0.0  # CUDA: what the earlier trials left allocated on the device
         seq = 0
@@ -179,7 +180,10 @@ def main(argv: list[str] | None = None) -> int:
                     f"warm job: earlier trials left {left_gb:.3f} GB allocated on the device: in this trial's peaks"
                 )
             torch.manual_seed(fresh_seed)
-            start = run_trial(cfg, proc, rank, rank_file, state, weights=weights, first_use=first_use, later=seq > 1)
+            start = run_trial(
+                cfg, proc, rank, rank_file, state,
+                weights=weights, data_cache=data_cache, first_use=first_use, later=seq > 1,
+            )  # fmt: skip
             state["phase"] = "release"
             left_gb = release(proc.device)
             if first_use is None and proc.device.type == "cpu":

@@ -453,44 +453,6 @@ def run(args: argparse.Namespace) -> int:
         )
         study.set_user_attr(st.SCHEMA_ATTR, STUDY_SCHEMA_VERSION)  # last: marks the study as set up
 
-    try:
-        study, storage, created = st.open_study(
-            spec,
-            name,
-            lock,
-            sampler=build_sampler(options.sampler, seed=options.seed, n_trials=options.trials),
-            setup=setup,
-            heartbeat_s=options.heartbeat_s,
-            grace_s=options.grace_s,
-        )
-    except StorageError as e:
-        return _fail(str(e))
-    except Exception as e:  # noqa: BLE001 - storage errors come in many types
-        return _fail(f"--storage {spec.display}: {type(e).__name__}: {e}")
-    bad = _incompatible(study, attrs)
-    foreign = space.foreign_params(study.get_trials(deepcopy=False))
-    if bad or foreign:
-        return _fail(bad or f"study {name!r}: {foreign}")
-    options = dataclasses.replace(options, seed=_process_seed(args.seed, created))
-    study.sampler = build_sampler(options.sampler, seed=options.seed, n_trials=options.trials)
-
-    trials = study.get_trials(deepcopy=False)
-    done = count_progress(trials)
-    print(
-        f"ppotune search: study {name!r} in {spec.display} ({'new' if created else 'resumed'}, "
-        f"{done}/{options.trials} trials done) | space {args.space} ({space.size(trial_flat):,} configs) | "
-        f"{device['kind']} x{nproc} per trial | sampler {options.sampler} | lock {lock.kind} | out {out_dir}",
-        flush=True,
-    )
-    if plan.scaled:
-        print(f"ppotune search: {plan.describe()}", flush=True)
-    display = Display(options.trials, done=min(done, options.trials), parallel=options.parallel)
-    _seed_display(display, trials)
-    tracker = None
-    if args.wandb:
-        from tuner.tracking import TrialTracker
-
-        tracker = TrialTracker(project="ppotune", group=name, out_dir=out_dir)
     runner = SubprocessRunner(
         device_kind=device["kind"],
         nproc=nproc,
@@ -502,42 +464,85 @@ def run(args: argparse.Namespace) -> int:
     )
     if not args.cold and verl is None:
         runner = WarmRunner(cold=runner, jobs_dir=out_dir / "jobs")
-    search = Search(
-        options=options,
-        study=study,
-        storage=storage,
-        lock=lock,
-        space=space,
-        trial_base=trial_base,
-        trial_flat=trial_flat,
-        runner=runner,
-        penalty_gb=penalty,
-        trials_dir=out_dir / "trials",
-        observer=ConsoleObserver(display, tracker),
-        heartbeat=st.Heartbeat(storage, interval_s=options.heartbeat_s),
-    )
-    search.heartbeat.start()
-
-    with stop_on_signals(search.stop_event) as got:
+        runner.prestart(trial_base)  # its processes start while the study opens and the first trial is asked
+    try:
         try:
-            search.run()
-        finally:
-            if isinstance(runner, WarmRunner):
-                runner.close()
-            search.heartbeat.stop()
-            display.close()
-    _summary(study, search)
-    close_storage(storage)  # the database connections go back to the server now, not at exit
-    if got:
+            study, storage, created = st.open_study(
+                spec,
+                name,
+                lock,
+                sampler=build_sampler(options.sampler, seed=options.seed, n_trials=options.trials),
+                setup=setup,
+                heartbeat_s=options.heartbeat_s,
+                grace_s=options.grace_s,
+            )
+        except StorageError as e:
+            return _fail(str(e))
+        except Exception as e:  # noqa: BLE001 - storage errors come in many types
+            return _fail(f"--storage {spec.display}: {type(e).__name__}: {e}")
+        bad = _incompatible(study, attrs)
+        foreign = space.foreign_params(study.get_trials(deepcopy=False))
+        if bad or foreign:
+            return _fail(bad or f"study {name!r}: {foreign}")
+        options = dataclasses.replace(options, seed=_process_seed(args.seed, created))
+        study.sampler = build_sampler(options.sampler, seed=options.seed, n_trials=options.trials)
+
+        trials = study.get_trials(deepcopy=False)
+        done = count_progress(trials)
         print(
-            f"ppotune search: stopped by {signal.Signals(got[0]).name}; the interrupted trial(s) will run "
-            "again when the same command is re-run",
+            f"ppotune search: study {name!r} in {spec.display} ({'new' if created else 'resumed'}, "
+            f"{done}/{options.trials} trials done) | space {args.space} ({space.size(trial_flat):,} configs) | "
+            f"{device['kind']} x{nproc} per trial | sampler {options.sampler} | lock {lock.kind} | out {out_dir}",
             flush=True,
         )
-        return ExitCode.INTERRUPTED if got[0] == signal.SIGINT else 128 + got[0]
-    if args.report:
-        _write_report(spec, name, out_dir)
-    return ExitCode.OK
+        if plan.scaled:
+            print(f"ppotune search: {plan.describe()}", flush=True)
+        display = Display(options.trials, done=min(done, options.trials), parallel=options.parallel)
+        _seed_display(display, trials)
+        tracker = None
+        if args.wandb:
+            from tuner.tracking import TrialTracker
+
+            tracker = TrialTracker(project="ppotune", group=name, out_dir=out_dir)
+        search = Search(
+            options=options,
+            study=study,
+            storage=storage,
+            lock=lock,
+            space=space,
+            trial_base=trial_base,
+            trial_flat=trial_flat,
+            runner=runner,
+            penalty_gb=penalty,
+            trials_dir=out_dir / "trials",
+            observer=ConsoleObserver(display, tracker),
+            heartbeat=st.Heartbeat(storage, interval_s=options.heartbeat_s),
+        )
+        search.heartbeat.start()
+
+        with stop_on_signals(search.stop_event) as got:
+            try:
+                search.run()
+            finally:
+                if isinstance(runner, WarmRunner):
+                    runner.close()
+                search.heartbeat.stop()
+                display.close()
+        _summary(study, search)
+        close_storage(storage)  # the database connections go back to the server now, not at exit
+        if got:
+            print(
+                f"ppotune search: stopped by {signal.Signals(got[0]).name}; the interrupted trial(s) will run "
+                "again when the same command is re-run",
+                flush=True,
+            )
+            return ExitCode.INTERRUPTED if got[0] == signal.SIGINT else 128 + got[0]
+        if args.report:
+            _write_report(spec, name, out_dir)
+        return ExitCode.OK
+    finally:
+        if isinstance(runner, WarmRunner):
+            runner.close()  # a job started ahead too, when the search ends before its first trial
 
 
 def _seed_display(display: Display, trials: list) -> None:

@@ -58,7 +58,8 @@ from tuner.runners import STEP_LINE, SubprocessRunner, TrialOutcome, TrialReques
 
 __all__ = ["WarmRunner"]
 
-_POLL_S = 0.1
+_POLL_S = 0.02  # how soon a finished trial's result is seen (the next trial waits on it)
+_JUDGE_S = 0.1  # how often its step lines, the timeouts and the stop event are looked at
 _CLOSE_S = 30.0  # a job asked to stop between trials gets this long before it is terminated
 
 
@@ -69,7 +70,7 @@ class _Job:
     proc: object  # subprocess.Popen of the reaper
     dir: JobDir
     layout: dict
-    started_for: int  # the trial it was started for
+    started_for: Optional[int]  # the trial it was started for (None: started ahead of the search's first)
     trials: int = 0  # trials handed to it so far
     pids: set = field(default_factory=set)  # every process of its tree the samplers saw
 
@@ -112,6 +113,19 @@ class WarmRunner:
             return outcome
         return self._run_warm(request, stop)
 
+    def prestart(self, config: dict, slot: int = 0) -> None:
+        """Start ``slot``'s job now with ``config``'s layout, before any trial is asked: its ranks import
+        torch and form their process group while the tuner opens its study and proposes the first trial.
+        Nothing for a config that cannot run warm; a first trial of another layout replaces the job."""
+        if self.cold.verl or warm_refusal(config):
+            return
+        with self._lock:
+            if slot in self._jobs:
+                return
+        job = self._start(slot, serve_layout(config), yaml.safe_dump(config, sort_keys=False), started_for=None)
+        with self._lock:
+            self._jobs[slot] = job
+
     def close(self) -> None:
         """Stop every job (between trials: they exit by themselves) and make sure nothing is left."""
         with self._lock:
@@ -128,19 +142,19 @@ class WarmRunner:
             self._stop(job)
             job = None
         if job is None:
-            job = self._start(request, layout, config_path)
+            job = self._start(request.slot, layout, config_path.read_text(), started_for=request.number)
         with self._lock:
             self._jobs[request.slot] = job
         return job
 
-    def _start(self, request: TrialRequest, layout: dict, config_path: Path) -> _Job:
+    def _start(self, slot: int, layout: dict, config_text: str, started_for: Optional[int]) -> _Job:
         with self._lock:
             self._started += 1
-            root = Path(self.jobs_dir) / f"{request.slot}-{os.getpid()}-{self._started}"
+            root = Path(self.jobs_dir) / f"{slot}-{os.getpid()}-{self._started}"
         jd = JobDir(root).make()
         base = root / "base.yaml"  # the job's layout comes from it (the first trial's config)
-        base.write_text(config_path.read_text())
-        gpus = self.cold.gpu_slice(request.slot)
+        base.write_text(config_text)
+        gpus = self.cold.gpu_slice(slot)
         proc = self._spawner.submit(
             start_reaped,
             [sys.executable, "-m", "tuner.cli", "train", str(base), "--serve", str(root)],
@@ -148,7 +162,7 @@ class WarmRunner:
             grace_s=self.cold.grace_s,
             extra_env={"CUDA_VISIBLE_DEVICES": ",".join(gpus)} if gpus is not None else None,
         ).result()
-        return _Job(proc=proc, dir=jd, layout=layout, started_for=request.number)
+        return _Job(proc=proc, dir=jd, layout=layout, started_for=started_for)
 
     def _close_slot(self, slot: int) -> None:
         with self._lock:
@@ -157,7 +171,9 @@ class WarmRunner:
             self._stop(job)
 
     def _stop(self, job: _Job) -> None:
-        if job.alive():
+        if job.alive() and job.trials == 0:  # started ahead and never used: no trial to let finish
+            terminate_reaped(job.proc, self.cold.grace_s, job.pids)
+        elif job.alive():
             job.dir.stop.touch()
             try:
                 job.proc.wait(timeout=_CLOSE_S)
@@ -189,8 +205,12 @@ class WarmRunner:
         watch = StepWatch(log_path, STEP_LINE[self.name])
         verdict = Verdict()
         what = f"its warm job's process group ({job.name})"
+        judged = t0
         while not result_path.is_file() and job.alive():
             time.sleep(_POLL_S)
+            if time.monotonic() - judged < _JUDGE_S:
+                continue
+            judged = time.monotonic()
             verdict = judge(
                 t0, watch, stop, lambda e, w, n: self._timeout(first, e, w, n), log_path=log_path, what=what
             )
@@ -257,9 +277,12 @@ class WarmRunner:
     @staticmethod
     def _note(job: _Job, first: bool, ended: bool) -> str:
         end = "; the job ended with it" if ended else ""
+        ahead = job.started_for is None
         if first:
-            return f"warm: trial 1 of job {job.name}: its seconds include the job's start-up{end}"
+            part = "what was left of the job's start-up (started ahead of it)" if ahead else "the job's start-up"
+            return f"warm: trial 1 of job {job.name}: its seconds include {part}{end}"
+        started = "started ahead of the search's first trial" if ahead else f"started for trial {job.started_for}"
         return (
-            f"warm: trial {job.trials} of job {job.name} (started for trial {job.started_for}): process start, "
+            f"warm: trial {job.trials} of job {job.name} ({started}): process start, "
             f"imports and the weights' load were not repeated{end}"
         )

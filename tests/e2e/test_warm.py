@@ -2,7 +2,7 @@
 
 One :class:`tuner.warm.WarmRunner` runs a sequence, each trial from its own thread (as ``--parallel``
 worker threads and ``--confirm`` do): two ok trials, a config the job's launcher refuses, another ok
-trial (all four in one job), a real OOM (``--memory-limit-gb``: a 1024-wide model cannot allocate its
+trial, one on other data (all five in one job), a real OOM (``--memory-limit-gb``: a 1024-wide model cannot allocate its
 weights under the cap) that ends the job, an ok trial in a fresh job, and a real distributed hang
 (``ppotune.fault=hang``) caught by the step timeout. The first config also runs cold
 (:class:`tuner.runners.SubprocessRunner`): a warm trial must measure what a cold one measures.
@@ -46,6 +46,7 @@ SEQUENCE = [  # (name, config): run in this order by one WarmRunner
     ),
     ("refused", {**BASE, "data": {**BASE["data"], "train_batch_size": 0}}),  # the launcher's validation says no
     ("after_refused", BASE),
+    ("other_data", config(**{"data.max_prompt_length": 32})),  # the job's tokenized prompts are not reused
     ("oom", config(**{"ppotune.tiny.hidden_size": 1024, "ppotune.memory_limit_gb": 0.25})),
     ("fresh_job", BASE),
     ("hang", config(**{"ppotune.fault": "hang"})),
@@ -149,6 +150,17 @@ def test_a_warm_trial_measures_what_a_cold_trial_measures(seq):
         )
 
 
+def test_a_later_trial_on_other_data_tokenizes_its_own_prompts(seq):
+    """A job keeps the prompts it tokenized while the data config stays the same (after_refused ran on them and
+    saw a cold run's batches, above); a trial with another data config builds its own."""
+    lengths = {
+        n: json.loads(Path(seq.out[n].record.result_path).read_text())["summary"]["lengths"]["prompt"]
+        for n in ("after_refused", "other_data")
+    }
+    assert seq.out["other_data"].status == Status.OK and seq.ranks["other_data"] == seq.ranks["first"]
+    assert lengths["after_refused"]["max"] > 32 >= lengths["other_data"]["max"], lengths
+
+
 def test_a_refused_config_is_invalid_and_the_job_goes_on(seq):
     r = seq.out["refused"]
     assert r.status == Status.INVALID and r.record.error.startswith("config:")
@@ -185,3 +197,32 @@ def test_close_leaves_no_process_and_a_stopped_job_exits_cleanly(seq):
     assert len(jobs) == 2 and all((j / "job.log").is_file() for j in jobs)
     time.sleep(0.5)
     assert processes_with(str(seq.dir)) == []
+
+
+def test_a_job_started_ahead_runs_the_first_trial_or_ends_unused(tmp_path):
+    """``prestart``: the job's processes start before the first trial is asked (while the tuner opens its study);
+    the first trial runs in it and says so. One never used is ended by ``close`` with nothing left."""
+    cold = SubprocessRunner(device_kind="cpu", nproc=2, grace_s=3.0, startup_timeout_s=300, step_timeout_s=60)
+    used, unused = (
+        WarmRunner(cold=cold, jobs_dir=tmp_path / "used"),
+        WarmRunner(cold=cold, jobs_dir=tmp_path / "unused"),
+    )
+    try:
+        used.prestart(BASE)
+        unused.prestart(BASE)
+        wait_until(lambda: len(serve_ranks(tmp_path / "unused")) == 2, timeout=60)
+        unused.close()
+        assert processes_with(str(tmp_path / "unused")) == []
+        req = TrialRequest(number=0, config=BASE, identity=(0,), trial_dir=tmp_path / "trials" / "0")
+        out = used.run(req, threading.Event())
+        assert out.status == Status.OK
+        assert note(out).endswith("its seconds include what was left of the job's start-up (started ahead of it)")
+        ranks = serve_ranks(tmp_path / "used")
+        req = TrialRequest(number=1, config=BASE, identity=(1,), trial_dir=tmp_path / "trials" / "1")
+        out = used.run(req, threading.Event())
+        assert out.status == Status.OK and serve_ranks(tmp_path / "used") == ranks
+        assert " (started ahead of the search's first trial): " in note(out)
+    finally:
+        used.close()
+        unused.close()
+    assert processes_with(str(tmp_path)) == []
