@@ -10,7 +10,7 @@ The baseline trial is left out, so every trial is the sampler's own choice. Thre
   ordered exponents, rejections before launch (invalid, inferred OOM, duplicate) free and resampled,
   a duplicate answered with its twin's values, the graded memory constraint, and after TPE's start-up
   every second launched trial a local step (the fastest measured config's nearest unmeasured neighbour,
-  ``--local-every 2``);
+  ``--local-every 2``; first those the knobs' ``speed`` hints in the recording's space favour);
 * ``tpe-plain``: the same TPE sampler fed the way a plain Optuna loop would: power-of-two knobs as
   categoricals, invalid configs FAIL and count, every proposal launched (duplicates re-run, no OOM
   inference), OOM/hang COMPLETE with a binary constraint;
@@ -69,9 +69,10 @@ SPACE = textwrap.dedent("""
     description: benchmark space - 2 x 3 x 2 x 2 = 24 configs; the 1024-wide model OOMs under the cap
     knobs:
       ppotune.tiny.hidden_size: {type: categorical, choices: [64, 1024], memory: increasing}
-      actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu: {type: pow2, low: 1, high: 4, memory: increasing}
+      actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu:
+        {type: pow2, low: 1, high: 4, memory: increasing, speed: increasing}
       actor_rollout_ref.actor.strategy: {type: categorical, choices: [fsdp, fsdp2], memory: none}
-      actor_rollout_ref.model.enable_gradient_checkpointing: {type: bool, memory: decreasing}
+      actor_rollout_ref.model.enable_gradient_checkpointing: {type: bool, memory: decreasing, speed: decreasing}
 """)
 STEPS, WARMUP, NPROC, CAP_GB = 4, 1, 2, 0.25
 BASE = REPO / "configs" / "tiny_cpu.yaml"

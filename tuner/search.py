@@ -525,7 +525,7 @@ def run(args: argparse.Namespace) -> int:
                 search.run()
             finally:
                 if isinstance(runner, WarmRunner):
-                    runner.close()
+                    runner.close(wait=False)  # the jobs exit while the summary is written; waited for below
                 search.heartbeat.stop()
                 display.close()
         _summary(study, search)
@@ -542,7 +542,7 @@ def run(args: argparse.Namespace) -> int:
         return ExitCode.OK
     finally:
         if isinstance(runner, WarmRunner):
-            runner.close()  # a job started ahead too, when the search ends before its first trial
+            runner.close()  # waits for the jobs asked to stop above; ends one started ahead and never used
 
 
 def _seed_display(display: Display, trials: list) -> None:

@@ -126,8 +126,17 @@ class WarmRunner:
         with self._lock:
             self._jobs[slot] = job
 
-    def close(self) -> None:
-        """Stop every job (between trials: they exit by themselves) and make sure nothing is left."""
+    def close(self, *, wait: bool = True) -> None:
+        """Stop every job (between trials: they exit by themselves) and make sure nothing is left.
+        ``wait=False``: only ask them to stop (the tuner's summary runs while they exit); a later
+        ``close()`` waits for them, ends what is left, and must follow."""
+        if not wait:
+            with self._lock:
+                jobs = list(self._jobs.values())
+            for job in jobs:
+                if job.trials and job.alive():
+                    job.dir.stop.touch()
+            return
         with self._lock:
             jobs, self._jobs = list(self._jobs.values()), {}
         for job in jobs:
