@@ -412,8 +412,12 @@ class Search:
         else:
             cand = self.space.suggest(trial, self.trial_flat)
         baseline = asked.baseline and asked.confirm_of is None
-        chosen = TrialRecord(baseline=baseline, overrides=cand.overrides)
-        st.set_user_attrs(trial, chosen.to_user_attrs(only={"baseline", "overrides"}))
+        for k, v in (
+            TrialRecord(baseline=baseline, overrides=cand.overrides)
+            .to_user_attrs(only={"baseline", "overrides"})
+            .items()
+        ):
+            trial.set_user_attr(k, v)
         verdict = decide.judge(
             cand,
             number=trial.number,

@@ -62,7 +62,6 @@ __all__ = [
     "interrupt",
     "claim",
     "finish",
-    "set_user_attrs",
     "Heartbeat",
     "owned_here",
     "advisory_key",
@@ -344,36 +343,12 @@ class Heartbeat(threading.Thread):
             self.join(timeout=30)
 
 
-def set_user_attrs(trial: optuna.trial.Trial, attrs: dict) -> None:
-    """Set a RUNNING trial's user attrs: in one transaction on a database (``RDBStorage``), else one by one.
-
-    Optuna commits each ``set_user_attr`` on its own: ~4 ms each on SQLite, and a trial's record has
-    ~25 fields, written between two trials of a search. One commit for all of them needs Optuna's
-    ``RDBStorage`` internals (no public batch call); where they are not there (another storage, another
-    Optuna), the public call per key does the same."""
-    storage = getattr(trial.storage, "_backend", trial.storage)  # under Optuna's _CachedStorage
-    write = getattr(storage, "_set_trial_attr_without_commit", None)
-    if attrs and isinstance(storage, optuna.storages.RDBStorage) and write is not None:
-        try:
-            from optuna.storages._rdb import models
-            from optuna.storages._rdb.storage import _create_scoped_session
-        except ImportError:
-            pass
-        else:
-            with _create_scoped_session(storage.scoped_session, True) as session:
-                for k, v in attrs.items():
-                    write(session, models.TrialUserAttributeModel, trial._trial_id, k, v)
-            trial._cached_frozen_trial.user_attrs.update(attrs)  # as set_user_attr keeps the trial's own view
-            return
-    for k, v in attrs.items():
-        trial.set_user_attr(k, v)
-
-
 def claim(trial: optuna.trial.Trial) -> None:
     """Record this process as the RUNNING trial's owner, with a first heartbeat."""
-    set_user_attrs(
-        trial, TrialRecord(owner=owner_info(), heartbeat=time.time()).to_user_attrs(only={"owner", "heartbeat"})
-    )
+    for k, v in (
+        TrialRecord(owner=owner_info(), heartbeat=time.time()).to_user_attrs(only={"owner", "heartbeat"}).items()
+    ):
+        trial.set_user_attr(k, v)
 
 
 # --------------------------------------------------------------------------- telling
@@ -388,14 +363,9 @@ def finish(
     status = record.status
     assert isinstance(status, Status), status
     assert values is not None or not status.complete, status
-    set_user_attrs(
-        trial,
-        {
-            k: v
-            for k, v in record.to_user_attrs().items()
-            if k not in ASKED_FIELDS and (v is not None or k in MEASUREMENT_FIELDS)
-        },
-    )
+    for k, v in record.to_user_attrs().items():
+        if k not in ASKED_FIELDS and (v is not None or k in MEASUREMENT_FIELDS):
+            trial.set_user_attr(k, v)
     if values is not None:
         graded = record.constraint if record.constraint is not None else -1.0 if status.feasible else 1.0
         trial.set_constraint(CONSTRAINT_KEY, float(graded))

@@ -129,36 +129,6 @@ def test_finish_records_constraints_values_and_states(spec):
     assert count_progress(study.get_trials()) == len(statuses) - 4
 
 
-def test_a_trials_user_attrs_are_written_in_one_commit_on_a_database(spec):
-    """set_user_attrs: every attr readable afterwards, from this process's trial and from a fresh load of the
-    study; on a database one commit for all of them (one per attr was ~4 ms each on SQLite, between trials)."""
-    from sqlalchemy import event
-
-    study, storage, _ = new_study(spec)
-    trial = study.ask()
-    attrs = {f"field_{i}": (i * 1.5 if i % 3 else None) for i in range(25)} | {"notes": ["a", "b"], "x": {"y": 1}}
-    engine = st_storage.storage_engine(storage)
-    commits = []
-
-    def count(conn) -> None:
-        commits.append(1)
-
-    if engine is not None:
-        event.listen(engine, "commit", count)
-    st.set_user_attrs(trial, attrs)
-    if engine is not None:
-        event.remove(engine, "commit", count)
-    assert {k: trial.user_attrs[k] for k in attrs} == attrs
-    again = open_storage(spec)
-    try:
-        got = optuna.load_study(study_name="s", storage=again).get_trials()[trial.number].user_attrs
-    finally:
-        close_storage(again)
-    assert {k: got[k] for k in attrs} == attrs
-    if spec.kind in ("sqlite", "rdb"):
-        assert len(commits) == 1, f"{len(commits)} commits for {len(attrs)} attrs"
-
-
 def test_finish_tells_the_graded_constraint_and_rejections_complete(spec):
     """COMPLETE whenever there are values: a graded constraint from the record; an invalid config refused
     before launch and a duplicate of a finished trial are COMPLETE too (TPE learns from them), not counted."""
