@@ -38,7 +38,7 @@ from tuner.loop import SAMPLERS, Search, SearchOptions, TrialEvent, build_sample
 from tuner.memory import gpu_info, nvml_available, visible_gpus
 from tuner.progress import Display, trial_line
 from tuner.runners import SubprocessRunner, VerlEngine
-from tuner.space import Space, base_flat_config, load_space
+from tuner.space import Space, base_flat_config, comparable_space, load_space
 from tuner.storage import close_storage, network_filesystem
 from tuner.units import gb
 from tuner.warm import WarmRunner
@@ -382,11 +382,13 @@ _COMPAT_KEYS = ("engine", "nproc", "target", "steps", "warmup", "memory_limit_gb
 
 
 def _incompatible(study: optuna.Study, attrs: dict) -> Optional[str]:
+    def canon(k: str, v):  # a space's advisory fields (speed hints, help) change no config: resumable across them
+        v = comparable_space(v) if k == "space" and isinstance(v, dict) else v
+        return json.dumps(v, sort_keys=True, default=str)
+
     have = study.user_attrs
     for k in _COMPAT_KEYS:
-        if k in have and json.dumps(have[k], sort_keys=True, default=str) != json.dumps(
-            attrs[k], sort_keys=True, default=str
-        ):
+        if k in have and canon(k, have[k]) != canon(k, attrs[k]):
             what = k if k in ("space", "base_config") else f"{k}={have[k]!r} (now {attrs[k]!r})"
             return f"study {study.study_name!r} was created with a different {what}; pass --study NAME to start another"
     return None

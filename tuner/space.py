@@ -68,6 +68,7 @@ from trainer.config import ConfigError, PPOConfig, config_from_dict, config_to_d
 
 __all__ = [
     "SpaceError",
+    "comparable_space",
     "Expr",
     "Knob",
     "Candidate",
@@ -928,6 +929,23 @@ def load_space(path: str | Path) -> Space:
         problem = getattr(e, "problem", None) or "syntax error"
         raise SpaceError("space", f"malformed YAML at {where}: {problem}", source=source) from None
     return space_from_dict(raw, source=source)
+
+
+#: knob fields that steer the search but change no config of the space: a study resumes across them
+ADVISORY_KNOB_KEYS = ("speed", "help")
+
+
+def comparable_space(raw: dict) -> dict:
+    """A space file's dict without its knobs' advisory fields (:data:`ADVISORY_KNOB_KEYS`): two spaces with
+    the same comparable dict hold the same configs, so a study of one resumes under the other."""
+    out = dict(raw)
+    knobs = raw.get("knobs")
+    if isinstance(knobs, dict):
+        out["knobs"] = {
+            k: {f: v for f, v in spec.items() if f not in ADVISORY_KNOB_KEYS} if isinstance(spec, dict) else spec
+            for k, spec in knobs.items()
+        }
+    return out
 
 
 def space_from_dict(raw: Any, *, source: Optional[str] = None) -> Space:

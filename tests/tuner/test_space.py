@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import copy
 import random
 import textwrap
 from pathlib import Path
 
 import optuna
 import pytest
+import yaml
 
 from support import REPO  # noqa: E402
 from tuner.space import (
@@ -510,3 +512,23 @@ def test_speed_hints_are_read_checked_and_scored():
     assert "speed=increasing" in space.knobs[0].describe()
     with pytest.raises(SpaceError, match=r"s\.yaml: actor_rollout_ref\.actor\.ppo_micro_batch_size_per_gpu\.speed: "):
         space_from_dict({"knobs": {MICRO: {"type": "pow2", "low": 1, "high": 8, "speed": "faster"}}}, source="s.yaml")
+
+
+def test_a_study_resumes_across_speed_hints_but_not_across_another_space():
+    """The study keeps the space it was created with; a knob's advisory fields (``speed``, ``help``) change no
+    config of the space, so adding them (as the shipped spaces did on 2026-12-01) does not refuse a resume."""
+    from tuner.search import _incompatible
+    from tuner.space import comparable_space
+
+    old = yaml.safe_load((REPO / "search_spaces" / "tiny_cpu.yaml").read_text())
+    for spec in old["knobs"].values():
+        if isinstance(spec, dict):
+            spec.pop("speed", None)
+    study = optuna.create_study(directions=["maximize", "minimize"])
+    study.set_user_attr("space", old)
+    now = yaml.safe_load((REPO / "search_spaces" / "tiny_cpu.yaml").read_text())
+    assert now != old and comparable_space(now) == comparable_space(old)
+    assert _incompatible(study, {"space": now}) is None
+    other = copy.deepcopy(now)
+    other["knobs"][MICRO]["high"] = 2  # fewer configs: another space
+    assert "different space" in _incompatible(study, {"space": other})
