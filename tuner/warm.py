@@ -19,7 +19,8 @@ slot's job gets a new job; one that cannot run warm at all (``trainer.launcher.w
 rollout, several nodes, the verl engine) runs cold, and says so in its notes.
 
 ``TrialRecord.duration_s`` is the trial's own wall time: a job's first trial includes the job's
-start-up, a later one does not. Every warm trial's notes say which job ran it.
+start-up (of a job started ahead by :meth:`WarmRunner.prestart`, what was left of it), a later one
+does not. Every warm trial's notes say which job ran it.
 """
 
 from __future__ import annotations
