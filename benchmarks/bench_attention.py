@@ -1,4 +1,4 @@
-"""Packed micro-batches: transformers' sdpa (dense T x T block mask) vs ``trainer.attention`` (linear).
+"""Packed micro-batches: transformers' sdpa (dense T x T block mask) vs ``trainer.engine.attention`` (linear).
 
 One forward+backward of a Qwen2 over a packed row of T tokens (many sequences of ``--seq-len``
 tokens, position ids restarting at 0 for each), per path and token count, each in a fresh process
@@ -40,7 +40,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-PATHS = {"old": "sdpa", "new": None}  # None: trainer.attention.PACKED_ATTENTION (imported in the worker)
+PATHS = {"old": "sdpa", "new": None}  # None: trainer.engine.attention.PACKED_ATTENTION (imported in the worker)
 
 
 def _status_kb(field: str) -> int:
@@ -55,7 +55,7 @@ def worker(args: argparse.Namespace) -> dict:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from trainer.attention import PACKED_ATTENTION, packed_attention_kwargs
+    from trainer.engine.attention import PACKED_ATTENTION, packed_attention_kwargs
 
     torch.manual_seed(0)
     cfg = Qwen2Config(

@@ -38,11 +38,11 @@ def worker(side: str, hidden: int, layers: int, out: str) -> None:
     import torch.distributed as dist
 
     from trainer.config import load_config
-    from trainer.metrics import rss_gb
-    from trainer.models import load_actor, load_critic, load_tokenizer
-    from trainer.parallel import ShardKnobs, shard_model
-    from trainer.proc import leave_rank
-    from trainer.run import build_roles
+    from trainer.engine.metrics import rss_gb
+    from trainer.engine.models import load_actor, load_critic, load_tokenizer
+    from trainer.engine.parallel import ShardKnobs, shard_model
+    from trainer.launch.proc import leave_rank
+    from trainer.rank.run import build_roles
 
     dist.init_process_group("gloo")
     torch.ones(1 << 16).sum()  # runtime threads up before the baseline

@@ -18,7 +18,7 @@
 3. Launch: what a job's start costs with and without torchrun's agent. The time from starting 2 ranks to
    both having imported torch and transformers' Qwen2 and formed a gloo process group, through
    ``python -m torch.distributed.run --standalone`` (what ``ppotune train`` ran until 2026-12-01) and through
-   :class:`trainer.ranks.RankGroup` (what it runs now), ``--launch-rounds`` times each, interleaved.
+   :class:`trainer.launch.ranks.RankGroup` (what it runs now), ``--launch-rounds`` times each, interleaved.
 
     python benchmarks/bench_overhead.py [--trials 12] [--seed 0] [--rounds 2] [--json FILE]
                                        [--only overhead|memory|launch] [--launch-rounds 6]
@@ -50,8 +50,8 @@ sys.path.insert(0, str(REPO))
 
 from trainer.config import config_to_dict, load_config  # noqa: E402
 from trainer.contracts import Status  # noqa: E402
-from tuner.runners import SubprocessRunner, TrialRequest  # noqa: E402
-from tuner.warm import WarmRunner  # noqa: E402
+from tuner.trials.runners import SubprocessRunner, TrialRequest  # noqa: E402
+from tuner.trials.warm import WarmRunner  # noqa: E402
 
 BASE = REPO / "configs" / "tiny_cpu.yaml"
 SPACE = REPO / "search_spaces" / "tiny_cpu.yaml"
@@ -271,7 +271,7 @@ dist.destroy_process_group()
 
 def _start_ranks(kind: str, env: dict) -> float:
     """Seconds from the start to both ranks ready (imports done, process group formed), ``kind`` torchrun|direct."""
-    from trainer.ranks import RankGroup
+    from trainer.launch.ranks import RankGroup
 
     env = {**env, "BENCH_T0": repr(time.time())}
     if kind == "torchrun":

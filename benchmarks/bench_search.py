@@ -1,12 +1,12 @@
 """How much of a grid's trial-seconds does each sampler need to find (nearly) its best config?
 
 Replays ``ppotune search``'s own loop over a RECORDED grid: no trial is re-run; each launch is
-answered by :class:`tuner.runners.ReplayRunner` (the public runner seam) with one of the config's
+answered by :class:`tuner.trials.runners.ReplayRunner` (the public runner seam) with one of the config's
 recorded repeats at random (status, throughput, memory, seconds: the noise is kept). A config the
 recording inferred as OOM is answered as an OOM costing the seconds of the OOM it was inferred from.
 The baseline trial is left out, so every trial is the sampler's own choice. Three samplers:
 
-* ``ours``: ``tuner.loop.Search`` with TPE as ``ppotune search`` runs it: power-of-two knobs as
+* ``ours``: ``tuner.search.loop.Search`` with TPE as ``ppotune search`` runs it: power-of-two knobs as
   ordered exponents, rejections before launch (invalid, inferred OOM, duplicate) free and resampled,
   a duplicate answered with its twin's values, the graded memory constraint, and after TPE's start-up
   every second launched trial a local step (the fastest measured config's nearest unmeasured neighbour,
@@ -14,7 +14,7 @@ The baseline trial is left out, so every trial is the sampler's own choice. Thre
 * ``tpe-plain``: the same TPE sampler fed the way a plain Optuna loop would: power-of-two knobs as
   categoricals, invalid configs FAIL and count, every proposal launched (duplicates re-run, no OOM
   inference), OOM/hang COMPLETE with a binary constraint;
-* ``random``: ``tuner.loop.Search`` with Optuna's random sampler (rejections free, no config twice);
+* ``random``: ``tuner.search.loop.Search`` with Optuna's random sampler (rejections free, no config twice);
 * ``ours+confirm``: ``ours`` followed by ``--confirm 3`` (its default), replayed: the best measured configs
   re-run 3 rounds with the baseline, the pick by the median paired ratio; the re-runs' seconds count in the
   budget (the search stops earlier to leave room for them).
@@ -57,13 +57,13 @@ import optuna  # noqa: E402
 
 from trainer.config import apply_overrides, config_from_dict, config_to_dict, flatten  # noqa: E402
 from trainer.contracts import CONSTRAINT_KEY, DIRECTIONS, Status, TrialRecord, parse_storage  # noqa: E402
-from tuner import decide  # noqa: E402
-from tuner.confirm import DEFAULT_ROUNDS, MAX_FINALISTS, Rerun, paired_ratios  # noqa: E402
-from tuner.loop import Search, SearchOptions, TrialEvent, build_sampler  # noqa: E402
-from tuner.runners import Recorded, ReplayRunner, TrialRequest  # noqa: E402
+from tuner.search import decide  # noqa: E402
+from tuner.search.loop import Search, SearchOptions, TrialEvent, build_sampler  # noqa: E402
 from tuner.space import Space, base_flat_config, load_space, space_from_dict  # noqa: E402
-from tuner.storage import open_storage  # noqa: E402
-from tuner.study import StudyLock  # noqa: E402
+from tuner.stages.confirm import DEFAULT_ROUNDS, MAX_FINALISTS, Rerun, paired_ratios  # noqa: E402
+from tuner.study.lifecycle import StudyLock  # noqa: E402
+from tuner.study.storage import open_storage  # noqa: E402
+from tuner.trials.runners import Recorded, ReplayRunner, TrialRequest  # noqa: E402
 
 SPACE = textwrap.dedent("""
     description: benchmark space - 2 x 3 x 2 x 2 = 24 configs; the 1024-wide model OOMs under the cap
@@ -203,7 +203,7 @@ class _StopAt:
 
 
 def run_search(sampler: str, seed: int, rec: Recording, *, hint: int, cap_s: float) -> Run:
-    """``ppotune search``'s own loop (tuner.loop.Search), every launch answered by the replay runner."""
+    """``ppotune search``'s own loop (tuner.search.loop.Search), every launch answered by the replay runner."""
     storage = optuna.storages.InMemoryStorage()
     name = "tpe" if sampler == "ours" else sampler
     study = optuna.create_study(
@@ -303,7 +303,7 @@ def confirmed_pick(run: Run, k: int, rec: Recording, seed: int, rounds: int) -> 
     re-runs cost: the (up to MAX_FINALISTS) configs with the best measured throughput so far are re-run
     ``rounds`` times each with the baseline, every re-run answered by one recorded repeat at random; the pick
     is the finalist with the highest median of its paired ratios to the same round's baseline
-    (:func:`tuner.confirm.paired_ratios`). A simplification of the search's own rule, which takes the Pareto
+    (:func:`tuner.stages.confirm.paired_ratios`). A simplification of the search's own rule, which takes the Pareto
     points under the headroom plus any trial within noise of the best: the replay keeps no intervals."""
     best: dict = {}
     for _, ident, measured in run.events[:k]:

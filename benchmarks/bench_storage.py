@@ -1,7 +1,7 @@
 """Many workers on one study: PostgreSQL directly and through Optuna's gRPC proxy.
 
 W worker processes start together on an empty database and run ``ppotune search``'s own loop
-(:class:`tuner.loop.Search`: study creation, the budget lock or the rank check, ask/tell,
+(:class:`tuner.search.loop.Search`: study creation, the budget lock or the rank check, ask/tell,
 dedupe, heartbeats, sweeps) with a budget of W x T trials. Each trial is answered by a
 fake-fast runner through the public runner seam (:class:`SleepRunner`: it sleeps ``--sleep``
 seconds and reports a throughput made from the config), so what is measured is the storage
@@ -41,12 +41,12 @@ import optuna  # noqa: E402
 
 from trainer.config import apply_overrides, config_from_dict, config_to_dict, flatten  # noqa: E402
 from trainer.contracts import STUDY_SCHEMA_VERSION, Status, TrialRecord, parse_storage  # noqa: E402
-from tuner import study as st  # noqa: E402
-from tuner.decide import counted  # noqa: E402
-from tuner.loop import Search, SearchOptions, build_sampler  # noqa: E402
-from tuner.runners import TrialOutcome, TrialRequest  # noqa: E402
+from tuner.search.decide import counted  # noqa: E402
+from tuner.search.loop import Search, SearchOptions, build_sampler  # noqa: E402
 from tuner.space import base_flat_config, load_space  # noqa: E402
-from tuner.storage import close_storage, open_storage  # noqa: E402
+from tuner.study import lifecycle as st  # noqa: E402
+from tuner.study.storage import close_storage, open_storage  # noqa: E402
+from tuner.trials.runners import TrialOutcome, TrialRequest  # noqa: E402
 
 STUDY = "bench-storage"
 BASE = REPO / "configs" / "tiny_cpu.yaml"

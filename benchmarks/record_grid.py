@@ -62,7 +62,7 @@ def record(out: Path, repeat: int, trials: int) -> None:
 
 def export(out: Path, repeats: int, data: Path) -> int:
     from trainer.contracts import parse_storage
-    from tuner.storage import open_storage
+    from tuner.study.storage import open_storage
 
     storage = open_storage(parse_storage(f"journal:{out / 'grid.log'}", default_dir=out))
     lines = []

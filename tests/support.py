@@ -248,10 +248,10 @@ def tiny_setup(space_yaml: str) -> tuple:
 
 
 def search_over(setup: tuple, study, storage, runner, *, observer=None, **options):
-    """``tuner.loop.Search`` over ``setup`` (:func:`tiny_setup`) with ``runner``, seed 0, the in-process lock
+    """``tuner.search.loop.Search`` over ``setup`` (:func:`tiny_setup`) with ``runner``, seed 0, the in-process lock
     only; ``options``: the rest of ``SearchOptions`` (``trials`` at least)."""
-    from tuner import study as st
-    from tuner.loop import Search, SearchOptions
+    from tuner.search.loop import Search, SearchOptions
+    from tuner.study import lifecycle as st
 
     space, trial_base, flat = setup
     return Search(

@@ -21,7 +21,7 @@ from trainer.contracts import (
     parse_storage,
     short_knob,
 )
-from tuner.storage import open_storage, resolve_read_spec
+from tuner.study.storage import open_storage, resolve_read_spec
 
 
 # --------------------------------------------------------------------------- storage grammar
@@ -151,10 +151,10 @@ def test_exit_codes_and_names():
 
 
 def test_phases_are_the_order_the_step_runs():
-    """PHASES is the step's order: every ``meter.phase(...)`` in trainer/step.py, in file order."""
+    """PHASES is the step's order: every ``meter.phase(...)`` in trainer/engine/step.py, in file order."""
     import re
 
-    text = (Path(__file__).resolve().parents[1] / "trainer" / "step.py").read_text()
+    text = (Path(__file__).resolve().parents[1] / "trainer" / "engine" / "step.py").read_text()
     assert tuple(re.findall(r'meter\.phase\("(\w+)"\)', text)) == PHASES
 
 

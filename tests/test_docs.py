@@ -11,7 +11,7 @@ import pytest
 from support import REPO
 
 PARITY = REPO / "docs" / "verl_parity.md"
-# `trainer/parallel.py:move_params` or `transformer_impl.py:FSDPEngine._build_fsdp_module`
+# `trainer/engine/parallel.py:move_params` or `transformer_impl.py:FSDPEngine._build_fsdp_module`
 REF = re.compile(r"`([\w/]+\.py):([\w.]+)`")
 VERL_SHORT = {"transformer_impl.py": "workers/engine/fsdp/transformer_impl.py"}
 

@@ -45,7 +45,7 @@ def test_tuner_never_imports_torch_at_run_time():
         f"for m in {modules!r}: importlib.import_module(m)\n"
         "from tuner.cli import build_parser\n"
         "for c in ('search', 'space', 'report', 'export', 'train', 'check'): build_parser(only=c)\n"
-        "import trainer.contracts, trainer.config, trainer.check, trainer.launcher\n"
+        "import trainer.contracts, trainer.config, trainer.launch.check, trainer.launch.train\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\nprint('clean')"
     )
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=180)
@@ -66,7 +66,7 @@ ONE_DEFINITION = {
     r"^def (parse|resolve)_storage\b": "trainer/contracts.py",
     r"^def _classify\b": None,
     r"^def pareto_\w+\b": "tuner/results/view.py",
-    r"^def open_storage\b": "tuner/storage.py",
+    r"^def open_storage\b": "tuner/study/storage.py",
     r"^class TrialRecord\b": "trainer/contracts.py",
 }
 

@@ -46,7 +46,7 @@ __all__ = [
     "short_knob",
 ]
 
-#: The timed phases of one PPO step, in the order ``trainer.step`` runs them (verl's timing names).
+#: The timed phases of one PPO step, in the order ``trainer.engine.step`` runs them (verl's timing names).
 #: ``update_weights`` (the rollout engine gets the actor's weights) comes first: verl runs it at the end
 #: of the previous step, the same work once per step.
 PHASES: tuple[str, ...] = (
@@ -71,7 +71,7 @@ STUDY_SCHEMA_VERSION = 1
 #: The study's objectives: throughput (tokens/s/GPU) up, peak memory (GB per GPU) down.
 DIRECTIONS = ("maximize", "minimize")
 #: ``trial.constraints[CONSTRAINT_KEY]``: <= 0 feasible, > 0 infeasible; graded (``TrialRecord.constraint``,
-#: ``tuner.decide.constraint``): peak / limit - 1 for a measured trial, larger the further over for an OOM.
+#: ``tuner.search.decide.constraint``): peak / limit - 1 for a measured trial, larger the further over for an OOM.
 CONSTRAINT_KEY = "infeasible"
 #: The share of the device memory a recommended config keeps free (report and export).
 DEFAULT_HEADROOM = 0.10

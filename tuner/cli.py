@@ -17,16 +17,22 @@ __all__ = ["main"]
 
 # command -> (module, one-line help)
 _COMMANDS = {
-    "train": ("trainer.launcher", "run one PPO config on this node's ranks (a trial or a full training run)"),
-    "search": ("tuner.search", "run an Optuna study of short, isolated PPO trials"),
-    "check": ("trainer.check", "validate a training config without launching anything (no GPU needed)"),
+    "train": ("trainer.launch.train", "run one PPO config on this node's ranks (a trial or a full training run)"),
+    "search": ("tuner.search.command", "run an Optuna study of short, isolated PPO trials"),
+    "check": ("trainer.launch.check", "validate a training config without launching anything (no GPU needed)"),
     "space": ("tuner.space_cli", "validate a search space YAML and print its size"),
     "report": ("tuner.results.report", "write the Pareto report (HTML, PNG, CSV, summary.md) of a study"),
     "export": ("tuner.results.export", "write the chosen config: best_config.yaml, verl overrides, why.md"),
     "validate": ("tuner.validate", "run the exported config against the baseline, interleaved: PASS/FAIL vs the study"),
-    "probe": ("tuner.probe", "run one worst-case-length step of a config (longest prompts and responses): its peaks"),
-    "storage-proxy": ("tuner.proxy", "serve a study database to many workers through Optuna's gRPC proxy"),
-    "make-preset": ("trainer.presets", "write a tiny offline job (model, tokenizer, data, reward) for an engine: verl"),
+    "probe": (
+        "tuner.stages.probe",
+        "run one worst-case-length step of a config (longest prompts and responses): its peaks",
+    ),
+    "storage-proxy": ("tuner.study.proxy", "serve a study database to many workers through Optuna's gRPC proxy"),
+    "make-preset": (
+        "trainer.verl_engine.preset",
+        "write a tiny offline job (model, tokenizer, data, reward) for an engine: verl",
+    ),
 }
 
 

@@ -48,7 +48,7 @@ Semantics:
   memory-hungry as a known OOM on every monotone knob, and equal on the others, is not
   launched.
 * ``speed`` says how throughput is expected to move as the value grows (same order). A prior,
-  not a rule: local steps (tuner.loop) try the neighbours it favours first; nothing is skipped.
+  not a rule: local steps (tuner.search.loop) try the neighbours it favours first; nothing is skipped.
 """
 
 from __future__ import annotations
@@ -673,7 +673,7 @@ class Space:
         """The configs one step from ``eff`` (a flat effective config of this space): one active knob moved
         one position in its ordered domain (a power of two: one exponent), or to another choice of an
         unordered categorical, the set of active knobs unchanged, the constraints kept (the configs at
-        :func:`tuner.decide.distance` 1). For a space too large to enumerate, where random draws would
+        :func:`tuner.search.decide.distance` 1). For a space too large to enumerate, where random draws would
         rarely land next to a given config."""
         active = self.active_keys(eff)
         params = {k.key: eff[k.key] for k in self.knobs if k.key in active}
@@ -705,7 +705,7 @@ class Space:
         """The knobs' ``speed`` hints on a move from one flat effective config to another: +1 for each
         knob moved the way its hint expects to be faster, -1 for each moved the other way (0: no hint, or
         a knob not ordered the same in both). A prior, not a measurement: local steps try first the
-        neighbours it favours (:meth:`tuner.loop.Search._unmeasured_neighbour`)."""
+        neighbours it favours (:meth:`tuner.search.loop.Search._unmeasured_neighbour`)."""
         score = 0
         for knob in self.knobs:
             if knob.speed == "none" or knob.key not in eff_from or knob.key not in eff_to:

@@ -3,11 +3,11 @@
 Runs CONFIG (what ``ppotune export`` wrote: ``best_config.yaml``) and the study's baseline config
 (its base config as written) interleaved for ``--rounds R`` rounds of N PPO steps each -- round 1:
 config, base; round 2: base, config; ... -- with the runner the search uses
-(:class:`tuner.runners.SubprocessRunner`: ``ppotune train`` in its own process group, the same
+(:class:`tuner.trials.runners.SubprocessRunner`: ``ppotune train`` in its own process group, the same
 memory sampler and the same classification), then prints the measured figures against the study's:
 
 - throughput ratio to the baseline: the median of the paired ratios (config / the same round's
-  baseline) with its 90% interval (:func:`tuner.confirm.log_interval`), against the study's
+  baseline) with its 90% interval (:func:`tuner.stages.confirm.log_interval`), against the study's
   confirmed ratio (the ``confirmation`` study attribute) or, for an unconfirmed study, the ratio of
   the two single trials;
 - peak memory: the largest peak over the config's runs, against the study's (confirmed re-runs'
@@ -51,10 +51,10 @@ from trainer.config import (
     resolve_follows,
 )
 from trainer.contracts import ExitCode, Status, StorageError
-from tuner.confirm import CONFIRMATION_ATTR, Rerun, entry_of, log_interval, paired_ratios, schedule
-from tuner.launch import add_hang_flags, next_numbered_dir, stop_on_signals
-from tuner.memory import nvml_available
-from tuner.runners import SubprocessRunner, TrialRequest
+from tuner.stages.confirm import CONFIRMATION_ATTR, Rerun, entry_of, log_interval, paired_ratios, schedule
+from tuner.trials.launch import add_hang_flags, next_numbered_dir, stop_on_signals
+from tuner.trials.memory import nvml_available
+from tuner.trials.runners import SubprocessRunner, TrialRequest
 
 __all__ = [
     "RATIO_TOL",

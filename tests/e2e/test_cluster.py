@@ -26,8 +26,8 @@ from optuna.trial import TrialState
 
 from support import REPO, TINY_BASE, processes_with, wait_until
 from trainer.contracts import Status, TrialRecord, parse_storage
-from tuner.decide import counted
-from tuner.storage import close_storage, open_storage
+from tuner.search.decide import counted
+from tuner.study.storage import close_storage, open_storage
 
 pytestmark = pytest.mark.slow
 
@@ -85,14 +85,14 @@ def check_exact(trials: list, budget: int) -> list:
 
 def running_trial_of(out: Path) -> int | None:
     """The number of a trial of this worker whose PPO ranks are running now: a cold trial's ranks name its
-    directory; a warm job's ranks (trainer.serve, under <out>/jobs) run the trial whose log exists and whose
+    directory; a warm job's ranks (trainer.rank.serve, under <out>/jobs) run the trial whose log exists and whose
     result does not yet."""
     for p in processes_with(str(out / "trials")):
         cmd = " ".join(p.cmdline())
-        if "trainer.run" in cmd or "trainer/run" in cmd:
+        if "trainer.rank.run" in cmd or "trainer/run" in cmd:
             part = cmd.split(str(out / "trials") + "/", 1)[1]
             return int(part.split("/", 1)[0])
-    if any("trainer.serve" in " ".join(p.cmdline()) for p in processes_with(str(out / "jobs"))):
+    if any("trainer.rank.serve" in " ".join(p.cmdline()) for p in processes_with(str(out / "jobs"))):
         running = [
             int(d.name)
             for d in (out / "trials").glob("*")

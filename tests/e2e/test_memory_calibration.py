@@ -1,6 +1,6 @@
 """tuner.memory_model on REAL trials: calibrated on six CPU trials, it predicts three held-out ones.
 
-The trials are real ``ppotune train`` runs through the real runner (:class:`tuner.runners.SubprocessRunner`,
+The trials are real ``ppotune train`` runs through the real runner (:class:`tuner.trials.runners.SubprocessRunner`,
 1 CPU process) of the recorded grid's base config (``benchmarks/data/grid_base.yaml``: 32 sequences of up
 to 64 + 64 tokens per update, padded rows) with the tiny preset widened to hidden 256, so that the
 activations the per-GPU knobs move (micro-batch size, token budget, gradient checkpointing) dominate what a
@@ -23,7 +23,7 @@ from support import REPO
 from trainer.config import config_to_dict, load_config
 from trainer.contracts import PHASES, Status
 from tuner.memory_model import MemoryModel, param_counts, samples_from_trials
-from tuner.runners import SubprocessRunner, TrialRequest
+from tuner.trials.runners import SubprocessRunner, TrialRequest
 
 pytestmark = pytest.mark.slow
 

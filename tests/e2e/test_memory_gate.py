@@ -1,4 +1,4 @@
-"""The search's memory-model gate (issue 12.2) on REAL trials: ``tuner.loop.Search`` with the real warm runner on
+"""The search's memory-model gate (issue 12.2) on REAL trials: ``tuner.search.loop.Search`` with the real warm runner on
 the recorded grid's preset (a 128-wide tiny model, 1 CPU process, a real 0.15 GB cap: RLIMIT_DATA above the
 post-start level). Nine configs are measured first (micro-batch 1..8 x gradient checkpointing and micro-batch
 16 with it, FSDP1), which calibrates the model; then a candidate it puts far over the cap (micro-batch 32, no
@@ -17,11 +17,11 @@ import yaml
 from support import REPO
 from trainer.config import apply_overrides, config_from_dict, config_to_dict, flatten
 from trainer.contracts import DIRECTIONS, Status, TrialRecord
-from tuner import study as st
-from tuner.loop import MEMORY_MODEL_ATTR, Search, SearchOptions
-from tuner.runners import SubprocessRunner
+from tuner.search.loop import MEMORY_MODEL_ATTR, Search, SearchOptions
 from tuner.space import base_flat_config, space_from_dict
-from tuner.warm import WarmRunner
+from tuner.study import lifecycle as st
+from tuner.trials.runners import SubprocessRunner
+from tuner.trials.warm import WarmRunner
 
 pytestmark = pytest.mark.slow
 

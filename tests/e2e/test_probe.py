@@ -24,8 +24,8 @@ import yaml
 from support import TINY_BASE
 from trainer.config import apply_overrides, config_to_dict, flatten, load_config
 from trainer.contracts import PHASES, ExitCode, Status
-from tuner.probe import PROBE_KEYS, ProbeResult, lengths_forced, probe, probe_config
-from tuner.runners import SubprocessRunner, TrialRequest, VerlEngine
+from tuner.stages.probe import PROBE_KEYS, ProbeResult, lengths_forced, probe, probe_config
+from tuner.trials.runners import SubprocessRunner, TrialRequest, VerlEngine
 
 PROMPT_TOKENS, RESPONSE_TOKENS = 1024, 512
 CAP_GB = 0.3  # between the typical trial's ~0.15 GB and the probe's ~0.57 GB (module docstring)

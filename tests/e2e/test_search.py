@@ -24,8 +24,8 @@ from support import TINY_BASE, check_report_dir, processes_with, wait_until
 from trainer.config import load_config
 from trainer.contracts import CONSTRAINT_KEY, Status, TrialRecord, parse_storage
 from tuner.cli import main
-from tuner.decide import constraint, count_progress, counted
 from tuner.results.view import load as load_view
+from tuner.search.decide import constraint, count_progress, counted
 from tuner.space import from_params, space_from_dict
 
 pytestmark = pytest.mark.slow
@@ -358,12 +358,12 @@ def _start(cli, d, space, trials):
 
 
 def _ranks_running(trial_dir: Path) -> bool:
-    """The trial's ranks are up: a cold trial's name its directory; a warm job's (trainer.serve, under
+    """The trial's ranks are up: a cold trial's name its directory; a warm job's (trainer.rank.serve, under
     <out>/jobs) have been handed the trial once its log exists."""
-    if any("trainer.run" in " ".join(p.cmdline()) for p in processes_with(str(trial_dir))):
+    if any("trainer.rank.run" in " ".join(p.cmdline()) for p in processes_with(str(trial_dir))):
         return True
     jobs = processes_with(str(trial_dir.parent.parent / "jobs"))
-    return any("trainer.serve" in " ".join(p.cmdline()) for p in jobs) and (trial_dir / "train.log").is_file()
+    return any("trainer.rank.serve" in " ".join(p.cmdline()) for p in jobs) and (trial_dir / "train.log").is_file()
 
 
 def test_sigint_then_sigkill_then_resume_loses_and_duplicates_nothing(tmp_path, cli, no_processes_left):

@@ -14,7 +14,7 @@ import yaml
 
 from support import make_demo_study
 from tuner.cli import main
-from tuner.confirm import CONFIRMATION_ATTR, entry_of
+from tuner.stages.confirm import CONFIRMATION_ATTR, entry_of
 from tuner.validate import StudyFigures, length_warnings, verdict
 
 STUDY = StudyFigures(

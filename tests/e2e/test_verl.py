@@ -16,8 +16,8 @@ import yaml
 
 from support import REPO, wait_until
 from trainer.contracts import PHASES, Status, TrialRecord
-from trainer.verl_engine import SUPPORTED_VERL, override_key
-from tuner.launch import launch_trial, train_command
+from trainer.verl_engine.adapter import SUPPORTED_VERL, override_key
+from tuner.trials.launch import launch_trial, train_command
 
 pytestmark = pytest.mark.slow
 VERL_PY = REPO / ".venv-verl" / "bin" / "python"

@@ -1,11 +1,11 @@
 """Warm trials end to end: REAL trials (the tiny preset, 2 CPU ranks, gloo) through the real runners.
 
-One :class:`tuner.warm.WarmRunner` runs a sequence, each trial from its own thread (as ``--parallel``
+One :class:`tuner.trials.warm.WarmRunner` runs a sequence, each trial from its own thread (as ``--parallel``
 worker threads and ``--confirm`` do): two ok trials, a config the job's launcher refuses, another ok
 trial, one on other data (all five in one job), a real OOM (``--memory-limit-gb``: a 1024-wide model cannot allocate its
 weights under the cap) that ends the job, an ok trial in a fresh job, and a real distributed hang
 (``ppotune.fault=hang``) caught by the step timeout. The first config also runs cold
-(:class:`tuner.runners.SubprocessRunner`): a warm trial must measure what a cold one measures.
+(:class:`tuner.trials.runners.SubprocessRunner`): a warm trial must measure what a cold one measures.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import pytest
 from support import REPO, TINY_BASE, processes_with, wait_until
 from trainer.config import config_to_dict, load_config
 from trainer.contracts import Status
-from tuner.runners import SubprocessRunner, TrialRequest
-from tuner.warm import WarmRunner
+from tuner.trials.runners import SubprocessRunner, TrialRequest
+from tuner.trials.warm import WarmRunner
 
 pytestmark = pytest.mark.slow
 
@@ -56,7 +56,7 @@ SEQUENCE = [  # (name, config): run in this order by one WarmRunner
 def serve_ranks(jobs_dir: Path) -> set[int]:
     """The rank processes of the warm jobs under ``jobs_dir`` (not their launcher)."""
     cmds = {p.pid: " ".join(p.cmdline()) for p in processes_with(str(jobs_dir))}
-    return {pid for pid, cmd in cmds.items() if "-m trainer.serve" in cmd}
+    return {pid for pid, cmd in cmds.items() if "-m trainer.rank.serve" in cmd}
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,9 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from trainer.config import FSDP_SECTIONS, load_config
-from trainer.models import load_tokenizer
-from trainer.proc import leave_rank
-from trainer.run import build_roles
+from trainer.engine.models import load_tokenizer
+from trainer.launch.proc import leave_rank
+from trainer.rank.run import build_roles
 
 
 def check(ckpt: str, strategy: str) -> dict:

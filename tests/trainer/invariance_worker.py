@@ -19,18 +19,18 @@ import torch
 import torch.distributed as dist
 
 from trainer.config import FSDP_SECTIONS, load_config
-from trainer.data import PromptDataset, left_pad, load_rows
-from trainer.models import load_tokenizer
-from trainer.parallel import Sharded, clean_state_dict, full_state_dict
-from trainer.proc import leave_rank
-from trainer.run import build_roles, rows_of_rank
-from trainer.step import (
+from trainer.engine.data import PromptDataset, left_pad, load_rows
+from trainer.engine.models import load_tokenizer
+from trainer.engine.parallel import Sharded, clean_state_dict, full_state_dict
+from trainer.engine.step import (
     assemble_batch,
     compute_log_probs,
     compute_old_log_probs,
     compute_values,
     resident,
 )
+from trainer.launch.proc import leave_rank
+from trainer.rank.run import build_roles, rows_of_rank
 
 BASE = "configs/tiny_cpu.yaml"
 GLOBAL_BATCH = 16
@@ -113,7 +113,7 @@ def run_variant(overrides: dict, *, world: int, rank: int, device: torch.device)
     capture_gradients(roles.actor, device, grads["actor"])
     capture_gradients(roles.critic, device, grads["critic"])
     full = fixed_batch(cfg, tokenizer, device)
-    # rows as trainer/run.py takes them: blocks that split the actor's and the critic's mini-batches
+    # rows as trainer/rank/run.py takes them: blocks that split the actor's and the critic's mini-batches
     rows = torch.tensor(rows_of_rank(cfg, GLOBAL_BATCH, world, rank), device=device)
     batch = {k: v[rows] for k, v in full.items()}
     init_actor, init_critic = state_dict(roles.actor, device), state_dict(roles.critic, device)

@@ -21,12 +21,12 @@ from torchrun import ROOT, torchrun
 
 from trainer.config import ConfigError, load_config
 from trainer.contracts import PHASES
-from trainer.data import PromptDataset, left_pad, load_rows
-from trainer.metrics import PhaseMeter
-from trainer.models import load_tokenizer
-from trainer.proc import leave_rank
-from trainer.run import build_roles, rows_of_rank
-from trainer.step import ppo_step
+from trainer.engine.data import PromptDataset, left_pad, load_rows
+from trainer.engine.metrics import PhaseMeter
+from trainer.engine.models import load_tokenizer
+from trainer.engine.step import ppo_step
+from trainer.launch.proc import leave_rank
+from trainer.rank.run import build_roles, rows_of_rank
 
 BASE = ROOT / "configs" / "tiny_cpu.yaml"
 OFFLOAD_FLAGS = ("param_offload", "optimizer_offload", "offload_policy")
@@ -79,7 +79,7 @@ def relocation_check(roles, log_probs) -> dict:
     """param_offload's plumbing, which a CPU->CPU move cannot exercise: move every parameter shard of the
     actor to a fresh copy (what a device move does) and check that no parameter still points at the old
     storage (a stale view would keep the GPU memory alive) and that the outputs are unchanged."""
-    from trainer.parallel import _relocate_params
+    from trainer.engine.parallel import _relocate_params
 
     before = log_probs()
     # detached views hold the old storages (a Parameter object would not: the move re-points its data), so no
@@ -117,7 +117,7 @@ def run_variant(base: str, overrides: dict, steps: int, device: torch.device, re
     gathers, events = gathers_per_generate(roles, ids, mask, device)
     result = {"gathers_per_generate": gathers, "collective_events": events, "notes": notes}
     if relocate:
-        from trainer.step import assemble_batch, compute_log_probs
+        from trainer.engine.step import assemble_batch, compute_log_probs
 
         s = roles.settings
         resp = torch.full((ids.shape[0], s.sampling.max_response_length), 7, device=device)

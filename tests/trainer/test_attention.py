@@ -1,4 +1,4 @@
-"""Packed attention (trainer/attention.py): exact, linear in tokens, and sdpa wherever a mask is given.
+"""Packed attention (trainer/engine/attention.py): exact, linear in tokens, and sdpa wherever a mask is given.
 
 Real tiny Qwen2 models on CPU, fp32. The reference is transformers' own "sdpa" on the same
 weights: each sequence run on its own, and the packed row with its dense block mask (the old path).
@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from support import REPO
-from trainer.attention import PACKED_ATTENTION, packed_attention_kwargs
 from trainer.config import TinyModelConfig
-from trainer.models import build_tokenizer, load_actor, load_critic
+from trainer.engine.attention import PACKED_ATTENTION, packed_attention_kwargs
+from trainer.engine.models import build_tokenizer, load_actor, load_critic
 
 LENGTHS = [7, 33, 1, 64, 20]  # a single-token sequence included
 
@@ -155,9 +155,9 @@ def test_peak_memory_grows_linearly_with_packed_tokens():
 def test_the_kernel_and_the_note_say_when_packed_attention_is_not_verls():
     """flash-attn varlen only with flash-attn, on CUDA, in half precision; a GPU run says when it ran the
     per-sequence path instead (fp32, or no flash-attn), and a CPU run says nothing (verl runs padded there)."""
-    from trainer.attention import FLASH_VARLEN, packed_kernel
     from trainer.config import effective_config, load_config
-    from trainer.run import packed_attention_notes
+    from trainer.engine.attention import FLASH_VARLEN, packed_kernel
+    from trainer.rank.run import packed_attention_notes
 
     assert packed_kernel("cuda", torch.bfloat16, has_flash=True) == FLASH_VARLEN
     assert packed_kernel("cuda", torch.float16, has_flash=True) == FLASH_VARLEN

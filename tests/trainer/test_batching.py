@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from trainer.batching import (
+from trainer.engine.batching import (
     fixed_micro_batches,
     min_num_micro_batches,
     pack,

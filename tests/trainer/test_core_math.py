@@ -1,12 +1,12 @@
-"""Pure PPO math (trainer/core.py): expected values computed by hand, fp64 where exact."""
+"""Pure PPO math (trainer/engine/core.py): expected values computed by hand, fp64 where exact."""
 
 import math
 
 import pytest
 import torch
 
-from trainer import core
-from trainer.core import (
+from trainer.engine import core
+from trainer.engine.core import (
     AdaptiveKLController,
     FixedKLController,
     agg_token_mean,
@@ -522,7 +522,7 @@ def test_entropy_finite_with_extreme_logits():
 
 
 def test_core_stays_pure():
-    # No device sync per micro-batch and no collectives: see docs in trainer/core.py.
+    # No device sync per micro-batch and no collectives: see docs in trainer/engine/core.py.
     source = open(core.__file__, encoding="utf-8").read()
     assert ".item(" not in source
     assert "torch.distributed" not in source

@@ -4,10 +4,10 @@ checkpointed variants equal to the plain one, and what each keeps for backward m
 import pytest
 import torch
 
-from trainer import core
 from trainer.config import TinyModelConfig
-from trainer.models import build_tokenizer, load_actor
-from trainer.step import assemble_batch, forward_response, make_entropy_fn
+from trainer.engine import core
+from trainer.engine.models import build_tokenizer, load_actor
+from trainer.engine.step import assemble_batch, forward_response, make_entropy_fn
 
 P, R, B = 24, 16, 6
 

@@ -15,7 +15,7 @@ def test_tied_checkpoint_stays_tied_and_every_rank_holds_rank0s_weights(tmp_path
     from transformers import Qwen2ForCausalLM
 
     from trainer.config import TinyModelConfig
-    from trainer.models import build_tokenizer, tiny_qwen2_config
+    from trainer.engine.models import build_tokenizer, tiny_qwen2_config
 
     tok = build_tokenizer()
     cfg = tiny_qwen2_config(TinyModelConfig(), len(tok), 128)

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from trainer.config import SyntheticDataConfig
-from trainer.data import score_response, synthetic_rows
+from trainer.engine.data import score_response, synthetic_rows
 
 REPO = Path(__file__).resolve().parents[2]
 VERL_PYTHON = REPO / ".venv-verl" / "bin" / "python"
@@ -194,7 +194,7 @@ def test_same_seed_same_preset_and_force(preset, tmp_path):
     """Re-running with the same arguments rewrites identical data and weights (--force into a non-empty DIR)."""
     from safetensors.torch import load_file
 
-    from trainer.presets import make_verl_preset
+    from trainer.verl_engine.preset import make_verl_preset
 
     out = tmp_path / "again"
     out.mkdir()

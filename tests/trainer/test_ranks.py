@@ -1,4 +1,4 @@
-"""trainer.ranks.RankGroup on real processes: small Python modules as ranks (no torch), so every case of
+"""trainer.launch.ranks.RankGroup on real processes: small Python modules as ranks (no torch), so every case of
 what torchrun's agent did for us is checked in seconds: the environment, one output pipe, ending the
 survivors of a failed rank, signals, the group's exit code, no orphan when the launcher is SIGKILLed."""
 
@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-import trainer.ranks as ranks_mod
+import trainer.launch.ranks as ranks_mod
 from support import processes_with, wait_until
-from trainer.ranks import RankGroup
+from trainer.launch.ranks import RankGroup
 
 # a rank: prints what it was given, then does what RANK_<r> says (exit:N | sleep | ignore-term | signal:N)
 RANK = textwrap.dedent(
@@ -85,7 +85,7 @@ def test_the_ranks_die_with_a_sigkilled_launcher(env, tmp_path):
     launcher = textwrap.dedent(
         """
         import time
-        from trainer.ranks import RankGroup
+        from trainer.launch.ranks import RankGroup
         g = RankGroup(["fake_rank", "%s"], nproc=2)
         time.sleep(600)
         """

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from trainer.config import ConfigError
-from trainer.verl_engine import (
+from trainer.verl_engine.adapter import (
     CPU_KEYS,
     TRIAL_KEYS,
     classify_failure,
@@ -86,10 +86,13 @@ def test_what_a_trial_adds(tmp_path):
 def test_environment_loads_the_shim_only_on_cpu(tmp_path):
     spec = load_run(_run_file(tmp_path, "overrides: []\n"), memory_limit_gb=1.0)
     cpu = verl_env(spec, device="cpu", metrics_path=tmp_path / "m.jsonl")
-    assert cpu["VERL_PLATFORM"] == "cpu" and cpu["VERL_USE_EXTERNAL_MODULES"] == "trainer.verl_cpu,trainer.verl_cap"
+    assert (
+        cpu["VERL_PLATFORM"] == "cpu"
+        and cpu["VERL_USE_EXTERNAL_MODULES"] == "trainer.verl_engine.cpu,trainer.verl_engine.cap"
+    )
     assert cpu["VERL_FILE_LOGGER_PATH"] == str(tmp_path / "m.jsonl") and cpu["PPOTUNE_MEMORY_LIMIT_GB"] == "1.0"
     gpu = verl_env(load_run(_run_file(tmp_path, "overrides: []\n")), device="cuda", metrics_path=tmp_path / "m")
-    assert "VERL_PLATFORM" not in gpu and "trainer.verl_cpu" not in gpu.get("VERL_USE_EXTERNAL_MODULES", "")
+    assert "VERL_PLATFORM" not in gpu and "trainer.verl_engine.cpu" not in gpu.get("VERL_USE_EXTERNAL_MODULES", "")
 
 
 def _line(step: int, **data) -> str:

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from trainer.config import ConfigError, load_config
-from trainer.data import PromptDataset, extend_prompt, synthetic_rows
-from trainer.rollout import Sampling
-from trainer.step import MicroBatching, Plans, StepSettings, fullest_micro_batches
+from trainer.engine.data import PromptDataset, extend_prompt, synthetic_rows
+from trainer.engine.rollout import Sampling
+from trainer.engine.step import MicroBatching, Plans, StepSettings, fullest_micro_batches
 
 
 # --------------------------------------------------------------------------- prompts
@@ -32,7 +32,7 @@ def test_an_empty_prompt_or_a_length_of_zero_is_refused():
 
 
 def test_every_templated_prompt_becomes_max_prompt_length_real_tokens():
-    from trainer.models import build_tokenizer
+    from trainer.engine.models import build_tokenizer
 
     tok = build_tokenizer()
     rows = synthetic_rows(num_prompts=40, min_terms=2, max_terms=16, length_alpha=1.2, seed=0)
@@ -107,7 +107,7 @@ def test_the_fullest_micro_batch_of_full_length_sequences_per_phase():
 
 
 def test_the_worst_case_notes_say_the_lengths_and_the_packing():
-    from trainer.step import Roles, worst_case_notes
+    from trainer.engine.step import Roles, worst_case_notes
 
     plans = Plans(*(MicroBatching(True, None, 256),) * 5)
     roles = Roles(None, None, None, None, None, plans, _settings(actor_mini=4, critic_mini=4))

@@ -18,14 +18,14 @@ import torch
 import torch.distributed as dist
 
 from trainer.config import load_config
-from trainer.data import PromptDataset, left_pad, load_rows
-from trainer.metrics import PhaseMeter
-from trainer.models import load_tokenizer
-from trainer.parallel import iter_full_params
-from trainer.proc import leave_rank
-from trainer.rollout import generate_responses
-from trainer.run import build_roles
-from trainer.step import ppo_step, resident
+from trainer.engine.data import PromptDataset, left_pad, load_rows
+from trainer.engine.metrics import PhaseMeter
+from trainer.engine.models import load_tokenizer
+from trainer.engine.parallel import iter_full_params
+from trainer.engine.rollout import generate_responses
+from trainer.engine.step import ppo_step, resident
+from trainer.launch.proc import leave_rank
+from trainer.rank.run import build_roles
 
 BASE = "configs/tiny_cpu.yaml"
 PER_RANK = 4

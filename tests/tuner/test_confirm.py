@@ -1,5 +1,5 @@
-"""Finalists confirmed side by side: tuner.confirm's pure decisions with hand-computed figures, then
-tuner.loop.Search.confirm over a replay runner (the real loop, no process): interleaving, resume."""
+"""Finalists confirmed side by side: tuner.stages.confirm's pure decisions with hand-computed figures, then
+tuner.search.loop.Search.confirm over a replay runner (the real loop, no process): interleaving, resume."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import pytest
 
 from support import search_over, tiny_setup
 from trainer.contracts import DIRECTIONS, Status, TrialRecord
-from tuner import confirm
-from tuner.confirm import Candidate, Rerun
-from tuner.loop import build_sampler
-from tuner.runners import Recorded, ReplayRunner, TrialOutcome
+from tuner.search.loop import build_sampler
+from tuner.stages import confirm
+from tuner.stages.confirm import Candidate, Rerun
+from tuner.trials.runners import Recorded, ReplayRunner, TrialOutcome
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -347,7 +347,7 @@ def test_timeout_bounds_the_confirmation_too(setup, monkeypatch):
     space, _, flat = setup
     study, storage = _study(space, flat, device_gb=10.0)
     runner, said = Clocked(_table(space, flat)), Said()
-    monkeypatch.setattr("tuner.loop.time", type("Clock", (), {"monotonic": staticmethod(runner.monotonic)}))
+    monkeypatch.setattr("tuner.search.loop.time", type("Clock", (), {"monotonic": staticmethod(runner.monotonic)}))
     search = search_over(
         setup, study, storage, runner, trials=len(ORDER), sampler="grid", confirm=3, timeout_s=85.0, observer=said
     )

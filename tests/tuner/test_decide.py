@@ -1,4 +1,4 @@
-"""The search's decisions with no process at all: tuner.decide, and tuner.loop over a replay runner."""
+"""The search's decisions with no process at all: tuner.search.decide, and tuner.search.loop over a replay runner."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from optuna.trial import TrialState, create_trial
 
 from support import search_over, tiny_setup
 from trainer.contracts import CONSTRAINT_KEY, DIRECTIONS, PHASES, Status, TrialRecord
-from tuner import decide
-from tuner import study as st
-from tuner.loop import MAX_CONSECUTIVE_FREE, WAIT, Search, SearchOptions, TrialEvent, build_sampler
-from tuner.runners import Recorded, ReplayRunner
+from tuner.search import decide
+from tuner.search.loop import MAX_CONSECUTIVE_FREE, WAIT, Search, SearchOptions, TrialEvent, build_sampler
 from tuner.space import LOG2_PREFIX, space_from_dict
+from tuner.study import lifecycle as st
+from tuner.trials.runners import Recorded, ReplayRunner
 
 MICRO = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"
 GC = "actor_rollout_ref.model.enable_gradient_checkpointing"

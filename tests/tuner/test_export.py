@@ -15,8 +15,8 @@ from support import KNOBS, make_demo_study
 from support import REPO as ROOT
 from trainer.config import flatten, load_config
 from trainer.contracts import CONSTRAINT_KEY, Status
-from tuner import confirm
 from tuner.cli import main
+from tuner.stages import confirm
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +155,7 @@ def test_a_confirmed_peak_over_the_limit_or_a_failed_rerun_is_no_pick(tmp_path):
 
 def _probed(study, probes: dict) -> None:
     """The study attribute ``Search.probe_worst_case`` writes: ``{number: ProbeResult.to_dict()}``."""
-    from tuner.probe import WORST_CASE_ATTR, ProbeResult
+    from tuner.stages.probe import WORST_CASE_ATTR, ProbeResult
 
     got = {}
     for n, (status, peak, phase) in probes.items():

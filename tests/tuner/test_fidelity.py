@@ -4,7 +4,7 @@ import optuna
 from optuna.distributions import IntDistribution
 
 from trainer.contracts import Status, TrialRecord
-from tuner.fidelity import front_points, with_front
+from tuner.search.fidelity import front_points, with_front
 
 
 def _trial(number, status, thr=None, mem=None, ci=None, constraint=None):

@@ -14,8 +14,8 @@ import textwrap
 import pytest
 
 from support import REPO, processes_with, wait_until
-from tuner.launch import classify, launch_trial, train_command
-from tuner.memory import MemorySampler, nvml_available
+from tuner.trials.launch import classify, launch_trial, train_command
+from tuner.trials.memory import MemorySampler, nvml_available
 
 PY = sys.executable
 
@@ -118,7 +118,7 @@ STEP = r"^step \d+"
     ],
 )
 def test_timeout_reason(tmp_path, elapsed, steps, since_last, expected):
-    from tuner.launch import StepWatch, timeout_reason
+    from tuner.trials.launch import StepWatch, timeout_reason
 
     watch = StepWatch(tmp_path / "log", STEP)
     watch.steps, now = steps, 1000.0
@@ -129,8 +129,8 @@ def test_timeout_reason(tmp_path, elapsed, steps, since_last, expected):
 
 def test_step_lines_of_both_engines(tmp_path):
     """What each engine's trial log shows after a step (verl's line as it reached a real trial log)."""
-    from tuner.launch import StepWatch
-    from tuner.runners import STEP_LINE
+    from tuner.trials.launch import StepWatch
+    from tuner.trials.runners import STEP_LINE
 
     log = tmp_path / "train.log"
     log.write_bytes(
@@ -261,7 +261,7 @@ def test_trial_dies_with_a_sigkilled_tuner(tmp_path):
             textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(REPO)!r})
-        from tuner.launch import launch_trial
+        from tuner.trials.launch import launch_trial
         launch_trial([sys.executable, "-c", "import subprocess, time; "
                       "subprocess.Popen(['bash', '-c', 'sleep 300; echo {marker}']); time.sleep(300)"],
                      trial_dir={str(tmp_path / "t")!r}, result_path={str(tmp_path / "t" / "r.json")!r},
@@ -282,7 +282,7 @@ def test_a_signal_stops_even_while_the_main_thread_holds_the_stop_events_lock():
     code = textwrap.dedent(
         """
         import os, signal, threading, time
-        from tuner.launch import stop_on_signals
+        from tuner.trials.launch import stop_on_signals
         stop = threading.Event()
         with stop_on_signals(stop) as got:
             with stop._cond:  # the moment inside stop.wait() when the lock is held
@@ -359,7 +359,7 @@ def _nested(*overrides: str) -> dict:
 
 
 def test_what_runs_warm_and_what_a_job_fixes():
-    from trainer.launcher import serve_layout, warm_refusal
+    from trainer.launch.train import serve_layout, warm_refusal
 
     base = _nested()
     assert warm_refusal(base) is None

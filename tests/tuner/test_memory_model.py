@@ -170,8 +170,8 @@ def test_largest_micro_batch_fixed_and_worst_case():
 
 
 def test_lpt_bins_are_the_trainers_micro_batches():
-    torch = pytest.importorskip("torch")  # noqa: F841 - trainer.batching imports it
-    from trainer.batching import min_num_micro_batches, token_budget_micro_batches
+    torch = pytest.importorskip("torch")  # noqa: F841 - trainer.engine.batching imports it
+    from trainer.engine.batching import min_num_micro_batches, token_budget_micro_batches
 
     rng = random.Random(0)
     for _ in range(200):

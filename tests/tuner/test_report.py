@@ -231,7 +231,7 @@ def test_optuna_dashboard_reads_our_storage(demo_out):
     optuna_dashboard = pytest.importorskip("optuna_dashboard")
     import json
 
-    from tuner.storage import open_storage, resolve_read_spec
+    from tuner.study.storage import open_storage, resolve_read_spec
 
     app = optuna_dashboard.wsgi(open_storage(resolve_read_spec(out=demo_out), read_only=True))
 

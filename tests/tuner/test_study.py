@@ -25,10 +25,10 @@ from trainer.contracts import (
     TrialRecord,
     parse_storage,
 )
-from tuner import storage as st_storage
-from tuner import study as st
-from tuner.decide import count_progress, counted
-from tuner.storage import close_storage, open_storage, trial_id
+from tuner.search.decide import count_progress, counted
+from tuner.study import lifecycle as st
+from tuner.study import storage as st_storage
+from tuner.study.storage import close_storage, open_storage, trial_id
 
 STORAGE_KINDS = ["sqlite", "journal", "postgresql", "grpc"]
 P = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"
@@ -83,7 +83,7 @@ def test_two_processes_creating_one_fresh_study_do_not_race(spec):
         import sys, time
         sys.path.insert(0, {str(REPO)!r})
         import optuna
-        from tuner import study as st
+        from tuner.study import lifecycle as st
         from trainer.contracts import STUDY_SCHEMA_VERSION, parse_storage
         spec = parse_storage({spec.url!r})
 
@@ -242,7 +242,7 @@ def test_study_lock_excludes_other_processes(tmp_path):
         import sys, time
         sys.path.insert(0, {str(REPO)!r})
         from pathlib import Path
-        from tuner.study import StudyLock
+        from tuner.study.lifecycle import StudyLock
         t = time.monotonic()
         with StudyLock(__import__("pathlib").Path({str(tmp_path / "x.lock")!r}))():
             print(round(time.monotonic() - t, 2))
@@ -287,8 +287,8 @@ def test_postgres_advisory_lock_excludes_other_processes(pg_url):
         import sys, time
         sys.path.insert(0, {str(REPO)!r})
         from trainer.contracts import parse_storage
-        from tuner.storage import open_storage
-        from tuner.study import StudyLock
+        from tuner.study.storage import open_storage
+        from tuner.study.lifecycle import StudyLock
         storage = open_storage(parse_storage({pg_url!r}))
         lock = StudyLock(None).bind(storage, "s")
         assert lock.kind == "postgresql-advisory", lock.kind
@@ -314,8 +314,8 @@ def test_a_killed_lock_holder_releases_the_lock(pg_url):
         import sys, time
         sys.path.insert(0, {str(REPO)!r})
         from trainer.contracts import parse_storage
-        from tuner.storage import open_storage
-        from tuner.study import StudyLock
+        from tuner.study.storage import open_storage
+        from tuner.study.lifecycle import StudyLock
         lock = StudyLock(None).bind(open_storage(parse_storage({pg_url!r})), "s")
         with lock():
             print("holding", flush=True)

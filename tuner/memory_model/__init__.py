@@ -14,7 +14,7 @@ weighed per study by a regularized least-squares fit to the per-phase peaks its 
     study.set_user_attr("memory_model", model.to_dict())        # MemoryModel.from_dict(...) reads it back
 """
 
-from .fit import (
+from tuner.memory_model.fit import (
     ERROR_COVERAGE,
     FEATURES,
     MIN_ERROR,
@@ -25,10 +25,10 @@ from .fit import (
     fit_phase,
     prediction_factor,
 )
-from .samples import Sample, sample_from_attrs, samples_from_trials
-from .shape import ModelShape, ParamCounts, param_counts, shape_of_config
-from .terms import TERMS, flat_config, phase_terms
-from .workload import Lengths, MicroBatch, Plan, largest_micro_batch
+from tuner.memory_model.samples import Sample, sample_from_attrs, samples_from_trials
+from tuner.memory_model.shape import ModelShape, ParamCounts, param_counts, shape_of_config
+from tuner.memory_model.terms import TERMS, flat_config, phase_terms
+from tuner.memory_model.workload import Lengths, MicroBatch, Plan, largest_micro_batch
 
 __all__ = [
     "FEATURES",

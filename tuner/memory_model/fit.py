@@ -57,11 +57,10 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 
 from trainer.contracts import PHASES
-
-from .samples import Sample
-from .shape import ModelShape, shape_of_config
-from .terms import TERMS, TRANSIENT_TERMS, PhaseTerms, flat_config, phase_terms, world_of
-from .workload import Lengths
+from tuner.memory_model.samples import Sample
+from tuner.memory_model.shape import ModelShape, shape_of_config
+from tuner.memory_model.terms import TERMS, TRANSIENT_TERMS, PhaseTerms, flat_config, phase_terms, world_of
+from tuner.memory_model.workload import Lengths
 
 __all__ = [
     "FEATURES",
@@ -77,7 +76,7 @@ __all__ = [
     "MemoryModel",
 ]
 
-GB = 1024**3  # the trainer's GB (trainer.metrics.GB): GiB
+GB = 1024**3  # the trainer's GB (trainer.engine.metrics.GB): GiB
 #: The regression's features per phase: the analytic terms and the memory carried from other phases.
 FEATURES = (*TERMS, "carry")
 #: The analytic prior of each weight.

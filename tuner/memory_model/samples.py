@@ -12,9 +12,8 @@ from typing import Any, Iterable, Mapping, Optional
 
 from trainer.config import flatten
 from trainer.contracts import PHASES, Status, TrialRecord
-
-from .shape import ModelShape
-from .workload import Lengths
+from tuner.memory_model.shape import ModelShape
+from tuner.memory_model.workload import Lengths
 
 __all__ = ["Sample", "sample_from_attrs", "samples_from_trials", "CPU_SOURCES"]
 

@@ -67,9 +67,8 @@ from typing import Any, Mapping, Optional
 
 from trainer.config import PPOConfig, config_to_dict, flatten, resolve_follows
 from trainer.contracts import PHASES
-
-from .shape import ModelShape, param_counts
-from .workload import Lengths, MicroBatch, Plan, largest_micro_batch
+from tuner.memory_model.shape import ModelShape, param_counts
+from tuner.memory_model.workload import Lengths, MicroBatch, Plan, largest_micro_batch
 
 __all__ = ["TERMS", "TRANSIENT_TERMS", "flat_config", "world_of", "phase_terms", "PhaseTerms"]
 
@@ -143,7 +142,7 @@ def _role(flat: Mapping[str, Any], section: str, strategy: str, model: str, shar
 
 
 def _plan(flat: Mapping[str, Any], prefix: str, dynamic: str, micro: str, budget: str) -> Plan:
-    """A phase's micro-batching from its section's keys (``trainer.run.build_roles``'s ``Plans``)."""
+    """A phase's micro-batching from its section's keys (``trainer.rank.run.build_roles``'s ``Plans``)."""
     return Plan(bool(flat[f"{prefix}.{dynamic}"]), flat[f"{prefix}.{micro}"], int(flat[f"{prefix}.{budget}"]))
 
 

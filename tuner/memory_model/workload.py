@@ -1,5 +1,5 @@
 """How many tokens the largest micro-batch of a phase holds: the sequence lengths a trial saw (or the worst
-case) run through the trainer's own batching rules (``trainer/batching.py``, ``trainer/step.py``).
+case) run through the trainer's own batching rules (``trainer/engine/batching.py``, ``trainer/engine/step.py``).
 
 * Fixed micro-batches (``*_micro_batch_size_per_gpu = b``): consecutive chunks of ``b`` of a rank's
   sequences, in the data's order. The largest chunk a trial meets over its steps is taken as the longest
@@ -7,7 +7,7 @@ case) run through the trainer's own batching rules (``trainer/batching.py``, ``t
   small and tends to ``b`` x the mean when it is large).
 * Token budget (``use_dynamic_bsz``, ``*_max_token_len_per_gpu = M``): the fewest balanced bins that keep
   each under ``M`` valid tokens, filled longest-first into the least-loaded bin (LPT), as
-  ``trainer.batching.token_budget_micro_batches`` does; run here on a deterministic sample of the lengths.
+  ``trainer.engine.batching.token_budget_micro_batches`` does; run here on a deterministic sample of the lengths.
 * Remove-padding (``use_remove_padding``) packs the valid tokens of a micro-batch into one row: the model
   sees their sum. Without it every row is ``max_prompt_length + max_response_length`` wide (prompts are
   left-padded to ``max_prompt_length``, responses right-padded to ``max_response_length``), so the model
@@ -64,7 +64,7 @@ class Lengths:
 
 @dataclass(frozen=True)
 class Plan:
-    """How a phase splits its sequences (``trainer.step.MicroBatching``)."""
+    """How a phase splits its sequences (``trainer.engine.step.MicroBatching``)."""
 
     dynamic: bool
     micro_batch_size: Optional[int]
@@ -95,7 +95,7 @@ def length_sample(pct: Mapping[str, float], n: int, cap: int) -> list[float]:
 
 def lpt_bins(lengths: list[float], max_tokens: float) -> list[list[int]]:
     """The fewest bins (>= ceil(total / max_tokens)) that longest-first, least-loaded placement fits under
-    ``max_tokens``: ``trainer.batching.min_num_micro_batches`` + ``token_budget_micro_batches``."""
+    ``max_tokens``: ``trainer.engine.batching.min_num_micro_batches`` + ``token_budget_micro_batches``."""
     if not lengths:
         return [[]]
     k = max(1, math.ceil(sum(lengths) / max_tokens))

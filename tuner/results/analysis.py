@@ -225,7 +225,9 @@ class BaselineVsBest:
     best: Optional[pd.Series]  # the chosen trial's row, if any
     thr_ratio: Optional[float] = None  # best / baseline, when the baseline is feasible (single trials)
     mem_ratio: Optional[float] = None
-    confirmed: Optional[dict] = None  # the pick's confirmed figures (tuner.confirm.summarize), when it rests on them
+    confirmed: Optional[dict] = (
+        None  # the pick's confirmed figures (tuner.stages.confirm.summarize), when it rests on them
+    )
 
 
 def baseline_vs_best(view: StudyView, chosen: Optional[int]) -> BaselineVsBest:

@@ -27,8 +27,6 @@ import yaml
 
 from trainer.config import ConfigError, apply_overrides, config_from_dict, config_to_dict, flatten, verl_override_key
 from trainer.contracts import DEFAULT_HEADROOM, ExitCode, Status, StorageError
-from tuner.confirm import CONFIRMATION_ATTR, describe, entry_of, rank_confirmed
-from tuner.probe import WORST_CASE_ATTR, ProbeResult
 from tuner.results.memory_findings import findings_md, memory_findings
 from tuner.results.view import (
     StudyView,
@@ -39,6 +37,8 @@ from tuner.results.view import (
     pareto_mask,
     view_from_args,
 )
+from tuner.stages.confirm import CONFIRMATION_ATTR, describe, entry_of, rank_confirmed
+from tuner.stages.probe import WORST_CASE_ATTR, ProbeResult
 from tuner.units import gb
 from tuner.world import WorldPlan, production_overrides
 
@@ -93,7 +93,7 @@ class Choice:
     ranking: list[int]  # feasible trials under the limit, best first by ``pick`` (confirmed: the confirmed ones)
     front: list[int]  # the feasible Pareto front under the limit
     warning: Optional[str] = None
-    confirmation: Optional[dict] = None  # the study's ``confirmation`` attribute (tuner.confirm.aggregate)
+    confirmation: Optional[dict] = None  # the study's ``confirmation`` attribute (tuner.stages.confirm.aggregate)
     confirmed: Optional[dict] = None  # the chosen config's confirmed figures (an entry of it), if it has them
     unconfirmed: Optional[str] = None  # why the pick does not rest on a confirmation (None: it does)
     left_out: list = dataclasses.field(default_factory=list)  # (number, why): confirmed configs not eligible
@@ -138,7 +138,7 @@ def choose(view: StudyView, *, pick: str = "max-throughput", headroom: float = D
 
     ``max-throughput`` on a study holding a confirmation (``ppotune search --confirm R``, on by default)
     ranks the confirmed configs instead, by the median of their paired throughput ratios to the baseline
-    (:func:`tuner.confirm.rank_confirmed`; still only trials under the limit, a confirmed peak over it or a
+    (:func:`tuner.stages.confirm.rank_confirmed`; still only trials under the limit, a confirmed peak over it or a
     failed re-run leaves a config out); without one, or with no eligible confirmed config, the single
     trials as above, and ``Choice.unconfirmed`` says why. Raises :class:`NoFit` when nothing qualifies.
     """
@@ -571,7 +571,7 @@ def verl_engine_of(view: StudyView):
     a = view.attrs
     if a.get("engine") != "verl":
         return None
-    from tuner.runners import VerlEngine
+    from tuner.trials.runners import VerlEngine
 
     return VerlEngine(
         python=a["engine_python"],
@@ -649,7 +649,7 @@ def write_export(
         config = best_config(view, choice.chosen)
         lines = verl_overrides(overrides)
         run_hint = f"ppotune train best_config.yaml --nproc {view.attrs.get('nproc') or 'N'}"
-    else:  # exactly what the trial ran, less what a trial adds for itself (trainer.verl_engine.run_overrides)
+    else:  # exactly what the trial ran, less what a trial adds for itself (trainer.verl_engine.adapter.run_overrides)
         config = verl.run_file(overrides)
         lines = config["overrides"]
         run_hint = f"ppotune train --engine verl best_config.yaml --engine-python {verl.python}"

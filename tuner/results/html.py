@@ -11,7 +11,6 @@ from typing import Any, Optional
 import pandas as pd
 
 from trainer.contracts import PHASES, Status, short_knob
-from tuner.confirm import CONFIRMATION_ATTR, describe
 from tuner.results.analysis import (
     LENGTH_KEYS,
     MEMORY_ABS_TOL_GB,
@@ -23,6 +22,7 @@ from tuner.results.analysis import (
 from tuner.results.memory_findings import findings_md, projection_text
 from tuner.results.plots import STATUS_STYLE
 from tuner.results.view import TIME_PREFIX, StudyView, missing, pareto_front
+from tuner.stages.confirm import CONFIRMATION_ATTR, describe
 from tuner.units import gb
 
 __all__ = ["report_html", "summary_md"]
@@ -141,7 +141,7 @@ def _all_trials_table(view: StudyView) -> str:
 
 
 def _confirmation_table(conf: dict) -> str:
-    """The study's ``confirmation`` (tuner.confirm.aggregate): one row per finalist, then the baseline."""
+    """The study's ``confirmation`` (tuner.stages.confirm.aggregate): one row per finalist, then the baseline."""
     rows = []
     for e in list(conf.get("finalists") or []) + [conf.get("baseline_result")]:
         if not e:

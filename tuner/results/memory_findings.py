@@ -14,8 +14,8 @@ from typing import Any, Optional
 
 from trainer.config import flatten
 from trainer.contracts import Status
-from tuner.probe import WORST_CASE_ATTR, ProbeResult
 from tuner.results.view import StudyView
+from tuner.stages.probe import WORST_CASE_ATTR, ProbeResult
 from tuner.world import WorldPlan
 
 __all__ = ["MemoryFindings", "memory_findings", "findings_md", "projection_text"]

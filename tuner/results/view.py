@@ -4,7 +4,7 @@ Shared by ``ppotune report``, ``ppotune export``, the notebook and ``ppotune sea
 summary (so no matplotlib here). The layout read is docs/contracts.md section 3, through
 :class:`trainer.contracts.TrialRecord`; the storage is named with the one ``--storage``
 grammar (:func:`trainer.contracts.parse_storage`) and opened read-only by
-:func:`tuner.storage.open_storage`, so reading a study that is still running is safe.
+:func:`tuner.study.storage.open_storage`, so reading a study that is still running is safe.
 
 The Pareto front (max throughput, min peak memory over measured feasible trials) is defined
 once, by :func:`pareto_mask`.
@@ -22,7 +22,7 @@ import pandas as pd
 
 from trainer.contracts import PHASES, Status, StorageSpec, TrialRecord
 from tuner.space import decode_trial, from_params
-from tuner.storage import load_study, open_storage, resolve_read_spec
+from tuner.study.storage import load_study, open_storage, resolve_read_spec
 
 __all__ = [
     "StudyView",

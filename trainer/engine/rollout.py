@@ -1,0 +1,86 @@
+"""Rollout: sample responses with HF ``generate`` from the actor's current (sharded) weights.
+
+Every rank decodes until all ranks are done (``synced_gpus=True``): a rank that stops early
+keeps joining the collectives of the others, so ranks generating different lengths never deadlock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from trainer.engine.parallel import Sharded, full_params
+
+__all__ = ["Sampling", "generate_responses", "response_mask_from_eos"]
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How responses are sampled: the rollout settings both engines (HF generate, vLLM) take."""
+
+    max_response_length: int
+    temperature: float
+    top_p: float
+    top_k: int
+    do_sample: bool
+    ignore_eos: bool  # EOS cannot be sampled before max_response_length (every response is full length)
+    pad_id: int
+    eos_id: int
+    vocab_limit: int  # ids at or past it decode to nothing (an embedding padded past the tokenizer)
+
+
+def response_mask_from_eos(responses: torch.Tensor, eos_id: int, generated: int) -> torch.Tensor:
+    """(B, R) -> (B, R) long mask: 1 up to and including the first EOS, and only where a token was generated.
+
+    Built from EOS alone, never from the pad id: a sampled pad token mid-response is a real token.
+    """
+    is_eos = (responses == eos_id).long()
+    before_or_at_eos = (torch.cumsum(is_eos, dim=1) - is_eos) == 0
+    in_range = torch.arange(responses.shape[1], device=responses.device) < generated
+    return (before_or_at_eos & in_range).long()
+
+
+@torch.no_grad()
+def generate_responses(
+    actor: Sharded,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    sampling: Sampling,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded prompts (B, P) -> responses (B, R) right-padded with ``pad_id``, response_mask (B, R)."""
+    R, pad_id, eos_id = sampling.max_response_length, sampling.pad_id, sampling.eos_id
+    sample = sampling.do_sample and sampling.temperature > 0
+    kwargs = dict(
+        max_new_tokens=R,
+        do_sample=sample,
+        pad_token_id=pad_id,
+        eos_token_id=eos_id,
+        synced_gpus=True,
+        use_cache=True,
+    )
+    if sampling.ignore_eos:
+        kwargs["min_new_tokens"] = R
+    if sample:
+        kwargs.update(
+            temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k if sampling.top_k > 0 else 0
+        )
+    with full_params(actor) as module:
+        was_training = module.training
+        module.eval()  # no gradient checkpointing (which would disable the KV cache) while decoding
+        try:
+            # The embedding may be padded past the tokenizer: never sample ids that decode to nothing.
+            vocab = module.config.vocab_size
+            bad = [[i] for i in range(sampling.vocab_limit, vocab)]
+            if bad:
+                kwargs["bad_words_ids"] = bad
+            out = module.generate(input_ids=prompt_ids, attention_mask=prompt_mask, **kwargs)
+        finally:
+            module.train(was_training)
+    P = prompt_ids.shape[1]
+    generated = out.shape[1] - P
+    responses = torch.full((out.shape[0], R), pad_id, dtype=torch.long, device=out.device)
+    responses[:, :generated] = out[:, P:]
+    mask = response_mask_from_eos(responses, eos_id, generated)
+    responses = torch.where(mask.bool(), responses, torch.full_like(responses, pad_id))
+    return responses, mask

@@ -1,0 +1,511 @@
+"""``ppotune train --engine verl RUN.yaml``: one run of verl's own trainer, measured like ours.
+
+verl is the production trainer; this engine runs ``python -m verl.trainer.main_ppo`` itself (with the
+interpreter of the user's verl environment, ``--engine-python``) for a few steps and turns verl's own
+per-step metrics (its file logger's JSONL) into ppotune's result JSON (``trainer/result_schema.json``),
+so the tuner, the report and export read a verl trial exactly like one of ours. This module never
+imports torch or verl.
+
+A run file is the verl config as Hydra overrides, verl's keys only, plus how to run it::
+
+    overrides:                       # or a nested/flat mapping of verl keys
+      - actor_rollout_ref.model.path=/models/qwen2.5-7b
+      - data.train_files=/data/train.parquet
+      - actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4
+    ppotune:                         # optional; flags win
+      python: /envs/verl/bin/python
+      steps: 3
+      warmup: 1
+      memory_limit_gb: null
+      device: auto                   # auto | cpu | cuda
+
+What a trial adds to the user's overrides (and export leaves out): ``TRIAL_KEYS`` (step count,
+no validation or checkpoints, the file logger). On a CPU-only machine it also loads the CPU shim
+(:mod:`trainer.verl_engine.cpu`, verl 0.9.1 only) and adds ``CPU_KEYS``: nothing of it on a GPU.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from trainer.config import ConfigError, flatten, read_yaml_mapping
+from trainer.contracts import RESULT_SCHEMA_VERSION, ExitCode
+from trainer.launch.proc import (
+    PR_SET_CHILD_SUBREAPER,
+    die_with_parent,
+    kill_descendants,
+    prctl,
+    with_pythonpath,
+    write_json_atomic,
+)
+from trainer.summary import summarize_steps
+
+__all__ = [
+    "RunSpec",
+    "load_run",
+    "run_overrides",
+    "verl_env",
+    "steps_from_jsonl",
+    "classify_failure",
+    "run",
+    "SUPPORTED_VERL",
+    "TRIAL_KEYS",
+    "CPU_KEYS",
+    "override_key",
+]
+
+SUPPORTED_VERL = "0.9.1"  # the version the CPU shim is written against (a GPU runs any verl as shipped)
+PACKAGE_DIR = Path(__file__).resolve().parents[1]  # trainer/: what verl's processes import from us
+SHIM_MODULE = "trainer.verl_engine.cpu"
+CAP_MODULE = "trainer.verl_engine.cap"
+#: keys a trial sets for itself (left out of what export recommends)
+TRIAL_KEYS = (
+    "trainer.total_training_steps",
+    "trainer.val_before_train",
+    "trainer.test_freq",
+    "trainer.save_freq",
+    "trainer.logger",
+    "trainer.default_local_dir",
+    "trainer.resume_mode",
+)
+#: keys the CPU shim needs (verl 0.9.1 on a machine with no accelerator; never set on a GPU)
+CPU_KEYS = (
+    "trainer.use_v1",
+    "actor_rollout_ref.rollout.name",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size",
+    "actor_rollout_ref.rollout.agent.num_workers",
+    "reward.num_workers",
+    "actor_rollout_ref.model.use_remove_padding",
+    "critic.model.use_remove_padding",
+    "ray_kwargs.ray_init.num_gpus",
+    "ray_kwargs.ray_init.num_cpus",
+)
+STRATEGY_KEYS = ("actor_rollout_ref.actor.strategy", "actor_rollout_ref.ref.strategy", "critic.strategy")
+_OOM = re.compile(
+    r"CUDA out of memory|OutOfMemoryError|can't allocate memory|DefaultCPUAllocator|MemoryError|"
+    r"std::bad_alloc|running low on memory|unable to mmap \d+ bytes"  # the last: a checkpoint's mmap under the cap
+)
+_TAIL_LINES = 80
+OOM_GRACE_S = 30.0  # after an OOM line, how long verl gets to end by itself before it is ended
+
+
+# --------------------------------------------------------------------------- the run file
+@dataclass
+class RunSpec:
+    """One verl run: the user's overrides and how to run them."""
+
+    overrides: list[str]
+    python: str = sys.executable
+    steps: int = 3
+    warmup: int = 1
+    memory_limit_gb: Optional[float] = None
+    device: str = "auto"
+    source: Optional[str] = None
+    notes: list[str] = field(default_factory=list)
+
+    def get(self, key: str) -> Optional[str]:
+        """The last value the overrides give ``key`` (as written), or None."""
+        for o in reversed(self.overrides):
+            if override_key(o) == key:
+                return o.split("=", 1)[1]
+        return None
+
+    @property
+    def nproc(self) -> int:
+        return int(self.get("trainer.n_gpus_per_node") or 8) * int(self.get("trainer.nnodes") or 1)
+
+
+def override_key(override: str) -> str:
+    """``++a.b=1`` / ``+a.b=1`` / ``a.b=1`` -> ``a.b``."""
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def _as_overrides(data: Any, source: str) -> list[str]:
+    if isinstance(data, list):
+        bad = [o for o in data if not isinstance(o, str) or "=" not in o]
+        if bad:
+            raise ConfigError("overrides", f"each override is key=value, got {bad[0]!r}", source=source)
+        return list(data)
+    if isinstance(data, dict):
+        return [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in flatten(data).items()]
+    raise ConfigError("overrides", "a list of key=value strings or a mapping of verl keys", source=source)
+
+
+def load_run(path: Optional[str | Path], extra: list[str] = (), **flags: Any) -> RunSpec:
+    """Run file + ``key=value`` overrides + flags (``python``, ``steps``, ``warmup``, ``memory_limit_gb``,
+    ``device``, ``nproc``; None = not given) -> a checked :class:`RunSpec`."""
+    source = str(path) if path is not None else None
+    data = read_yaml_mapping(path, what="a run file (overrides: [...], ppotune: {...})") if path is not None else {}
+    run_opts = data.pop("ppotune", None) or {}
+    if not isinstance(run_opts, dict):
+        raise ConfigError("ppotune", "must be a mapping", source=source)
+    unknown = set(run_opts) - {"python", "steps", "warmup", "memory_limit_gb", "device"}
+    if unknown:
+        raise ConfigError(f"ppotune.{sorted(unknown)[0]}", "unknown key", source=source)
+    overrides = _as_overrides(data.get("overrides", {k: v for k, v in data.items() if k != "overrides"}), source)
+    overrides += _as_overrides(list(extra), source)
+    nproc = flags.pop("nproc", None)
+    if nproc is not None:
+        overrides.append(f"trainer.n_gpus_per_node={int(nproc)}")
+    opts = {**run_opts, **{k: v for k, v in flags.items() if v is not None}}
+    spec = RunSpec(overrides=overrides, source=source, **opts)
+    spec.python = os.path.abspath(spec.python)  # not resolve(): a venv's python is a symlink that must stay one
+    if not Path(spec.python).is_file() or not os.access(spec.python, os.X_OK):
+        raise ConfigError(
+            "ppotune.python", f"no executable interpreter at {spec.python} (--engine-python)", source=source
+        )
+    if spec.steps < 1:
+        raise ConfigError("ppotune.steps", f"must be >= 1, got {spec.steps}", source=source)
+    if not 0 <= spec.warmup < spec.steps:
+        raise ConfigError("ppotune.warmup", f"must be in [0, steps={spec.steps}), got {spec.warmup}", source=source)
+    if spec.memory_limit_gb is not None and spec.memory_limit_gb <= 0:
+        raise ConfigError("ppotune.memory_limit_gb", "must be > 0", source=source)
+    if spec.device not in ("auto", "cpu", "cuda"):
+        raise ConfigError("ppotune.device", f"must be auto, cpu or cuda, got {spec.device!r}", source=source)
+    return spec
+
+
+# --------------------------------------------------------------------------- the command
+def detect_device(want: str) -> str:
+    if want != "auto":
+        return want
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        n = pynvml.nvmlDeviceGetCount()
+        pynvml.nvmlShutdown()
+        return "cuda" if n > 0 else "cpu"
+    except Exception:  # noqa: BLE001 - no driver, no library: a CPU machine
+        return "cpu"
+
+
+def run_overrides(spec: RunSpec, *, device: str, workdir: Path) -> list[str]:
+    """The user's overrides, then what a trial adds (``++``: set whether or not verl's config has the key)."""
+    out = list(spec.overrides)
+    out += [
+        f"++trainer.total_training_steps={spec.steps}",
+        "++trainer.val_before_train=False",
+        "++trainer.test_freq=-1",
+        "++trainer.save_freq=-1",
+        '++trainer.logger=["console","file"]',
+        f"++trainer.default_local_dir={workdir / 'checkpoints'}",
+        "++trainer.resume_mode=disable",
+    ]
+    if device == "cpu":
+        for key in STRATEGY_KEYS:
+            value = spec.get(key)
+            if value is not None and value != "fsdp2":
+                raise ConfigError(
+                    key,
+                    f"{value} cannot run verl on a CPU (FSDP1 refuses CPU parameters with "
+                    "sync_module_states); use fsdp2",
+                    source=spec.source,
+                )
+            out.append(f"++{key}=fsdp2")
+        name = spec.get("actor_rollout_ref.rollout.name")
+        if name not in (None, "hf"):
+            spec.notes.append(f"actor_rollout_ref.rollout.name={name}: no effect on CPU (generated with HF generate)")
+        for key in ("actor_rollout_ref.model.use_remove_padding", "critic.model.use_remove_padding"):
+            if (spec.get(key) or "").lower() == "true":
+                spec.notes.append(f"{key}: no effect on CPU (no flash-attn varlen kernel; run padded)")
+        out += [
+            "++trainer.use_v1=False",
+            "++actor_rollout_ref.rollout.name=hf",
+            "++actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+            "++actor_rollout_ref.rollout.agent.num_workers=1",
+            "++reward.num_workers=1",
+            "++actor_rollout_ref.model.use_remove_padding=False",
+            "++critic.model.use_remove_padding=False",
+        ]
+        # Ray must see one logical GPU per trainer rank, and each placement bundle asks 3 CPUs (with too few
+        # verl waits forever, with no error); a value the user set wins
+        for key, value in (
+            ("ray_kwargs.ray_init.num_gpus", spec.nproc),
+            ("ray_kwargs.ray_init.num_cpus", max(8, 4 * spec.nproc + 4)),
+        ):
+            if spec.get(key) is None:
+                out.append(f"++{key}={value}")
+    return out
+
+
+def shim_path(workdir: Path) -> Path:
+    """A folder holding only our ``trainer`` package (a link): verl's processes import the shim from it and
+    nothing else of ours (never this environment's site-packages, whose libraries would shadow verl's)."""
+    d = workdir / "pythonpath"
+    d.mkdir(parents=True, exist_ok=True)
+    link = d / PACKAGE_DIR.name
+    if not link.exists():
+        link.symlink_to(PACKAGE_DIR, target_is_directory=True)
+    return d
+
+
+def verl_env(spec: RunSpec, *, device: str, metrics_path: Path) -> dict[str, str]:
+    env = with_pythonpath(dict(os.environ), shim_path(metrics_path.parent))
+    env["VERL_FILE_LOGGER_PATH"] = str(metrics_path)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("RAY_DEDUP_LOGS", "0")  # every worker's error lines reach the log we classify
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    modules = [m for m in env.get("VERL_USE_EXTERNAL_MODULES", "").split(",") if m]
+    if device == "cpu":
+        env["VERL_PLATFORM"] = "cpu"
+        env["VERL_ENGINE_DEVICE"] = "cuda"  # verl 0.9.1 registers its FSDP engine for cuda/npu only
+        modules.append(SHIM_MODULE)
+    if spec.memory_limit_gb is not None:
+        env["PPOTUNE_MEMORY_LIMIT_GB"] = repr(float(spec.memory_limit_gb))
+        modules.append(CAP_MODULE)
+    if modules:
+        env["VERL_USE_EXTERNAL_MODULES"] = ",".join(dict.fromkeys(modules))
+    return env
+
+
+def verl_version(python: str) -> Optional[str]:
+    r = subprocess.run(
+        [python, "-c", "import importlib.metadata as m; print(m.version('verl'))"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    return r.stdout.strip() or None if r.returncode == 0 else None
+
+
+_COMPOSE = """
+import importlib.util, json, os, sys
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+root = os.path.dirname(importlib.util.find_spec("verl").origin)
+with initialize_config_dir(config_dir=os.path.join(root, "trainer", "config"), version_base=None):
+    cfg = compose(config_name="ppo_trainer", overrides=json.loads(sys.argv[1]))
+print(json.dumps(OmegaConf.to_container(cfg, resolve=True), default=str))
+"""
+
+
+def compose_verl(spec: RunSpec, overrides: Optional[list[str]] = None) -> dict:
+    """verl's own ``ppo_trainer`` config with the overrides, composed by Hydra in the engine's environment
+    (verl's defaults of the verl version the user runs; verl itself is not imported)."""
+    overrides = spec.overrides if overrides is None else overrides
+    r = subprocess.run(
+        [spec.python, "-c", _COMPOSE, json.dumps(overrides)], capture_output=True, text=True, timeout=120
+    )
+    if r.returncode != 0:
+        last = (r.stderr.strip().splitlines() or ["?"])[-1]
+        raise ConfigError("overrides", f"verl refused the config: {last}", source=spec.source)
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def decision_base(spec: RunSpec, *, device: str) -> dict:
+    """The config a trial on ``device`` runs, as ppotune's typed config (every key both have, verl's values),
+    validated: what the search's constraints, config checks and memory rules reason about. Raises ConfigError."""
+    import copy
+
+    from trainer.config import PPOConfig, config_from_dict, config_to_dict, unflatten
+
+    effective = run_overrides(copy.deepcopy(spec), device=device, workdir=Path(tempfile.gettempdir()))
+    verl_flat = flatten(compose_verl(spec, effective))
+    ours = flatten(config_to_dict(PPOConfig()))
+    taken = {}
+    for key in ours:
+        if key in verl_flat and not key.startswith("ppotune."):
+            try:  # keep a value only where our type accepts verl's (e.g. not verl's list of train files)
+                config_from_dict(unflatten({key: verl_flat[key]}), validate=False)
+                taken[key] = verl_flat[key]
+            except ConfigError:
+                pass
+    return config_to_dict(config_from_dict(unflatten(taken), source=spec.source))
+
+
+# --------------------------------------------------------------------------- verl's metrics -> our result
+def _num(v: Any) -> Optional[float]:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def steps_from_jsonl(text: str, *, warmup: int, device: str) -> list[dict]:
+    """verl's file-logger lines (``{"step": N, "data": {...}}``) -> our per-step rows (result schema)."""
+    rows = []
+    for line in text.splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        data = rec.get("data") if isinstance(rec, dict) else None
+        if not isinstance(data, dict) or "perf/throughput" not in data:
+            continue  # validation-only lines
+        # verl's step metrics, numbers only; nested timings (agent_loop/..., profiler marks) are not phases
+        row = {
+            k: v
+            for k, v in data.items()
+            if _num(v) is not None and not (k.startswith("timing_s/") and ("/" in k[9:] or k.endswith("_profile")))
+        }
+        step = int(rec.get("step", len(rows) + 1))
+        row.update(
+            {
+                "step": step,
+                "warmup": step <= warmup,
+                "timing_s/step": float(data["timing_s/step"]),
+                "perf/throughput": float(data["perf/throughput"]),
+                "perf/total_num_tokens": int(data["perf/total_num_tokens"]),
+            }
+        )
+        if device == "cuda":  # verl logs allocator peaks per role; there is no global key
+            for kind in ("allocated", "reserved"):
+                peaks = [_num(data.get(f"{role}/perf/max_memory_{kind}_gb")) for role in ("actor", "critic")]
+                peaks = [p for p in peaks if p is not None]
+                row[f"perf/max_memory_{kind}_gb"] = max(peaks) if peaks else None
+        rows.append(row)
+    return rows
+
+
+def classify_failure(returncode: int, log_tail: str) -> tuple[str, str]:
+    """(result status, one-line error) of a verl run that did not finish: ``oom`` when any process ran out
+    of memory (the message surfaces inside Ray task errors and worker logs), else ``error``."""
+    lines = log_tail.splitlines()
+    for line in lines:
+        if _OOM.search(line):
+            return "oom", line.strip()[-300:]
+    err = next((ln.strip() for ln in reversed(lines) if re.search(r"Error|error:|Exception", ln)), None)
+    return "error", (err or f"verl exited with code {returncode}")[-300:]
+
+
+# --------------------------------------------------------------------------- the run
+def run_verl(spec: RunSpec, *, result_path: Optional[Path]) -> int:
+    """Run verl for ``spec.steps`` steps, write the result JSON, return the exit code (ExitCode)."""
+    t0 = time.time()
+    device = detect_device(spec.device)
+    workdir = Path(tempfile.mkdtemp(prefix="ppotune_verl_", dir=result_path.parent if result_path else None))
+    metrics = workdir / "metrics.jsonl"
+    version = verl_version(spec.python)
+    config = {"engine": "verl", "verl_version": version, "python": spec.python, "overrides": spec.overrides}
+
+    def finish(status: str, error: Optional[str], rows: list[dict], tail: Optional[str], code: int) -> int:
+        result = {
+            "schema_version": RESULT_SCHEMA_VERSION,
+            "status": status,
+            "error": error,
+            "oom_rank": None,
+            "oom_phase": None,
+            "config": config,
+            "steps": rows,
+            "summary": summarize_steps(rows, device_type=device),
+            "environment": {
+                "device": device,
+                "world_size": spec.nproc,
+                "backend": "nccl" if device == "cuda" else "gloo",
+                "python": spec.python,
+                "verl": version,
+            },
+            "notes": [f"engine: verl {version} ({spec.python})", *spec.notes],
+            "log_tail": tail,
+            "wall_s": time.time() - t0,
+        }
+        if result_path:
+            write_json_atomic(result_path, result)
+        shutil.rmtree(workdir, ignore_errors=True)
+        return code
+
+    try:
+        if version is None:
+            raise ConfigError("ppotune.python", f"verl is not installed for {spec.python}", source=spec.source)
+        if device == "cpu" and version != SUPPORTED_VERL:
+            raise ConfigError(
+                "ppotune.python",
+                f"verl {version}: the CPU shim supports verl {SUPPORTED_VERL} only "
+                "(a GPU machine runs any verl as shipped)",
+                source=spec.source,
+            )
+        overrides = run_overrides(spec, device=device, workdir=workdir)
+    except ConfigError as e:
+        print(f"ppotune train: error: {e}", file=sys.stderr)
+        return finish("error", f"config: {e}", [], None, ExitCode.USAGE)
+    if device == "cpu":
+        spec.notes.append(
+            "verl CPU shim loaded (trainer.verl_engine.cpu): cpu platform, gloo, eager attention, HF rollout"
+        )
+    cmd = [spec.python, "-m", "verl.trainer.main_ppo", *overrides]
+    config["command"] = cmd
+    print("$ " + " ".join(cmd), flush=True)
+    prctl(PR_SET_CHILD_SUBREAPER, 1)  # Ray's daemons that outlive the driver come back to us
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
+        env=verl_env(spec, device=device, metrics_path=metrics),
+        cwd=str(workdir),
+        preexec_fn=lambda: die_with_parent(signal.SIGTERM),
+    )
+    tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
+    oom_line: list[str] = []
+
+    def forward(signum, _frame):
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+
+    # A Ray worker that ran out of memory does not always end the run: verl may wait on it forever.
+    # Once an OOM is in the log, give the run OOM_GRACE_S to end by itself, then end it (status oom).
+    watchdog = threading.Timer(OOM_GRACE_S, forward, args=(signal.SIGTERM, None))
+    watchdog.daemon = True
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            tail.append(line.rstrip("\n"))
+            if not oom_line and _OOM.search(line):
+                oom_line.append(line.strip())
+                watchdog.start()
+        returncode = proc.wait()
+    finally:
+        watchdog.cancel()
+        for s, h in old.items():
+            signal.signal(s, h)
+        kill_descendants()
+    rows = steps_from_jsonl(metrics.read_text() if metrics.is_file() else "", warmup=spec.warmup, device=device)
+    text = "\n".join(tail)
+    measured = [r for r in rows if not r["warmup"]]
+    if returncode == 0 and len(rows) >= spec.steps and measured:
+        return finish("ok", None, rows, None, ExitCode.OK)
+    status, error = classify_failure(returncode, "\n".join([*oom_line, text]))  # an OOM line from anywhere in the log
+    if returncode == 0 and status == "error":
+        error = f"verl exited 0 after {len(rows)} of {spec.steps} steps"
+    return finish(status, error, rows, text, ExitCode.OOM if status == "oom" else ExitCode.ERROR)
+
+
+def run(args: Any) -> int:
+    """``ppotune train --engine verl`` (the launcher hands its parsed flags over)."""
+    result_path = Path(args.result) if args.result else None
+    try:
+        spec = load_run(
+            args.config,
+            list(args.overrides),
+            python=args.engine_python,
+            steps=args.steps,
+            warmup=args.warmup,
+            memory_limit_gb=args.memory_limit_gb,
+            device=args.device,
+            nproc=args.nproc,
+        )
+    except ConfigError as e:
+        print(f"ppotune train: error: {e}", file=sys.stderr)
+        if result_path:
+            from trainer.launch.train import error_result
+
+            write_json_atomic(result_path, error_result(f"config: {e}"))
+        return ExitCode.USAGE
+    code = run_verl(spec, result_path=result_path)
+    print(f"ppotune train: verl run finished with exit code {int(code)}", flush=True)
+    return code

@@ -1,0 +1,378 @@
+"""What to do with a proposed config, decided without launching anything.
+
+Pure functions over a :class:`tuner.space.Space`, the trial base config and the trials
+already in the study (Optuna ``FrozenTrial`` records; tests build them with
+``optuna.trial.create_trial``). Nothing here starts a process, opens a storage or asks a
+sampler: :mod:`tuner.search.loop` does that and calls these.
+
+* :func:`known_configs` -- which configs the study already holds, and the trial that measured each;
+* :func:`judge` -- launch it, or record it at zero cost as ``invalid`` (space constraint or
+  config validation), ``duplicate`` (already measured: answered with its twin's values),
+  ``inferred_oom`` (at least as memory-hungry as a known OOM on every monotone knob, in the direction
+  of that OOM's kind: an offload knob moves device and host memory opposite ways) or ``predicted_oom``
+  (the study's calibrated memory model puts it over the limit by more than the model's own error; a
+  candidate over the limit within that error is launched, so the boundary is measured, not guessed).
+  None of these consumes ``--trials``: the loop records it and asks the sampler again;
+* :func:`constraint` -- the graded constraint Optuna gets (``<= 0`` feasible, ``> 0`` how far over);
+* :func:`seen_configs` -- every config the study holds, measured or rejected (space exhaustion);
+* :func:`incumbent`, :func:`distance` -- the fastest measured config, and how many ordered steps
+  apart two configs are (where the loop explores once the sampler only repeats measured configs);
+* :func:`stop_reason` -- the budget: when a search process stops asking;
+* :func:`after_search_s` -- the seconds ``--timeout`` leaves the confirmation and the worst-case probes;
+* :func:`over_budget` -- after an ``ask()`` taken without a cross-process lock: was the
+  trial asked past the budget by a race with another worker?
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Callable, Iterable, Optional
+
+from optuna.trial import FrozenTrial, TrialState
+
+from trainer.config import ConfigError, apply_overrides, config_from_dict, config_to_dict, flatten
+from trainer.contracts import CONSTRAINT_KEY, PHASES, Status, TrialRecord
+from tuner.space import Candidate, Space
+
+__all__ = [
+    "Verdict",
+    "Prediction",
+    "known_configs",
+    "seen_configs",
+    "distance",
+    "incumbent",
+    "judge",
+    "constraint",
+    "counted",
+    "count_progress",
+    "stop_reason",
+    "after_search_s",
+    "over_budget",
+    "INVALID_CONSTRAINT",
+]
+
+_IN_STUDY = (TrialState.COMPLETE, TrialState.FAIL, TrialState.RUNNING)
+#: The constraint of a config refused before launch: further over than any OOM (those grade 1..~2.1),
+#: so TPE ranks it last among the infeasible trials.
+INVALID_CONSTRAINT = 4.0
+#: An OOM's constraint is 1 + (phases it did not get through) / len(PHASES); "setup" (model build,
+#: sharding) comes before every phase of the step.
+_OOM_SETUP = "setup"
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What the study's memory model says of a candidate (:mod:`tuner.memory_model`), against the limit."""
+
+    peak_gb: float  # predicted memory objective (GB per GPU)
+    limit_gb: float  # the study's penalty_memory_gb: --memory-limit-gb, else the device's memory
+    error: float  # the model's stated relative error (the leave-one-out maximum over the trials it was fitted on)
+    trials: int  # how many measured trials it was fitted on
+
+    @property
+    def margin(self) -> float:
+        """How far over the limit, relative (> 0 over, <= 0 under)."""
+        return self.peak_gb / self.limit_gb - 1.0
+
+    @property
+    def over(self) -> bool:
+        """Over the limit by more than the model's error: had the model over-predicted by its whole error,
+        the peak would still not fit (``MemoryModel.over_limit``). Within the error it is launched: the
+        boundary gets measured."""
+        return self.peak_gb / (1.0 + self.error) > self.limit_gb
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "margin": self.margin}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The decision on one candidate. ``status`` None means: launch it."""
+
+    status: Optional[Status] = None  # INVALID | DUPLICATE | INFERRED_OOM | PREDICTED_OOM, or None to launch
+    reason: Optional[str] = None  # one line, stored as the trial's ``error``
+    source: Optional[int] = None  # DUPLICATE: the trial holding the measurement; INFERRED_OOM: the OOM
+    config: Optional[dict] = None  # launch: the validated nested config the trial runs (parsed once, here)
+    constraint: Optional[float] = None  # not launched and told COMPLETE: its graded constraint (see constraint())
+    values: Optional[tuple] = None  # DUPLICATE of a COMPLETE twin: the twin's objective values (else FAIL)
+    predicted: Optional[Prediction] = None  # the memory model's figures, when the study has one
+
+    @property
+    def launch(self) -> bool:
+        return self.status is None
+
+
+# --------------------------------------------------------------------------- the budget
+def counted(t: FrozenTrial) -> bool:
+    """Does this trial count toward ``--trials``? Finished or running trials, except interrupted
+    ones (their retry counts), what was rejected before launch (duplicates, inferred OOMs, invalid
+    configs at 0 s) and ``--confirm`` re-runs (:attr:`TrialRecord.counted`)."""
+    return t.state in _IN_STUDY and TrialRecord.from_user_attrs(t.user_attrs).counted
+
+
+def count_progress(trials: Iterable[FrozenTrial]) -> int:
+    return sum(1 for t in trials if counted(t))
+
+
+def stop_reason(
+    trials: list[FrozenTrial],
+    *,
+    budget: int,
+    elapsed_s: float,
+    timeout_s: Optional[float],
+    free_in_a_row: int,
+    max_free_in_a_row: int,
+    reserve_s: float = 0.0,
+) -> Optional[str]:
+    """Why this search process should ask no more trials (None: go on). ``reserve_s``: the part of
+    ``timeout_s`` kept for the confirmation and the probes (:func:`after_search_s`)."""
+    if count_progress(trials) >= budget:
+        return f"the study holds {budget} counted trials"
+    if timeout_s is not None and elapsed_s > timeout_s - reserve_s:
+        if reserve_s > 0:
+            return f"--timeout {timeout_s:g} s: ~{reserve_s:.0f} s of it left for the confirmation and the probes"
+        return f"--timeout {timeout_s:g} s reached"
+    if free_in_a_row >= max_free_in_a_row:
+        return (
+            f"the sampler proposed {max_free_in_a_row} configs in a row that were not run "
+            "(already measured, invalid or inferred OOM)"
+        )
+    return None
+
+
+def after_search_s(trials: Iterable[FrozenTrial], *, runs: int, timeout_s: float) -> float:
+    """How much of ``timeout_s`` the search leaves for ``runs`` trials after it (the confirmation's
+    re-runs and the worst-case probes): that many times the median duration of the search's measured
+    trials, at most half of ``timeout_s`` (the search itself keeps the other half); 0 before any trial
+    was measured or without runs."""
+    if runs <= 0:
+        return 0.0
+    durations = sorted(
+        rec.duration_s
+        for rec in (TrialRecord.from_user_attrs(t.user_attrs) for t in trials if t.state.is_finished())
+        if rec.status == Status.OK and rec.confirm_of is None and rec.duration_s
+    )
+    if not durations:
+        return 0.0
+    return min(runs * durations[len(durations) // 2], timeout_s / 2)
+
+
+def over_budget(trials: Iterable[FrozenTrial], number: int, *, budget: int) -> bool:
+    """Was trial ``number`` (just asked, RUNNING) asked past ``budget`` by a race with another worker?
+
+    For storages with no cross-process lock (the gRPC proxy, MySQL). The storage numbers trials
+    in creation order under its own lock (a row lock on the study in an RDB), so the trials
+    numbered below ours existed when ours was made. Ours is over the budget when ``budget`` of
+    them count or may still count: counted ones (running or finished) and waiting ones that
+    will count once popped (an enqueued retry holds its slot). A trial that was uncounted at
+    the check (interrupted, duplicate, over budget, a ``--confirm`` re-run) never counts later;
+    a waiting one does, and it is included. So every counted trial saw fewer than ``budget``
+    counted-or-reserved trials below it: the counted total never exceeds ``budget``.
+    """
+    below = 0
+    for t in trials:
+        if t.number >= number:
+            continue
+        if counted(t) or (t.state == TrialState.WAITING and TrialRecord.from_user_attrs(t.user_attrs).counted):
+            below += 1
+    return below >= budget
+
+
+# --------------------------------------------------------------------------- the study's configs
+def effective_of(t: FrozenTrial, trial_flat: dict) -> Optional[dict]:
+    """The flat effective config a trial ran (the trial base + its recorded overrides)."""
+    overrides = TrialRecord.from_user_attrs(t.user_attrs).overrides
+    return None if not isinstance(overrides, dict) else {**trial_flat, **overrides}
+
+
+def known_configs(trials: Iterable[FrozenTrial], space: Space, trial_flat: dict) -> dict[tuple, FrozenTrial]:
+    """Config identity -> the trial that measured it (a finished one first, else a running one).
+
+    Interrupted trials, duplicates and ``--confirm`` re-runs are not measurements of their own."""
+    known: dict[tuple, FrozenTrial] = {}
+    for t in trials:
+        if not counted(t):
+            continue
+        eff = effective_of(t, trial_flat)
+        if eff is None:
+            continue
+        ident = space.identity(eff)
+        prev = known.get(ident)
+        if prev is None or (prev.state == TrialState.RUNNING and t.state != TrialState.RUNNING):
+            known[ident] = t
+    return known
+
+
+def seen_configs(trials: Iterable[FrozenTrial], space: Space, trial_flat: dict) -> set[tuple]:
+    """Identities of every config the study holds: measured, running, or rejected before launch
+    (invalid, inferred OOM). An interrupted trial's config is held by its retry; an over-budget ask
+    was never judged; a ``--confirm`` re-run repeats a config already there."""
+    seen = set()
+    for t in trials:
+        if t.state not in _IN_STUDY:
+            continue
+        rec = TrialRecord.from_user_attrs(t.user_attrs)
+        if rec.status in (Status.INTERRUPTED, Status.OVER_BUDGET) or rec.confirm_of is not None:
+            continue
+        eff = effective_of(t, trial_flat)
+        if eff is not None:
+            seen.add(space.identity(eff))
+    return seen
+
+
+def distance(space: Space, eff_a: dict, eff_b: dict) -> float:
+    """How many steps apart two configs of ``space`` are: per knob, the difference of positions in its
+    ordered domain (a power of two: of exponents), 1 for two different unordered choices or a knob active
+    in one config only, 0 where both leave it inactive."""
+    active_a, active_b = space.active_keys(eff_a), space.active_keys(eff_b)
+    total = 0.0
+    for knob in space.knobs:
+        on_a, on_b = knob.key in active_a, knob.key in active_b
+        if on_a != on_b:
+            total += 1.0
+        elif on_a:
+            a, b = eff_a[knob.key], eff_b[knob.key]
+            if knob.type == "categorical" and knob.exponents is None:
+                total += 0.0 if (type(a), a) == (type(b), b) else 1.0
+            else:
+                try:
+                    total += abs(knob.domain().index(a) - knob.domain().index(b))
+                except ValueError:  # a value outside the domain (the base config's): as far as a choice
+                    total += 0.0 if a == b else 1.0
+    return total
+
+
+def incumbent(known: dict[tuple, FrozenTrial], trial_flat: dict) -> Optional[dict]:
+    """The flat effective config of the fastest measured feasible trial (None before one)."""
+    best, best_thr = None, None
+    for t in known.values():
+        rec = TrialRecord.from_user_attrs(t.user_attrs)
+        if t.state == TrialState.COMPLETE and rec.status == Status.OK and rec.throughput is not None:
+            if best_thr is None or rec.throughput > best_thr:
+                best, best_thr = t, rec.throughput
+    return None if best is None else effective_of(best, trial_flat)
+
+
+# --------------------------------------------------------------------------- the graded constraint
+def constraint(record: TrialRecord, *, limit_gb: float, source: Optional[float] = None) -> Optional[float]:
+    """The value told to Optuna as ``CONSTRAINT_KEY`` (<= 0 feasible; > 0 infeasible, larger = further over).
+
+    * ``ok``: ``peak / limit - 1``, at most 0: the trial ran, so it is feasible whatever its peak reads
+      (a GPU cap covers only the caching allocator; NVML also sees the CUDA context);
+    * ``oom``: ``1 + (phases it did not get through) / len(PHASES)`` -- an OOM in the first phase of
+      the step is further over than one in the last, an OOM while building (``setup``) further still,
+      one with no phase recorded 1 -- or ``peak / limit - 1`` when that is larger;
+    * ``inferred_oom``: ``source``, its OOM's constraint (1 when unknown); ``duplicate``: ``source``,
+      its twin's;
+    * ``invalid`` (refused before launch): :data:`INVALID_CONSTRAINT`; ``hang``: 1;
+    * anything else (crash, interrupted, ...): None, it is told FAIL.
+
+    ``limit_gb``: the study's ``penalty_memory_gb`` (``--memory-limit-gb`` or the device's memory).
+    """
+    status = record.status
+    over = None
+    if record.peak_memory_gb and limit_gb and limit_gb > 0:
+        over = float(record.peak_memory_gb) / float(limit_gb) - 1.0
+    if status == Status.OK:
+        return min(over, 0.0) if over is not None else -1.0
+    if status == Status.OOM:
+        n = len(PHASES)
+        if record.oom_phase in PHASES:
+            not_reached = n - PHASES.index(record.oom_phase)  # the phase it died in did not get through either
+        elif record.oom_phase == _OOM_SETUP:
+            not_reached = n + 1
+        else:
+            not_reached = 0
+        grade = 1.0 + not_reached / n
+        return max(grade, over) if over is not None else grade
+    if status in (Status.INFERRED_OOM, Status.DUPLICATE):
+        return float(source) if source is not None else 1.0
+    if status == Status.PREDICTED_OOM:  # how far over the model puts it (an OOM grades from 1)
+        return float(source) if source is not None else 1.0
+    if status == Status.INVALID:
+        return INVALID_CONSTRAINT
+    if status == Status.HANG:
+        return 1.0
+    return None
+
+
+def constraint_of(t: FrozenTrial) -> Optional[float]:
+    """The constraint a COMPLETE trial was told (older studies: the binary -1/+1), else None."""
+    if t.state != TrialState.COMPLETE:
+        return None
+    rec = TrialRecord.from_user_attrs(t.user_attrs)
+    if rec.constraint is not None:
+        return float(rec.constraint)
+    value = t.constraints.get(CONSTRAINT_KEY) if t.constraints else None
+    return None if value is None else float(value)
+
+
+# --------------------------------------------------------------------------- one candidate
+def judge(
+    cand: Candidate,
+    *,
+    number: int,
+    space: Space,
+    trial_base: dict,
+    trial_flat: dict,
+    known: dict[tuple, FrozenTrial],
+    is_confirm: bool = False,
+    predict: Optional[Callable[[dict], Optional[Prediction]]] = None,
+) -> Verdict:
+    """Launch ``cand`` (trial ``number``) or record it at zero cost; see the module docstring.
+
+    A ``--confirm`` re-run is checked for validity only: it repeats a measured config on purpose.
+    ``predict``: the study's memory model, given the candidate's flat config (None: no model yet).
+    """
+    invalid = INVALID_CONSTRAINT
+    if cand.error:
+        return Verdict(Status.INVALID, f"space: {cand.error}", constraint=invalid)
+    if cand.violated:
+        return Verdict(Status.INVALID, f"space: constraint not satisfied: {cand.violated}", constraint=invalid)
+    try:
+        config = config_to_dict(config_from_dict(apply_overrides(trial_base, cand.overrides)))
+    except ConfigError as e:
+        return Verdict(Status.INVALID, f"config: {e}", constraint=invalid)
+    if is_confirm:
+        return Verdict(config=config)
+    prev = known.get(space.identity(cand.effective))
+    if prev is not None and prev.number != number:
+        rec = TrialRecord.from_user_attrs(prev.user_attrs)
+        what = rec.status or prev.state.name.lower()
+        # A finished twin answers for it: COMPLETE with the twin's values and constraint, so TPE sees the
+        # point again at no cost (a FAIL would be invisible to it). A twin still RUNNING (another slot or
+        # worker) has no values yet, and waiting would hold this slot for a whole trial to learn nothing
+        # new; TPE's constant liar already counts the running twin, so the duplicate is FAIL, as is the
+        # duplicate of a FAIL twin (a crash).
+        twin = prev.state == TrialState.COMPLETE and prev.values is not None
+        return Verdict(
+            Status.DUPLICATE,
+            f"duplicate: the sampler proposed the config of trial {prev.number} ({what}); not run",
+            source=prev.number,
+            values=tuple(prev.values) if twin else None,
+            constraint=constraint_of(prev) if twin else None,
+        )
+    for t in known.values():
+        if t.state != TrialState.COMPLETE or TrialRecord.from_user_attrs(t.user_attrs).status != Status.OOM:
+            continue
+        eff = effective_of(t, trial_flat)
+        host = TrialRecord.from_user_attrs(t.user_attrs).oom_kind == "host"
+        if eff is not None and space.at_least_as_hungry(cand.effective, eff, host=host):
+            return Verdict(
+                Status.INFERRED_OOM,
+                f"inferred OOM: at least as memory-hungry as trial {t.number} "
+                "(an OOM) on every monotone knob; not launched",
+                source=t.number,
+                constraint=constraint(TrialRecord(status=Status.INFERRED_OOM), limit_gb=0.0, source=constraint_of(t)),
+            )
+    pred = predict(flatten(config)) if predict is not None else None
+    if pred is not None and pred.over:
+        return Verdict(
+            Status.PREDICTED_OOM,
+            f"predicted OOM: the memory model (fitted on {pred.trials} trials, error {pred.error:.0%}) puts its "
+            f"peak at {pred.peak_gb:.3g} GB, {pred.margin:+.0%} over the {pred.limit_gb:.3g} GB limit; not launched",
+            # graded like an OOM (>= 1), further for a larger predicted overshoot
+            constraint=constraint(TrialRecord(status=Status.PREDICTED_OOM), limit_gb=0.0, source=1.0 + pred.margin),
+            predicted=pred,
+        )
+    return Verdict(config=config, predicted=pred)

@@ -1,0 +1,312 @@
+"""``ppotune probe CONFIG``: the config's worst case, measured: one PPO step of the longest batch it admits.
+
+A trial sees the initial policy's response lengths and the data's typical prompt lengths; production runs
+out of memory when a batch of long prompts meets responses at ``max_response_length`` (hours in, once the
+policy has learned to write long answers). The probe runs the config for one step with
+``ppotune.worst_case`` (trainer/config.py): every prompt ``data.max_prompt_length`` real tokens, every
+response ``data.max_response_length`` tokens (EOS ignored), so every micro-batch holds as many tokens as
+the config's micro-batch sizes and token budgets let the trainer's own packing put in it. Its per-phase
+peaks are the config's worst case, on the memory objective's basis (GPU: NVML vs the allocator, the
+larger; CPU: resident memory above the post-start level), measured like a trial by the same runner
+(:class:`tuner.trials.runners.SubprocessRunner`, or a warm one). The probe's step trains on that synthetic batch:
+its throughput means nothing and it saves nothing.
+
+:func:`probe` is what the search runs on its finalists (the result's :meth:`ProbeResult.to_dict` fits in
+a study attribute); ``ppotune probe`` runs it alone. Exit codes (``ExitCode``): 0 it fits, 3 it ran out
+of memory, 2 bad input (one line naming the file and the key), 1 another failure (crash, hang), 130 Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Optional
+
+from trainer.config import (
+    ConfigError,
+    apply_overrides,
+    config_from_dict,
+    config_to_dict,
+    parse_override,
+    read_yaml_mapping,
+)
+from trainer.contracts import PHASES, ExitCode, Status
+from tuner.trials.launch import add_hang_flags, next_numbered_dir, stop_on_signals
+from tuner.trials.memory import nvml_available
+from tuner.trials.runners import SubprocessRunner, TrialOutcome, TrialRequest, TrialRunner
+
+__all__ = [
+    "WORST_CASE_ATTR",
+    "PROBE_KEYS",
+    "ProbeResult",
+    "probe_config",
+    "probe_result",
+    "lengths_forced",
+    "probe",
+    "add_arguments",
+    "run",
+]
+
+#: The study user attribute holding the search's probes: ``{trial number (str): ProbeResult.to_dict()}``.
+WORST_CASE_ATTR = "worst_case"
+
+#: What makes a config its worst-case probe: one measured step (no warm-up, no early stop, never pruned)
+#: of forced-length batches, saving nothing.
+PROBE_KEYS: dict[str, Any] = {
+    "trainer.total_training_steps": 1,
+    "ppotune.warmup_steps": 0,
+    "ppotune.worst_case": True,
+    "ppotune.precision": None,  # one step: nothing to stop early (the search's --precision 0)
+    "ppotune.front": [],
+    "trainer.default_local_dir": None,
+}
+
+
+@dataclass
+class ProbeResult:
+    """A worst-case probe of one config. JSON-safe through :meth:`to_dict` / :meth:`from_dict`."""
+
+    status: Status  # ok (it fits) | oom | crash | hang | invalid (refused: no probe ran) | interrupted
+    # the largest peak of the step, on the memory objective's basis (memory_source); None when none was measured
+    peak_memory_gb: Optional[float] = None
+    peak_memory_by_phase_gb: dict = field(default_factory=dict)  # phase -> GB, same basis (PHASES order)
+    memory_source: Optional[str] = None  # rss_above_start (CPU) | nvml | torch_cuda ... (as a trial's)
+    oom_phase: Optional[str] = None  # the phase a rank ran out of memory in
+    duration_s: float = 0.0  # wall seconds the probe cost (its processes' start-up included)
+    prompt_length: Optional[int] = None  # tokens of every prompt (data.max_prompt_length)
+    response_length: Optional[int] = None  # tokens of every response (data.max_response_length)
+    lengths: dict = field(default_factory=dict)  # the percentiles the run recorded (proof of the forcing)
+    device: Optional[str] = None  # cpu | cuda: what it was measured on
+    device_name: Optional[str] = None
+    world_size: Optional[int] = None
+    memory_limit_gb: Optional[float] = None  # the per-process cap it ran under (ppotune.memory_limit_gb)
+    notes: list = field(default_factory=list)
+    error: Optional[str] = None
+    result_path: Optional[str] = None  # the run's result JSON
+    log_path: Optional[str] = None
+
+    @property
+    def fits(self) -> bool:
+        """The worst-case step ran through every phase (under the cap, if one was set)."""
+        return self.status is Status.OK
+
+    def within(self, limit_gb: float) -> bool:
+        """It fits and its worst-case peak is at most ``limit_gb`` (e.g. the export's headroom limit)."""
+        return self.fits and self.peak_memory_gb is not None and self.peak_memory_gb <= limit_gb
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["status"] = self.status.value
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ProbeResult":
+        """Inverse of :meth:`to_dict`; unknown keys (a newer writer) are ignored."""
+        names = {f.name for f in fields(cls)}
+        kwargs = {k: v for k, v in data.items() if k in names}
+        kwargs["status"] = Status.parse(data.get("status")) or Status.CRASH
+        return cls(**kwargs)
+
+    def lines(self) -> list[str]:
+        """What ``ppotune probe`` prints: the per-phase worst-case peaks, the overall peak, what it ran on."""
+        where = self.device or "?"
+        if self.device_name and self.device_name != self.device:
+            where += f" ({self.device_name})"
+        where += f", world size {self.world_size if self.world_size is not None else '?'}"
+        shape = f"prompts {self.prompt_length} + responses {self.response_length} tokens"
+        cap = f", under a cap of {self.memory_limit_gb} GB per process" if self.memory_limit_gb else ""
+        out = []
+        if self.peak_memory_by_phase_gb:
+            out.append(f"worst-case peak per phase (GB, {self.memory_source}):")
+            for phase in [p for p in PHASES if p in self.peak_memory_by_phase_gb]:
+                out.append(f"  {phase:15s} {self.peak_memory_by_phase_gb[phase]:8.3f}")
+        if self.fits:
+            peak = f"{self.peak_memory_gb:.3f} GB" if self.peak_memory_gb is not None else "not measured"
+            out.append(f"worst-case peak: {peak} ({self.memory_source}) on {where}; {shape}{cap}: fits")
+        elif self.status is Status.OOM:
+            out.append(
+                f"worst case: OUT OF MEMORY in phase {self.oom_phase or '?'} on {where}; {shape}{cap}: {self.error}"
+            )
+        else:
+            out.append(f"worst case: {self.status.value} on {where}; {shape}{cap}: {self.error or 'no result'}")
+        return out
+
+
+def probe_config(config: dict) -> dict:
+    """The complete nested config of ``config``'s probe (:data:`PROBE_KEYS` set), validated; ConfigError."""
+    return config_to_dict(config_from_dict(apply_overrides(config, PROBE_KEYS)))
+
+
+def lengths_forced(lengths: dict, *, prompt_length: int, response_length: int) -> Optional[bool]:
+    """Whether the recorded length percentiles show every prompt and every response at its maximum
+    (p10 == max == the configured length); None when the run recorded none."""
+    want = {"prompt": prompt_length, "response": response_length}
+    if not all(lengths.get(part) for part in want):
+        return None
+    return all(lengths[part].get("p10") == lengths[part].get("max") == n for part, n in want.items())
+
+
+def _environment(result_path: Optional[str]) -> dict:
+    if not result_path:
+        return {}
+    try:
+        return json.loads(Path(result_path).read_text()).get("environment") or {}
+    except (OSError, ValueError):
+        return {}
+
+
+def probe_result(outcome: TrialOutcome, config: dict, *, device_kind: Optional[str] = None) -> ProbeResult:
+    """A probe's :class:`ProbeResult` from the runner's outcome for the probe ``config`` (its nested config)."""
+    rec = outcome.record
+    data, ppo = config["data"], config["ppotune"]
+    env = _environment(rec.result_path)
+    by_phase = rec.memory.get("by_phase_gb") or {}
+    result = ProbeResult(
+        status=outcome.status,
+        peak_memory_gb=rec.peak_memory_gb,
+        peak_memory_by_phase_gb={p: by_phase[p] for p in PHASES if p in by_phase},
+        memory_source=rec.memory_source,
+        oom_phase=rec.oom_phase,
+        duration_s=float(rec.duration_s or 0.0),
+        prompt_length=data["max_prompt_length"],
+        response_length=data["max_response_length"],
+        lengths=rec.lengths or {},
+        device=env.get("device") or device_kind,
+        device_name=env.get("device_name"),
+        world_size=env.get("world_size") or config["trainer"]["n_gpus_per_node"] * config["trainer"]["nnodes"],
+        memory_limit_gb=ppo.get("memory_limit_gb"),
+        notes=list(rec.notes),
+        error=rec.error,
+        result_path=rec.result_path,
+        log_path=rec.log_path,
+    )
+    forced = lengths_forced(result.lengths, prompt_length=result.prompt_length, response_length=result.response_length)
+    if forced is False:  # e.g. an engine that stopped a response early: the figure is not the worst case
+        result.notes.append(
+            f"worst case NOT reached: recorded lengths {result.lengths} (want every prompt {result.prompt_length}, "
+            f"every response {result.response_length} tokens)"
+        )
+    return result
+
+
+def probe(
+    config: dict,
+    *,
+    runner: TrialRunner,
+    trial_dir: Path,
+    number: int = 0,
+    stop: Optional[threading.Event] = None,
+) -> ProbeResult:
+    """Run ``config`` (a complete nested config, as the tuner launches it) as its worst-case probe with
+    ``runner``; its files go to ``trial_dir``. Never raises for what the run does: a config the probe refuses
+    is ``invalid`` (not launched, 0 s), an OOM is ``oom`` with its phase."""
+    limit = (config.get("ppotune") or {}).get("memory_limit_gb")
+    if getattr(runner, "name", "ppotune") != "ppotune":
+        return ProbeResult(
+            Status.INVALID,
+            memory_limit_gb=limit,
+            error=f"the {runner.name} engine has no worst-case mode: the probe runs ppotune's own trainer",
+        )
+    try:
+        cfg = probe_config(config)
+    except ConfigError as e:
+        return ProbeResult(Status.INVALID, memory_limit_gb=limit, error=f"config: {e}")
+    request = TrialRequest(number=number, config=cfg, identity=("worst_case",), trial_dir=Path(trial_dir))
+    outcome = runner.run(request, stop or threading.Event())
+    return probe_result(outcome, cfg, device_kind=getattr(runner, "device_kind", None))
+
+
+# --------------------------------------------------------------------------- CLI
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="the config to probe (a training config, e.g. ppotune export's best_config.yaml)")
+    p.add_argument(
+        "-o",
+        "--override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a dotted override (repeatable), e.g. -o data.max_response_length=4096",
+    )
+    p.add_argument(
+        "--nproc", type=int, default=None, help="processes (GPUs) on this node; sets trainer.n_gpus_per_node"
+    )
+    p.add_argument(
+        "--memory-limit-gb",
+        type=float,
+        default=None,
+        help="a real per-process memory cap (GPU: allocator fraction; CPU: RLIMIT_DATA); sets ppotune.memory_limit_gb",
+    )
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None, help="sets ppotune.device")
+    p.add_argument(
+        "--out",
+        default=None,
+        metavar="DIR",
+        help="the probe's files go to DIR/probe/<k>/ (default: CONFIG's directory)",
+    )
+    add_hang_flags(p, subject="a probe", step=False)  # one step: no next step to wait for
+
+
+def _config_of(args) -> dict:
+    """CONFIG + ``-o`` overrides + flags -> the probe's validated nested config; ConfigError naming the key."""
+    data = read_yaml_mapping(args.config, what="the config to probe")
+    flat = dict(parse_override(o) for o in args.override)
+    flags = {
+        "trainer.n_gpus_per_node": args.nproc,
+        "ppotune.memory_limit_gb": args.memory_limit_gb,
+        "ppotune.device": args.device,
+    }
+    flat.update({k: v for k, v in flags.items() if v is not None})
+    checked = config_to_dict(config_from_dict(apply_overrides(data, flat), source=args.config))
+    return config_to_dict(config_from_dict(apply_overrides(checked, PROBE_KEYS), source=args.config))
+
+
+def _session_dir(args) -> Path:
+    return next_numbered_dir((Path(args.out) if args.out else Path(args.config).resolve().parent) / "probe")
+
+
+_EXIT = {Status.OK: ExitCode.OK, Status.OOM: ExitCode.OOM, Status.INVALID: ExitCode.USAGE}
+
+
+def run(args) -> int:
+    try:
+        config = _config_of(args)
+    except ConfigError as e:
+        print(f"ppotune probe: error: {e}", file=sys.stderr)
+        return ExitCode.USAGE
+    nproc = config["trainer"]["n_gpus_per_node"]
+    device = "cuda" if config["ppotune"]["device"] != "cpu" and nvml_available() else "cpu"
+    runner = SubprocessRunner(
+        device_kind=device,
+        nproc=nproc,
+        grace_s=args.kill_grace,
+        startup_timeout_s=args.startup_timeout,
+    )
+    try:
+        out = _session_dir(args)
+    except OSError as e:
+        print(f"ppotune probe: error: --out: {e}", file=sys.stderr)
+        return ExitCode.USAGE
+    data = config["data"]
+    print(
+        f"ppotune probe: {args.config}: one worst-case step (every prompt {data['max_prompt_length']} tokens, "
+        f"every response {data['max_response_length']} tokens, EOS ignored) on {device} x{nproc}; files in {out}",
+        flush=True,
+    )
+    stop = threading.Event()
+    with stop_on_signals(stop) as got:
+        result = probe(config, runner=runner, trial_dir=out, stop=stop)
+    (out / "probe.json").write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+    if got or result.status is Status.INTERRUPTED:
+        print(f"ppotune probe: stopped{f' by {signal.Signals(got[0]).name}' if got else ''}; nothing measured")
+        return ExitCode.INTERRUPTED if not got or got[0] == signal.SIGINT else 128 + got[0]
+    for line in result.lines():
+        print(line)
+    for note in result.notes:
+        print(f"note: {note}")
+    print(f"ppotune probe: {result.status.value} ({out / 'probe.json'})", flush=True)
+    return _EXIT.get(result.status, ExitCode.ERROR)

@@ -1,0 +1,300 @@
+"""Trial runners: the seam between the search (what to try) and a trial engine (how it is measured).
+
+A runner takes a :class:`TrialRequest` (the validated config of one trial) and returns a
+:class:`TrialOutcome` (a status and the measurements, as a :class:`TrialRecord`). It never
+raises for what the trial does: OOM, hang, crash and invalid are statuses.
+
+* :class:`SubprocessRunner` -- the default: ``ppotune train CONFIG --result FILE`` in its own
+  process group under the reaper, with a hard timeout and the NVML/psutil sampler
+  (:mod:`tuner.trials.launch`). Another trial engine (e.g. verl's own entry point) is another class
+  with the same ``run``.
+* :class:`ReplayRunner` -- answers from a recorded study (its real measurements, looked up by
+  config identity; one of a config's repeats at random): benchmarks and tests replay the
+  search loop over a recorded grid without launching anything.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Protocol
+
+import optuna
+import yaml
+
+from trainer.contracts import Status, TrialRecord, oom_kind
+from tuner.search.decide import effective_of
+from tuner.space import Space
+from tuner.trials.launch import TrialRun, launch_trial, train_command
+from tuner.trials.memory import visible_gpus
+
+__all__ = [
+    "TrialRequest",
+    "TrialOutcome",
+    "TrialRunner",
+    "SubprocessRunner",
+    "ReplayRunner",
+    "trial_record",
+    "STEP_LINE",
+]
+
+
+@dataclass(frozen=True)
+class TrialRequest:
+    """One trial to measure."""
+
+    number: int
+    config: dict  # the complete nested config (validated), exactly what the trial runs
+    identity: tuple  # the config's identity in its space (see Space.identity)
+    trial_dir: Path  # where the trial's files go
+    slot: int = 0  # which of the --parallel slots runs it (its GPU slice)
+    overrides: dict = field(default_factory=dict)  # what the trial sets on top of the base: knobs + derived keys
+
+
+@dataclass
+class TrialOutcome:
+    """What a runner measured. ``record`` holds the measurement fields of the trial's user attrs."""
+
+    status: Status  # OK | OOM | HANG | CRASH | INVALID | INTERRUPTED
+    record: TrialRecord = field(default_factory=TrialRecord)
+
+
+class TrialRunner(Protocol):
+    """Runs one trial; the search calls it from ``--parallel`` worker threads."""
+
+    name: str  # recorded as the trial's ``engine``: what measured it
+
+    def run(self, request: TrialRequest, stop: threading.Event) -> TrialOutcome: ...
+
+
+# --------------------------------------------------------------------------- the real thing
+def trial_record(run: TrialRun, *, config_path: Path, gpus: Optional[list[str]], engine: str) -> TrialRecord:
+    """The measurement fields of a launched trial's user attrs, from its run (process, memory sampler,
+    result JSON): the same for a cold trial and a trial of a warm job (tuner.trials.warm)."""
+    res = run.result or {}
+    summary = res.get("summary") or {}
+    mem = run.memory
+    inner_peak = summary.get("peak_memory_gb")
+    # GPU: NVML sees what the allocator does not (CUDA context, NCCL): the larger. CPU: the RSS gained
+    # above the post-start level, what the knobs change (the process tree's absolute RSS is kept beside)
+    above_start = summary.get("memory_source") == "rss_above_start"
+    # a ppotune trial on CPU that never finished a step (an OOM at build) has no figure on that basis:
+    # the tree's absolute RSS is not comparable with the others' objective, so it is kept aside only
+    absolute_only = engine == "ppotune" and mem.external_source == "psutil" and not above_start
+    external = None if above_start or absolute_only else mem.external_peak_gb
+    peaks = [p for p in (external, inner_peak) if p is not None]
+    notes = list(res.get("notes") or [])
+    stopped = summary.get("stopped_early") or ""
+    if stopped:
+        notes.append(f"measured {summary.get('num_measured_steps')} steps: {stopped}")
+    if run.leftover_pids:
+        notes.append(f"processes still alive after cleanup: {run.leftover_pids}")
+    record = TrialRecord(
+        throughput=summary.get("throughput"),
+        throughput_cv=summary.get("throughput_cv"),
+        step_s=summary.get("step_s"),
+        throughput_ci=summary.get("throughput_ci"),
+        measured_steps=summary.get("num_measured_steps"),
+        pruned=stopped if stopped.startswith("pruned") else None,
+        lengths=summary.get("lengths") or {},
+        peak_memory_gb=max(peaks) if peaks else None,
+        memory_source="rss_above_start" if above_start else mem.external_source,
+        memory={
+            "external_peak_gb": mem.external_peak_gb,
+            "external_source": mem.external_source,
+            "device_used_peak_gb": mem.device_used_peak_gb,
+            "process_peak_gb": mem.process_peak_gb,
+            "tree_rss_peak_gb": mem.tree_rss_peak_gb,
+            "process_rss_peak_gb": mem.process_rss_peak_gb,
+            "allocated_peak_gb": summary.get("peak_memory_allocated_gb"),
+            "reserved_peak_gb": summary.get("peak_memory_reserved_gb"),
+            "rss_peak_gb": summary.get("peak_rss_gb"),
+            "rss_start_gb": summary.get("rss_start_gb"),
+            "samples": mem.samples,
+            # per phase, on the objective's basis (CPU: above the post-start level): what tuner.memory_model fits
+            "by_phase_gb": phase_peaks(summary, above_start=above_start),
+        },
+        model_shape=res.get("model") or None,
+        timing_s=summary.get("timing_s") or {},
+        notes=notes,
+        error=run.error,
+        log_tail=run.log_tail,
+        log_path=run.log_path,
+        result_path=run.result_path,
+        config_path=str(config_path),
+        duration_s=run.duration_s,
+        returncode=run.returncode,
+        oom_phase=res.get("oom_phase"),
+        oom_kind=oom_kind(run.error or res.get("error"), (res.get("environment") or {}).get("device"))
+        if run.status == Status.OOM
+        else None,
+        gpus=gpus,
+        engine=engine,
+    )
+    return record
+
+
+def phase_peaks(summary: dict, *, above_start: bool) -> dict:
+    """``{phase: GB}`` of a result's summary, on the memory objective's basis: on CPU the resident memory
+    a rank gained above its post-start level (max over ranks), on a GPU the allocator's peak per phase."""
+    if above_start:
+        return {p: v for p, v in (summary.get("peak_memory_by_phase_above_start_gb") or {}).items() if v}
+    return {p: v for p, v in (summary.get("peak_memory_by_phase_gb") or {}).items() if v}
+
+
+@dataclass(frozen=True)
+class VerlEngine:
+    """How a verl trial runs: the user's verl environment and base overrides (trainer.verl_engine.adapter)."""
+
+    python: str  # the verl environment's interpreter
+    base_overrides: tuple  # the user's verl config as Hydra overrides (world size included)
+    steps: int
+    warmup: int
+    memory_limit_gb: Optional[float] = None
+
+    def run_file(self, overrides: dict) -> dict:
+        """The trial's verl run file: the base, then the trial's knobs (verl keys, Hydra spelling)."""
+        from tuner.results.export import hydra_value
+
+        knobs = [f"{k}={hydra_value(v)}" for k, v in overrides.items()]
+        opts = {
+            "python": self.python,
+            "steps": self.steps,
+            "warmup": self.warmup,
+            "memory_limit_gb": self.memory_limit_gb,
+        }
+        return {"overrides": [*self.base_overrides, *knobs], "ppotune": opts}
+
+
+#: The line a trial's log gains after each PPO step, per engine: ``ppotune train`` prints
+#: ``step N | ...`` (trainer.tracking); verl's console logger ``step:N - ...`` (behind Ray's coloured
+#: ``(TaskRunner pid=...)`` prefix).
+STEP_LINE = {"ppotune": r"^step \d+", "verl": r"(?:^|\s)step:\d+ - "}
+
+
+@dataclass
+class SubprocessRunner:
+    """``ppotune train`` in its own process group (tuner.trials.launch): the trial engine ``ppotune`` (our FSDP
+    trainer), or ``verl`` (verl's own main_ppo, run by ``ppotune train --engine verl``) when ``verl`` is set."""
+
+    device_kind: str  # cpu | cuda
+    nproc: int
+    timeout_s: Optional[float] = None  # the whole trial
+    grace_s: float = 10.0
+    verl: Optional[VerlEngine] = None
+    name: str = "ppotune"
+    startup_timeout_s: Optional[float] = 900.0  # to the first step
+    step_timeout_s: Optional[float] = 300.0  # between steps
+
+    def __post_init__(self) -> None:
+        if self.verl is not None:
+            self.name = "verl"
+
+    def run(self, request: TrialRequest, stop: threading.Event) -> TrialOutcome:
+        d = request.trial_dir
+        d.mkdir(parents=True, exist_ok=True)
+        config_path, result_path = d / "config.yaml", d / "result.json"
+        config = request.config if self.verl is None else self.verl.run_file(request.overrides)
+        config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+        gpus = self.gpu_slice(request.slot)
+        run = launch_trial(
+            train_command(config_path, result_path=result_path, engine=self.name),
+            trial_dir=d,
+            result_path=result_path,
+            timeout_s=self.timeout_s,
+            grace_s=self.grace_s,
+            extra_env={"CUDA_VISIBLE_DEVICES": ",".join(gpus)} if gpus is not None else None,
+            stop_event=stop,
+            gpus=gpus,
+            use_nvml=self.device_kind == "cuda",
+            step_line=STEP_LINE[self.name],
+            startup_timeout_s=self.startup_timeout_s,
+            step_timeout_s=self.step_timeout_s,
+        )
+        record = trial_record(run, config_path=config_path, gpus=gpus, engine=self.name)
+        return TrialOutcome(Status(run.status), record)
+
+    def gpu_slice(self, slot: int) -> Optional[list[str]]:
+        """The GPUs of a --parallel slot (None on CPU)."""
+        if self.device_kind != "cuda":
+            return None
+        return visible_gpus()[slot * self.nproc : (slot + 1) * self.nproc]
+
+
+# --------------------------------------------------------------------------- replay
+@dataclass(frozen=True)
+class Recorded:
+    """One recorded measurement of a config."""
+
+    status: Status
+    throughput: Optional[float]
+    peak_memory_gb: Optional[float]
+    duration_s: float
+    number: int  # the recorded trial
+    oom_phase: Optional[str] = None  # an OOM: the phase it ran out of memory in (grades its constraint)
+
+
+@dataclass
+class ReplayRunner:
+    """Answers each request from recorded measurements of the same config (no process started).
+
+    ``table``: config identity -> its recorded measurements; a config measured several times
+    is answered with one of them at random (so replay keeps the run-to-run noise). A config
+    the recording inferred as OOM is answered as an OOM costing the seconds of the OOM it was
+    inferred from. Requests for configs the recording lacks are answered ``crash``.
+    """
+
+    table: dict[tuple, list[Recorded]]
+    rng: random.Random = field(default_factory=random.Random)
+    name: str = "replay"
+    spent_s: float = 0.0  # trial-seconds the answered trials cost when they were recorded
+    launched: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @classmethod
+    def from_study(
+        cls, study: optuna.Study, space: Space, trial_flat: dict, *, rng: Optional[random.Random] = None
+    ) -> "ReplayRunner":
+        trials = {t.number: t for t in study.get_trials(deepcopy=False)}
+        table: dict[tuple, list[Recorded]] = {}
+        for t in trials.values():
+            rec = TrialRecord.from_user_attrs(t.user_attrs)
+            eff = effective_of(t, trial_flat)
+            # a measurement (an inferred OOM too: answered below as its OOM), not a duplicate, an interrupted
+            # run or an over-budget ask
+            if rec.status is None or not (rec.status.counted or rec.status == Status.INFERRED_OOM) or eff is None:
+                continue
+            if rec.status == Status.INFERRED_OOM:
+                src = TrialRecord.from_user_attrs(trials[rec.inferred_from].user_attrs)
+                entry = Recorded(Status.OOM, None, None, float(src.duration_s or 0.0), t.number, src.oom_phase)
+            else:
+                seconds = float(rec.duration_s or 0.0)
+                entry = Recorded(rec.status, rec.throughput, rec.peak_memory_gb, seconds, t.number, rec.oom_phase)
+            table.setdefault(space.identity(eff), []).append(entry)
+        return cls(table=table, rng=rng or random.Random(0))
+
+    def run(self, request: TrialRequest, stop: threading.Event) -> TrialOutcome:
+        with self._lock:
+            choices = self.table.get(request.identity)
+            if not choices:
+                return TrialOutcome(
+                    Status.CRASH,
+                    TrialRecord(error="replay: this config was never recorded", duration_s=0.0, engine=self.name),
+                )
+            got = self.rng.choice(choices)
+            self.spent_s += got.duration_s
+            self.launched += 1
+        return TrialOutcome(
+            got.status,
+            TrialRecord(
+                throughput=got.throughput,
+                peak_memory_gb=got.peak_memory_gb,
+                duration_s=got.duration_s,
+                memory_source="replay",
+                oom_phase=got.oom_phase,
+                engine=self.name,
+                notes=[f"replayed from recorded trial {got.number} (not re-run)"],
+            ),
+        )
