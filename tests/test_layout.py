@@ -65,7 +65,7 @@ ONE_DEFINITION = {
     r"^def short_(name|knob)\b": "trainer/contracts.py",
     r"^def (parse|resolve)_storage\b": "trainer/contracts.py",
     r"^def _classify\b": None,
-    r"^def pareto_\w+\b": "tuner/results/view.py",
+    r"^def pareto_\w+\b": "tuner/study/frame.py",
     r"^def open_storage\b": "tuner/study/storage.py",
     r"^class TrialRecord\b": "trainer/contracts.py",
 }

@@ -16,7 +16,8 @@ import yaml
 
 from support import REPO, wait_until
 from trainer.contracts import PHASES, Status, TrialRecord
-from trainer.verl_engine.adapter import SUPPORTED_VERL, override_key
+from trainer.verl_engine.adapter import SUPPORTED_VERL
+from trainer.verl_engine.overrides import override_key
 from tuner.trials.launch import launch_trial, train_command
 
 pytestmark = pytest.mark.slow

@@ -15,11 +15,11 @@ from trainer.verl_engine.adapter import (
     TRIAL_KEYS,
     classify_failure,
     load_run,
-    override_key,
     run_overrides,
     steps_from_jsonl,
     verl_env,
 )
+from trainer.verl_engine.overrides import override_key
 
 
 def _run_file(tmp_path: Path, body: str) -> Path:

@@ -314,7 +314,7 @@ def test_verl_overrides_are_hydra_and_verl_only(demo_out, tmp_path):
 def test_hydra_value_round_trips():
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from tuner.results.export import hydra_value
+    from trainer.verl_engine.overrides import hydra_value
 
     values = [
         True,

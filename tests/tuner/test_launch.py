@@ -359,7 +359,7 @@ def _nested(*overrides: str) -> dict:
 
 
 def test_what_runs_warm_and_what_a_job_fixes():
-    from trainer.launch.train import serve_layout, warm_refusal
+    from trainer.launch.jobdir import serve_layout, warm_refusal
 
     base = _nested()
     assert warm_refusal(base) is None

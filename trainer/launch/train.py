@@ -16,19 +16,19 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import yaml
 
 from trainer.config import ConfigError, config_to_dict, load_config
-from trainer.contracts import RESULT_SCHEMA_VERSION, ExitCode
+from trainer.contracts import ExitCode
+from trainer.launch.jobdir import JobDir, serve_layout, warm_refusal
 from trainer.launch.proc import write_json_atomic
 from trainer.launch.ranks import RankGroup
-from trainer.summary import summarize_steps
+from trainer.launch.result import build_result, error_result, exit_code, outcome_lines, read_rank_files
 
-__all__ = ["add_arguments", "run", "build_result", "error_result", "serve", "JobDir", "serve_layout", "warm_refusal"]
+__all__ = ["add_arguments", "run", "serve"]
 
 _TAIL_LINES = 60
 
@@ -107,70 +107,6 @@ def _overrides(args) -> list[str]:
     return out
 
 
-def error_result(message: str, *, config: dict | None = None, wall_s: float = 0.0, log_tail: str | None = None) -> dict:
-    return {
-        "schema_version": RESULT_SCHEMA_VERSION,
-        "status": "error",
-        "error": message,
-        "oom_rank": None,
-        "oom_phase": None,
-        "config": config or {},
-        "steps": [],
-        "summary": summarize_steps([], device_type="cpu"),
-        "environment": {"device": "cpu", "world_size": 0, "backend": "gloo"},
-        "notes": [],
-        "log_tail": log_tail,
-        "wall_s": wall_s,
-    }
-
-
-def build_result(
-    rank_files: dict[int, dict], *, config: dict, nproc: int, returncode: int, wall_s: float, log_tail: str
-) -> dict:
-    """Combine per-rank status files into the result: an OOM on any rank makes the run ``oom``."""
-    lead = rank_files.get(0, {})
-    ooms = sorted(r for r, f in rank_files.items() if f.get("status") == "oom")
-    errors = sorted(r for r, f in rank_files.items() if f.get("status") == "error")
-    all_ok = len(rank_files) == nproc and all(f.get("status") == "ok" for f in rank_files.values())
-    if ooms:
-        status, first = "oom", rank_files[ooms[0]]
-        error = f"rank {ooms[0]} out of memory in phase {first.get('phase')}: {first.get('error')}"
-    elif all_ok and returncode == 0:
-        status, error = "ok", None
-    else:
-        status = "error"
-        missing = sorted(set(range(nproc)) - set(rank_files))
-        parts = []
-        if missing:  # the root cause: a rank that died without writing (a signal); peers only saw broken links
-            parts.append(
-                f"rank(s) {missing} exited without a status (killed by a signal?); ranks' exit code {returncode}"
-            )
-        if errors:
-            first = rank_files[errors[0]]
-            parts.append(f"rank {errors[0]} failed in phase {first.get('phase')}: {first.get('error')}")
-        error = "; ".join(parts) or f"ranks' exit code {returncode}"
-    env = lead.get("environment") or next((f["environment"] for f in rank_files.values() if f.get("environment")), None)
-    notes = list(
-        dict.fromkeys(lead.get("notes") or next((f["notes"] for f in rank_files.values() if f.get("notes")), []))
-    )
-    return {
-        "schema_version": RESULT_SCHEMA_VERSION,
-        "status": status,
-        "error": error,
-        "oom_rank": ooms[0] if ooms else None,
-        "oom_phase": rank_files[ooms[0]].get("phase") if ooms else None,
-        "config": config,
-        "model": lead.get("model") or next((f["model"] for f in rank_files.values() if f.get("model")), None),
-        "per_gpu": lead.get("per_gpu"),
-        "steps": lead.get("steps", []),
-        "summary": lead.get("summary") or summarize_steps([], device_type="cpu"),
-        "environment": env or {"device": "cpu", "world_size": nproc, "backend": "gloo"},
-        "notes": notes,
-        "log_tail": None if status == "ok" else log_tail,
-        "wall_s": wall_s,
-    }
-
-
 def run(args) -> int:
     if args.serve and args.engine != "ppotune":
         print("ppotune train: error: --serve runs ppotune's own trainer (--engine ppotune)", file=sys.stderr)
@@ -221,117 +157,22 @@ def run(args) -> int:
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-    rank_files = _read_rank_files(workdir, nproc)
+    rank_files = read_rank_files(workdir, nproc)
     result = build_result(
         rank_files, config=config, nproc=nproc, returncode=returncode, wall_s=time.time() - t0, log_tail="\n".join(tail)
     )
     if result_path:
         write_json_atomic(result_path, result)
     shutil.rmtree(workdir, ignore_errors=True)  # the result holds everything the rank files had
-    out, err = _outcome_lines(result)
+    out, err = outcome_lines(result)
     for line in out:
         print(line)
     for line in err:
         print(line, file=sys.stderr)
-    return _exit_code(result)
-
-
-def _outcome_lines(result: dict) -> tuple[list[str], list[str]]:
-    """What ``ppotune train`` says about a finished run: (stdout lines, stderr lines)."""
-    s = result["summary"]
-    if result["status"] != "ok":
-        return [], [f"ppotune train: {result['status']}: {result['error']}"]
-    thr = s.get("throughput")
-    head = (
-        f"ppotune train: ok | throughput {thr:.1f} tokens/s/GPU | step {s.get('step_s'):.2f} s | "
-        f"peak memory {s.get('peak_memory_gb'):.2f} GB ({s.get('memory_source')})"
-        if thr is not None
-        else "ppotune train: ok"
-    )
-    return [head, *(f"note: {note}" for note in result["notes"])], []
-
-
-def _exit_code(result: dict) -> int:
-    return {"ok": ExitCode.OK, "oom": ExitCode.OOM}.get(result["status"], ExitCode.ERROR)
-
-
-def _read_rank_files(rank_dir: Path, nproc: int) -> dict[int, dict]:
-    rank_files = {}
-    for r in range(nproc):
-        f = rank_dir / f"rank{r}.json"
-        if f.is_file():
-            try:
-                rank_files[r] = json.loads(f.read_text())
-            except (OSError, json.JSONDecodeError):
-                pass
-    return rank_files
+    return exit_code(result)
 
 
 # --------------------------------------------------------------------------- a warm job (--serve)
-@dataclass(frozen=True)
-class JobDir:
-    """The files through which a warm job (``ppotune train CONFIG --serve JOBDIR``) is driven, named once
-    for its three parties: the tuner (``tuner.trials.warm.WarmRunner``), this launcher and the ranks
-    (trainer/rank/serve.py).
-
-    The tuner writes request ``n`` (``{config, result, log}``: the trial's complete config, where its result
-    JSON and its log go), one at a time, or ``stop``. The launcher validates it (a refused config is
-    answered at once and never reaches the ranks), writes the trial's config beside the ranks' status files
-    in ``trial_dir(k)`` and hands it to the ranks as their next task ``k`` (``{config, rank_dir}``, or
-    ``{stop: true}``); once every rank's status file says ``done`` (or the job ended), it writes the
-    trial's result JSON where the request said and takes the next request.
-    """
-
-    root: Path
-    #: how often the launcher and the ranks look for their next file (seconds)
-    POLL_S = 0.02
-
-    def request(self, seq: int) -> Path:
-        return self.root / "requests" / f"{seq:06d}.json"
-
-    def task(self, seq: int) -> Path:
-        return self.root / "tasks" / f"{seq:06d}.json"
-
-    def trial_dir(self, seq: int) -> Path:
-        return self.root / f"trial{seq:06d}"
-
-    @property
-    def stop(self) -> Path:
-        """Touched by the tuner: end the job once the trial in flight (if any) is done."""
-        return self.root / "stop"
-
-    @property
-    def setup_dir(self) -> Path:
-        """The ranks' status files when the job fails before its first trial (process group, device)."""
-        return self.root / "setup"
-
-    def make(self) -> "JobDir":
-        for d in (self.root / "requests", self.root / "tasks", self.setup_dir):
-            d.mkdir(parents=True, exist_ok=True)
-        return self
-
-
-def serve_layout(config: dict) -> dict:
-    """What a warm job's processes fix for all of its trials (a complete nested config -> the keys): a trial
-    whose layout differs needs other processes, so it runs in another job."""
-    return {
-        "nproc": config["trainer"]["n_gpus_per_node"],
-        "nnodes": config["trainer"]["nnodes"],
-        "device": config["ppotune"]["device"],
-        "dist_timeout_s": config["ppotune"]["dist_timeout_s"],
-    }
-
-
-def warm_refusal(config: dict) -> Optional[str]:
-    """Why this (complete, nested) config cannot run as a trial of a warm job, or None."""
-    if config["actor_rollout_ref"]["rollout"]["name"] == "vllm":
-        return (
-            "actor_rollout_ref.rollout.name=vllm: a process keeps its in-process vLLM engine alive on purpose "
-            "(trainer/engine/vllm_rollout.py), so each vLLM trial gets fresh processes"
-        )
-    if config["trainer"]["nnodes"] != 1:
-        return "trainer.nnodes > 1: a warm job is one node's processes"
-    return None
 
 
 class _LinePump(threading.Thread):
@@ -428,7 +269,7 @@ def serve(job_root: Path, config: dict) -> int:
             signal.signal(s, h)
     pump.join(timeout=10)
     if failed is not None:
-        return _exit_code(failed)
+        return exit_code(failed)
     return ExitCode.OK if returncode == 0 else ExitCode.ERROR
 
 
@@ -476,20 +317,20 @@ def _serve_trial(
     (rank_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     write_json_atomic(job.task(task), {"config": str(rank_dir / "config.yaml"), "rank_dir": str(rank_dir)})
     while True:
-        files = _read_rank_files(rank_dir, nproc)
+        files = read_rank_files(rank_dir, nproc)
         if len(files) == nproc and all(f.get("done") for f in files.values()):
             returncode, ended = 0, False
             break
         if proc.poll() is not None:
             returncode, ended = proc.wait(), True
             pump.join(timeout=10)  # every line the ranks wrote is in the log and the tail
-            files = _read_rank_files(rank_dir, nproc) or _read_rank_files(job.setup_dir, nproc)
+            files = read_rank_files(rank_dir, nproc) or read_rank_files(job.setup_dir, nproc)
             break
         time.sleep(JobDir.POLL_S)
     result = build_result(
         files, config=config, nproc=nproc, returncode=returncode, wall_s=time.time() - t0, log_tail=pump.tail()
     )
-    out, err = _outcome_lines(result)
+    out, err = outcome_lines(result)
     pump.end(out + err)
     shutil.rmtree(rank_dir, ignore_errors=True)  # the result holds everything the rank files had
     return result, ended, True

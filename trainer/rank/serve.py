@@ -2,7 +2,7 @@
 trainer/launch/ranks.py).
 
 The rank starts once (:func:`trainer.rank.run.start_rank`: device, process group), then runs trial after trial
-as the launcher hands them over (:class:`trainer.launch.train.JobDir` task files, read by every rank: the job
+as the launcher hands them over (:class:`trainer.launch.jobdir.JobDir` task files, read by every rank: the job
 is one node), each trial through :func:`trainer.rank.run.run_trial`, the code a cold ``ppotune train`` runs.
 Between two trials it gives back what the trial held and resets what the next one measures:
 
@@ -35,8 +35,8 @@ import sys
 import time
 from pathlib import Path
 
+from trainer.launch.jobdir import JobDir
 from trainer.launch.proc import die_with_parent, leave_rank, write_json_atomic
-from trainer.launch.train import JobDir
 from trainer.rank.run import (
     MemoryLevel,
     fail,

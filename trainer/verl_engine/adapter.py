@@ -52,6 +52,7 @@ from trainer.launch.proc import (
     write_json_atomic,
 )
 from trainer.summary import summarize_steps
+from trainer.verl_engine.overrides import override_key
 
 __all__ = [
     "RunSpec",
@@ -64,7 +65,6 @@ __all__ = [
     "SUPPORTED_VERL",
     "TRIAL_KEYS",
     "CPU_KEYS",
-    "override_key",
 ]
 
 SUPPORTED_VERL = "0.9.1"  # the version the CPU shim is written against (a GPU runs any verl as shipped)
@@ -126,11 +126,6 @@ class RunSpec:
     @property
     def nproc(self) -> int:
         return int(self.get("trainer.n_gpus_per_node") or 8) * int(self.get("trainer.nnodes") or 1)
-
-
-def override_key(override: str) -> str:
-    """``++a.b=1`` / ``+a.b=1`` / ``a.b=1`` -> ``a.b``."""
-    return override.split("=", 1)[0].lstrip("+~")
 
 
 def _as_overrides(data: Any, source: str) -> list[str]:
@@ -502,7 +497,7 @@ def run(args: Any) -> int:
     except ConfigError as e:
         print(f"ppotune train: error: {e}", file=sys.stderr)
         if result_path:
-            from trainer.launch.train import error_result
+            from trainer.launch.result import error_result
 
             write_json_atomic(result_path, error_result(f"config: {e}"))
         return ExitCode.USAGE

@@ -14,9 +14,7 @@ their derived keys) are applied; global settings stay as the base config has the
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
-import re
 import shlex
 import sys
 from pathlib import Path
@@ -25,20 +23,14 @@ from typing import Any, Optional
 import pandas as pd
 import yaml
 
-from trainer.config import ConfigError, apply_overrides, config_from_dict, config_to_dict, flatten, verl_override_key
+from trainer.config import ConfigError, apply_overrides, config_from_dict, config_to_dict, flatten
 from trainer.contracts import DEFAULT_HEADROOM, ExitCode, Status, StorageError
+from trainer.verl_engine.overrides import hydra_value, verl_overrides
 from tuner.results.memory_findings import findings_md, memory_findings
-from tuner.results.view import (
-    StudyView,
-    add_study_arguments,
-    device_memory_gb,
-    measured_feasible,
-    missing,
-    pareto_mask,
-    view_from_args,
-)
+from tuner.results.view import StudyView, add_study_arguments, view_from_args
 from tuner.stages.confirm import CONFIRMATION_ATTR, describe, entry_of, rank_confirmed
 from tuner.stages.probe import WORST_CASE_ATTR, ProbeResult
+from tuner.study.frame import Fit, headroom_filter, measured_feasible, missing, pareto_mask
 from tuner.units import gb
 from tuner.world import WorldPlan, production_overrides
 
@@ -51,8 +43,6 @@ __all__ = [
     "choose",
     "chosen_overrides",
     "best_config",
-    "hydra_value",
-    "verl_overrides",
     "nearest_oom",
     "write_export",
     "add_arguments",
@@ -98,30 +88,6 @@ class Choice:
     unconfirmed: Optional[str] = None  # why the pick does not rest on a confirmation (None: it does)
     left_out: list = dataclasses.field(default_factory=list)  # (number, why): confirmed configs not eligible
     worst_case: Optional[dict] = None  # the pick's worst-case probe (ProbeResult.to_dict), if it was probed
-
-
-@dataclasses.dataclass(frozen=True)
-class Fit:
-    """Which trials a recommendation may take: measured feasible ones that keep the headroom free."""
-
-    mask: pd.Series  # over the trials frame's rows
-    limit_gb: Optional[float]  # peak memory must be <= this; None = no filter (device memory unknown)
-    device_gb: Optional[float]
-    device_label: str
-    warning: Optional[str] = None
-
-
-def headroom_filter(df: pd.DataFrame, attrs: dict, headroom: float = DEFAULT_HEADROOM) -> Fit:
-    """:func:`~tuner.results.view.measured_feasible` trials with peak <= (1 - headroom) x the device memory
-    (:func:`~tuner.results.view.device_memory_gb`): the one filter export, the report and the search's
-    ``--confirm`` finalists share."""
-    device_gb, device_label = device_memory_gb(attrs)
-    feasible = measured_feasible(df)
-    if device_gb is None:
-        why = "device memory unknown (no device.memory_total_gb or memory_limit_gb in the study): no headroom filter"
-        return Fit(feasible, None, None, device_label, why)
-    limit = (1.0 - headroom) * device_gb
-    return Fit(feasible & (df["peak_memory_gb"] <= limit + 1e-9), limit, device_gb, device_label)
 
 
 def _pct(f: float) -> str:
@@ -273,46 +239,6 @@ def best_config(view: StudyView, number: int) -> dict:
     except ConfigError as e:
         raise StorageError(f"the config of trial #{number} does not validate: {e}") from None
     return config_to_dict(cfg)
-
-
-_BARE = re.compile(r"[A-Za-z_~/][A-Za-z0-9_\-./~]*")
-_RESERVED = {"true", "false", "null", "none", "inf", "nan", "yes", "no", "on", "off"}
-
-
-def hydra_value(v: Any) -> str:
-    """A Python value as Hydra's override grammar reads it back (true/false, null, numbers, quoted text)."""
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int):
-        return str(v)
-    if isinstance(v, float):
-        if math.isnan(v):
-            return "nan"
-        if math.isinf(v):
-            return "inf" if v > 0 else "-inf"
-        return repr(v)
-    if isinstance(v, str):
-        if _BARE.fullmatch(v) and v.lower() not in _RESERVED:
-            return v
-        return "'" + v.replace("\\", "\\\\").replace("'", "\\'") + "'"
-    if isinstance(v, (list, tuple)):
-        return "[" + ",".join(hydra_value(x) for x in v) + "]"
-    if isinstance(v, dict):
-        return "{" + ",".join(f"{k}:{hydra_value(x)}" for k, x in v.items()) + "}"
-    raise TypeError(f"cannot format {type(v).__name__} {v!r} for Hydra")
-
-
-def verl_overrides(overrides: dict[str, Any]) -> list[str]:
-    """``key=value`` lines for verl: flattened, sorted, never a ``ppotune.`` key."""
-    flat = {}
-    for k, v in overrides.items():
-        if isinstance(v, dict) and v:
-            flat.update({f"{k}.{kk}": vv for kk, vv in flatten(v).items()})
-        else:
-            flat[k] = v
-    return [f"{verl_override_key(k)}={hydra_value(v)}" for k, v in sorted(flat.items()) if not k.startswith("ppotune.")]
 
 
 def nearest_oom(view: StudyView, number: int) -> Optional[tuple[int, list[tuple[str, Any, Any]]]]:

@@ -560,7 +560,7 @@ def _seed_display(display: Display, trials: list) -> None:
 
 
 def _summary(study: optuna.Study, search: Search) -> None:
-    from tuner.results.view import trials_frame
+    from tuner.study.frame import trials_frame
 
     df = trials_frame(study)
     counts = ", ".join(f"{k} {v}" for k, v in sorted(df["status"].value_counts().items())) if not df.empty else ""

@@ -666,8 +666,7 @@ class Search:
 
         Finalists come from the search's own trials (re-runs left out), under export's headroom filter,
         so a resumed search finds the same ones."""
-        from tuner.results.export import headroom_filter
-        from tuner.results.view import measured_feasible, missing, pareto_mask, trials_frame
+        from tuner.study.frame import headroom_filter, measured_feasible, missing, pareto_mask, trials_frame
 
         df = trials_frame(self.study)
         if df.empty:
@@ -780,8 +779,7 @@ class Search:
     def _probe_plan(self, count: int) -> list[int]:
         """The configs export would take first: the confirmed finalists ranked by their confirmed ratio under
         the headroom, then the fastest measured feasible trials under it (re-runs and duplicates left out)."""
-        from tuner.results.export import headroom_filter
-        from tuner.results.view import trials_frame
+        from tuner.study.frame import headroom_filter, trials_frame
 
         df = trials_frame(self.study)
         if df.empty:

@@ -156,7 +156,7 @@ class VerlEngine:
 
     def run_file(self, overrides: dict) -> dict:
         """The trial's verl run file: the base, then the trial's knobs (verl keys, Hydra spelling)."""
-        from tuner.results.export import hydra_value
+        from trainer.verl_engine.overrides import hydra_value
 
         knobs = [f"{k}={hydra_value(v)}" for k, v in overrides.items()]
         opts = {

@@ -15,7 +15,7 @@ the trial, as cold), the memory sampled from outside over the trial's own second
 (``config.yaml``, ``result.json``, ``train.log``: the job writes the trial's part of its output there).
 An OOM, a crash, a hang or a stop ends the job (a hang: its process group is killed); the next trial
 starts a fresh one. A trial whose layout (world size, device, process-group timeout) differs from the
-slot's job gets a new job; one that cannot run warm at all (``trainer.launch.train.warm_refusal``: a vLLM
+slot's job gets a new job; one that cannot run warm at all (``trainer.launch.jobdir.warm_refusal``: a vLLM
 rollout, several nodes, the verl engine) runs cold, and says so in its notes.
 
 ``TrialRecord.duration_s`` is the trial's own wall time: a job's first trial includes the job's
@@ -38,8 +38,8 @@ from typing import Optional
 import yaml
 
 from trainer.contracts import ExitCode, Status
+from trainer.launch.jobdir import JobDir, serve_layout, warm_refusal
 from trainer.launch.proc import write_json_atomic
-from trainer.launch.train import JobDir, serve_layout, warm_refusal
 from tuner.trials.launch import (
     StepWatch,
     TrialRun,

@@ -18,10 +18,6 @@ from __future__ import annotations
 ADAPTER = "trainer.verl_engine.cpu.hf_rollout.HFServerAdapter"
 
 
-def server_name(replica_rank: int, suffix: str = "") -> str:
-    return f"ppotune_hf_rollout_{replica_rank}{suffix}"
-
-
 def register() -> None:
     """Add ``hf`` to verl's rollout registries (both are lazy: nothing heavy is imported here)."""
     from verl.workers.rollout import base, replica

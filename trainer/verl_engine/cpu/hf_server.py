@@ -12,9 +12,11 @@ import torch
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
-from trainer.verl_engine.cpu.hf_rollout import server_name
-
 logger = logging.getLogger(__name__)
+
+
+def server_name(replica_rank: int, suffix: str = "") -> str:
+    return f"ppotune_hf_rollout_{replica_rank}{suffix}"
 
 
 class HFServer:
