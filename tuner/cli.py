@@ -20,7 +20,7 @@ _COMMANDS = {
     "train": ("trainer.launch.train", "run one PPO config on this node's ranks (a trial or a full training run)"),
     "search": ("tuner.search.command", "run an Optuna study of short, isolated PPO trials"),
     "check": ("trainer.launch.check", "validate a training config without launching anything (no GPU needed)"),
-    "space": ("tuner.space_cli", "validate a search space YAML and print its size"),
+    "space": ("tuner.space.check", "validate a search space YAML and print its size"),
     "report": ("tuner.results.report", "write the Pareto report (HTML, PNG, CSV, summary.md) of a study"),
     "export": ("tuner.results.export", "write the chosen config: best_config.yaml, verl overrides, why.md"),
     "validate": ("tuner.validate", "run the exported config against the baseline, interleaved: PASS/FAIL vs the study"),

@@ -11,7 +11,8 @@ import argparse
 import sys
 
 from trainer.contracts import ExitCode, short_knob
-from tuner.space import GRID_LIMIT, base_flat_config, load_space
+from tuner.space.grid import GRID_LIMIT
+from tuner.space.load import base_flat_config, load_space
 
 __all__ = ["add_arguments", "run", "check"]
 
