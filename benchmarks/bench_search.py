@@ -58,7 +58,9 @@ import optuna  # noqa: E402
 from trainer.config import apply_overrides, config_from_dict, config_to_dict, flatten  # noqa: E402
 from trainer.contracts import CONSTRAINT_KEY, DIRECTIONS, Status, TrialRecord, parse_storage  # noqa: E402
 from tuner.search import decide  # noqa: E402
-from tuner.search.loop import Search, SearchOptions, TrialEvent, build_sampler  # noqa: E402
+from tuner.search.loop import Search, SearchOptions  # noqa: E402
+from tuner.search.policy import build_sampler  # noqa: E402
+from tuner.search.session import TrialEvent  # noqa: E402
 from tuner.space import Space, base_flat_config, load_space, space_from_dict  # noqa: E402
 from tuner.stages.confirm import DEFAULT_ROUNDS, MAX_FINALISTS, Rerun, paired_ratios  # noqa: E402
 from tuner.study.lifecycle import StudyLock  # noqa: E402

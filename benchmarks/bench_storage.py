@@ -42,7 +42,8 @@ import optuna  # noqa: E402
 from trainer.config import apply_overrides, config_from_dict, config_to_dict, flatten  # noqa: E402
 from trainer.contracts import STUDY_SCHEMA_VERSION, Status, TrialRecord, parse_storage  # noqa: E402
 from tuner.search.decide import counted  # noqa: E402
-from tuner.search.loop import Search, SearchOptions, build_sampler  # noqa: E402
+from tuner.search.loop import Search, SearchOptions  # noqa: E402
+from tuner.search.policy import build_sampler  # noqa: E402
 from tuner.space import base_flat_config, load_space  # noqa: E402
 from tuner.study import lifecycle as st  # noqa: E402
 from tuner.study.storage import close_storage, open_storage  # noqa: E402

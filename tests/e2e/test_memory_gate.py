@@ -17,7 +17,8 @@ import yaml
 from support import REPO
 from trainer.config import apply_overrides, config_from_dict, config_to_dict, flatten
 from trainer.contracts import DIRECTIONS, Status, TrialRecord
-from tuner.search.loop import MEMORY_MODEL_ATTR, Search, SearchOptions
+from tuner.search.gate import MEMORY_MODEL_ATTR
+from tuner.search.loop import Search, SearchOptions
 from tuner.space import base_flat_config, space_from_dict
 from tuner.study import lifecycle as st
 from tuner.trials.runners import SubprocessRunner

@@ -13,7 +13,7 @@ import pytest
 
 from support import search_over, tiny_setup
 from trainer.contracts import DIRECTIONS, Status, TrialRecord
-from tuner.search.loop import build_sampler
+from tuner.search.policy import build_sampler
 from tuner.stages import confirm
 from tuner.stages.confirm import Candidate, Rerun
 from tuner.trials.runners import Recorded, ReplayRunner, TrialOutcome
@@ -347,14 +347,34 @@ def test_timeout_bounds_the_confirmation_too(setup, monkeypatch):
     space, _, flat = setup
     study, storage = _study(space, flat, device_gb=10.0)
     runner, said = Clocked(_table(space, flat)), Said()
-    monkeypatch.setattr("tuner.search.loop.time", type("Clock", (), {"monotonic": staticmethod(runner.monotonic)}))
+    monkeypatch.setattr("tuner.search.budget.time", type("Clock", (), {"monotonic": staticmethod(runner.monotonic)}))
     search = search_over(
         setup, study, storage, runner, trials=len(ORDER), sampler="grid", confirm=3, timeout_s=85.0, observer=said
     )
-    search._started = 0.0
+    search.budget.started = 0.0
     search.run()
     # 5 search trials (0-50 s), then re-runs while the clock is not past 85 s: at 50, 60, 70 and 80 s
     assert len(_reruns(study)) == 4 and runner.now == 90.0
     conf = study.user_attrs[confirm.CONFIRMATION_ATTR]
     assert not conf["complete"]  # what was measured is stored, marked incomplete
     assert any("confirm: --timeout 85 s reached" in m for m in said.messages)
+
+
+def test_the_confirmation_stage_runs_on_its_own_over_a_finished_study(setup):
+    """A stage takes a study and a runner (through the study's session): a search done without --confirm is
+    confirmed afterwards exactly as the search would have (the same interleaved re-runs), and the worst-case
+    stage's plan then puts the confirmed finalists first."""
+    from tuner.stages.confirmation import ConfirmationStage
+    from tuner.stages.worst_case import WorstCaseStage
+
+    space, _, flat = setup
+    study, storage = _study(space, flat, device_gb=10.0)
+    search = _search(setup, study, storage, ReplayRunner(_table(space, flat), rng=random.Random(0)), rounds=0)
+    search.run()
+    assert _reruns(study) == []
+    ConfirmationStage(search.session).run(3)
+    assert [r.confirm_of for _, r in _reruns(study)] == [1, 2, 0, 2, 0, 1, 0, 1, 2]
+    conf = study.user_attrs[confirm.CONFIRMATION_ATTR]
+    assert conf["complete"] and [e["number"] for e in conf["finalists"]] == [1, 2]
+    # the confirmed ranking: #1 (1.6x the baseline), the baseline (1.0x), #2 (0.5x)
+    assert WorstCaseStage(search.session).plan(3) == [1, 0, 2]

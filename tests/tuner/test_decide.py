@@ -13,7 +13,10 @@ from optuna.trial import TrialState, create_trial
 from support import search_over, tiny_setup
 from trainer.contracts import CONSTRAINT_KEY, DIRECTIONS, PHASES, Status, TrialRecord
 from tuner.search import decide
-from tuner.search.loop import MAX_CONSECUTIVE_FREE, WAIT, Search, SearchOptions, TrialEvent, build_sampler
+from tuner.search.budget import MAX_CONSECUTIVE_FREE
+from tuner.search.loop import WAIT, Search, SearchOptions
+from tuner.search.policy import EXPLORE_AFTER_DUPLICATES, Pick, build_sampler
+from tuner.search.session import TrialEvent
 from tuner.space import LOG2_PREFIX, space_from_dict
 from tuner.study import lifecycle as st
 from tuner.trials.runners import Recorded, ReplayRunner
@@ -396,7 +399,7 @@ def test_a_trial_asked_past_the_budget_is_recorded_over_budget_and_not_run(setup
     second.set_user_attr("owner", {"host": "elsewhere", "pid": 2, "started": 1.0})
     second.set_user_attr("heartbeat", 1e12)
     mine = study.ask()
-    assert search._asked_over_budget(mine)
+    assert search.asked_over_budget(mine)
     rec = TrialRecord.from_user_attrs(study.get_trials()[mine.number].user_attrs)
     assert rec.status == Status.OVER_BUDGET and study.get_trials()[mine.number].state == TrialState.FAIL
     assert decide.count_progress(study.get_trials()) == 2
@@ -496,14 +499,14 @@ def test_a_local_step_tries_first_the_neighbours_the_speed_hints_favour():
     storage = optuna.storages.InMemoryStorage()
     study = optuna.create_study(storage=storage, directions=list(DIRECTIONS))
     search = search_over((space, {}, flat), study, storage, ReplayRunner({}), trials=1, sampler="tpe")
-    rank = search._grid_rank()
+    rank = search.policy.grid_rank()
     moved = 0
     for here in (c.effective for c in space.grid(flat)):
         steps = space.neighbours(here, flat)
         speed = {space.identity(c.effective): space.expected_speed(here, c.effective) for c in steps}
         seen = {space.identity(here)}
         order = []
-        while (step := search._unmeasured_neighbour(seen, here)) is not None:
+        while (step := search.policy.unmeasured_neighbour(seen, here)) is not None:
             order.append(speed[space.identity(step.effective)])
             seen.add(space.identity(step.effective))
         assert order == sorted(speed.values(), reverse=True)  # favoured first, then the rest, all of them
@@ -553,3 +556,69 @@ def test_local_steps_reach_the_neighbours_of_a_space_too_large_to_enumerate():
         near = decide.incumbent(decide.known_configs(launched[:k], space, flat), flat)
         assert decide.distance(space, decide.effective_of(launched[k], flat), near) == 1.0, k
     assert len(turns) >= 3
+
+
+# --------------------------------------------------------------------------- the proposal policy alone
+def _policy(space, flat, **kw):
+    from tuner.search.policy import ProposalPolicy
+
+    return ProposalPolicy(space, flat, **{"sampler": "tpe", "seed": 0, "local_every": 2, "serialized": True, **kw})
+
+
+def test_the_policy_alone_walks_the_grid_in_its_seeded_order_then_stops(setup):
+    """No study, no runner: the grid sampler's next config is the first unmeasured one of the seeded order;
+    once every config is in the trials, the policy says so."""
+    space, _, flat = setup
+    policy = _policy(space, flat, sampler="grid")
+    order = [c for _, c in policy.shuffled_grid()]
+    assert len(order) == space.size(flat) == 6
+    trials = []
+    for i, expected in enumerate(order):
+        pick = policy.pick(trials, known={}, startup=0, duplicates=0)
+        assert pick.stop is None and pick.point.params == expected.params, i
+        trials.append(frozen(i, "ok", expected.overrides))
+    pick = policy.pick(trials, known={}, startup=0, duplicates=0)
+    assert pick.point is None and pick.stop == "every one of the 6 configs of the space is in the study"
+
+
+def test_the_policy_takes_a_local_step_on_its_turn_and_explores_after_duplicates(setup):
+    space, _, flat = setup
+    ok = [
+        frozen(0, "ok", {MICRO: 1, GC: True}, values=[100.0, 1.0], throughput=100.0),
+        frozen(1, "ok", {MICRO: 2, GC: True}, values=[300.0, 1.0], throughput=300.0),
+    ]
+    known = decide.known_configs(ok, space, flat)
+    near = decide.incumbent(known, flat)
+    assert near[MICRO] == 2 and near[GC] is True
+    policy = _policy(space, flat)
+    # 2 launched, start-up 1: (2 - 1) % 2 == 1, a local turn: one ordered step from the fastest measured config
+    pick = policy.pick(ok, known=known, startup=1, duplicates=0)
+    assert pick.point is not None and decide.distance(space, pick.point.effective, near) == 1.0
+    assert space.identity(pick.point.effective) not in known
+    assert policy.pick(ok, known=known, startup=2, duplicates=0) == Pick()  # not its turn: the sampler proposes
+    # without serialized asks (no cross-process lock) there is no local step
+    assert _policy(space, flat, serialized=False).pick(ok, known=known, startup=1, duplicates=0) == Pick()
+    # the sampler stuck on measured configs: the unmeasured config nearest the incumbent, streak answered
+    pick = policy.pick(ok, known=known, startup=2, duplicates=EXPLORE_AFTER_DUPLICATES)
+    assert pick.explored and decide.distance(space, pick.point.effective, near) == 1.0
+
+
+def test_the_budget_alone(monkeypatch):
+    from tuner.search.budget import Budget
+
+    clock = [1000.0]
+    monkeypatch.setattr("tuner.search.budget.time", type("Clock", (), {"monotonic": staticmethod(lambda: clock[0])}))
+    budget = Budget(trials=3, timeout_s=100.0, confirm=1, probe=1, started=clock[0])
+    ok = [frozen(i, "ok", {}, duration_s=10.0) for i in range(2)]
+    # 1 confirmation round (at most 3 finalists + the baseline) and 1 probe: 5 runs of the median 10 s kept
+    assert budget.reserve_s(ok) == 50.0 and budget.stop_reason(ok, free_in_a_row=0) is None
+    clock[0] += 60.0
+    assert budget.stop_reason(ok, free_in_a_row=0).startswith("--timeout 100 s")
+    said = []
+    assert not budget.past_timeout("confirm", said.append) and said == []
+    clock[0] += 50.0
+    assert budget.past_timeout("confirm", said.append) and said == [
+        "confirm: --timeout 100 s reached; no further run started"
+    ]
+    assert budget.stop_reason([*ok, frozen(2, "ok", {})], free_in_a_row=0) is not None
+    assert not budget.taken_by_others(ok, 2, counted=False)  # a --confirm re-run is outside the budget

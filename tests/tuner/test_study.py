@@ -243,12 +243,15 @@ def test_study_lock_excludes_other_processes(tmp_path):
         sys.path.insert(0, {str(REPO)!r})
         from pathlib import Path
         from tuner.study.lifecycle import StudyLock
+        lock = StudyLock(Path({str(tmp_path / "x.lock")!r}))
+        print("ready", flush=True)  # imports done: what follows is the wait for the lock alone
         t = time.monotonic()
-        with StudyLock(__import__("pathlib").Path({str(tmp_path / "x.lock")!r}))():
+        with lock():
             print(round(time.monotonic() - t, 2))
     """)
     with lock():
         p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        assert p.stdout.readline().strip() == "ready"
         time.sleep(1.5)
     waited = float(p.communicate(timeout=60)[0])
     assert waited >= 0.5  # it blocked until we released

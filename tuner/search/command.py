@@ -31,8 +31,10 @@ from trainer.config import apply_overrides, config_from_dict, config_to_dict, fl
 from trainer.contracts import STUDY_SCHEMA_VERSION, ExitCode, Status, StorageError, TrialRecord, parse_storage
 from trainer.summary import MIN_MEASURED_STEPS
 from tuner.search.decide import count_progress
-from tuner.search.loop import SAMPLERS, Search, SearchOptions, TrialEvent, build_sampler
+from tuner.search.loop import Search, SearchOptions
+from tuner.search.policy import SAMPLERS, build_sampler
 from tuner.search.progress import Display, trial_line
+from tuner.search.session import TrialEvent
 from tuner.space import Space, base_flat_config, comparable_space, load_space
 from tuner.stages.confirm import DEFAULT_ROUNDS, MAX_FINALISTS
 from tuner.study import lifecycle as st

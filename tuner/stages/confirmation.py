@@ -1,0 +1,138 @@
+"""The confirmation stage: the finalists re-run side by side with the baseline (the rules: :mod:`tuner.stages.confirm`).
+
+Runs after a search, or on its own over a study whose search is done (``ppotune search --confirm R`` on a study
+that already holds its ``--trials``): it takes the study's session (:class:`tuner.search.session.TrialSession`:
+the study, its lock and the runner) and stores the aggregate in the study attribute ``confirmation``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from optuna.trial import TrialState
+
+from trainer.contracts import DEFAULT_HEADROOM, Status, TrialRecord
+from tuner.search import decide
+from tuner.search.budget import Budget
+from tuner.search.session import Proposal, TrialSession
+from tuner.stages import confirm as rules
+from tuner.study.frame import headroom_filter, measured_feasible, missing, pareto_mask, trials_frame
+
+__all__ = ["ConfirmationStage"]
+
+
+class ConfirmationStage:
+    """Re-run the finalists interleaved with the baseline for ``rounds`` rounds (``budget``: ``--timeout``)."""
+
+    def __init__(self, session: TrialSession, *, budget: Optional[Budget] = None):
+        self.session = session
+        self.budget = budget
+
+    def run(self, rounds: int) -> None:
+        """Confirm the finalists side by side, then store the aggregate in the study attribute ``confirmation``.
+
+        Each re-run is a trial of its own (``confirm_of`` = the finalist's or the baseline's number)
+        launched by the session's runner exactly like a search trial, one at a time (two at once would skew
+        the pair). Nothing done is redone: the slots already taken (re-runs finished, or running in
+        another worker) are counted, so a resumed search or a second worker runs only the rest, and an
+        interrupted re-run, enqueued again by the interruption, is run first."""
+        s = self.session
+        with s.lock():
+            plan = self.plan(rounds)
+        if plan is None:
+            return
+        finalists, baseline, order = plan
+        base = f" against the baseline #{baseline}" if baseline is not None else " (no baseline to pair with)"
+        s.say(f"confirm: finalists {', '.join(f'#{n}' for n in finalists)}{base}, {rounds} interleaved round(s)")
+        last_round = -1
+        while not s.stop_event.is_set() and not self._past_timeout():
+            with s.lock():
+                got = self._next(order)
+            if got is None:
+                break
+            r, prop = got
+            if r is not None and r != last_round:
+                last_round = r
+                s.say(f"confirm round {r + 1}/{rounds}: " + " ".join(f"#{n}" for n in order[r]))
+            s.process(prop, 0)
+        with s.lock():
+            self._record(finalists, baseline, rounds)
+
+    def _past_timeout(self) -> bool:
+        return self.budget is not None and self.budget.past_timeout("confirm", self.session.say)
+
+    def plan(self, rounds: int) -> Optional[tuple[list[int], Optional[int], list[list[int]]]]:
+        """(finalists, baseline number or None, the interleaved schedule), or None: nothing to confirm.
+
+        Finalists come from the search's own trials (re-runs left out), under export's headroom filter,
+        so a resumed search finds the same ones."""
+        study = self.session.study
+        df = trials_frame(study)
+        if df.empty:
+            return None
+        fit = headroom_filter(df, study.user_attrs, DEFAULT_HEADROOM)
+        front = pareto_mask(df, among=fit.mask)
+        cands = [
+            rules.Candidate(
+                number=int(row["number"]),
+                throughput=float(row["throughput"]),
+                throughput_ci=None
+                if missing(row["throughput_ci_low"]) or missing(row["throughput_ci_high"])
+                else (float(row["throughput_ci_low"]), float(row["throughput_ci_high"])),
+                pareto=bool(front[i]),
+            )
+            for i, row in df.loc[fit.mask].iterrows()
+        ]
+        base = df.loc[df["baseline"] & measured_feasible(df), "number"]
+        baseline = int(base.iloc[0]) if len(base) else None
+        finalists = rules.pick_finalists(cands, exclude=[baseline] if baseline is not None else [])
+        if not finalists:
+            self.session.say("confirm: no finalist besides the baseline fits the memory limit; nothing to do")
+            return None
+        return finalists, baseline, rules.schedule(finalists, baseline, rounds)
+
+    def _next(self, order: list[list[int]]) -> Optional[tuple[Optional[int], Proposal]]:
+        """The next re-run to launch (its round, or None for an interrupted trial run again), under the lock."""
+        s = self.session
+        s.sweep_if_due()
+        trials = s.study.get_trials(deepcopy=False)
+        r = None
+        if not any(t.state == TrialState.WAITING for t in trials):
+            slot = rules.next_slot(order, _taken(trials))
+            if slot is None:
+                return None
+            r, number = slot
+            s.study.enqueue_trial(
+                dict(trials[number].params),  # numbers are list positions
+                user_attrs=TrialRecord(confirm_of=number).to_user_attrs(only={"confirm_of"}),
+                skip_if_exists=False,
+            )
+        # else: an interrupted trial enqueued again (Optuna pops the oldest waiting one first): run it now
+        trial = s.ask()
+        return r, s.propose(trial, decide.known_configs(trials, s.space, s.trial_flat))
+
+    def _record(self, finalists: list[int], baseline: Optional[int], rounds: int) -> None:
+        """Aggregate every finished re-run of the plan's configs into the study attribute ``confirmation``."""
+        study = self.session.study
+        members = set(finalists) | ({baseline} if baseline is not None else set())
+        runs: dict[int, list] = {n: [] for n in members}
+        for t in sorted(study.get_trials(deepcopy=False), key=lambda t: t.number):
+            rec = TrialRecord.from_user_attrs(t.user_attrs)
+            if rec.confirm_of in members and t.state.is_finished() and rec.status not in (None, Status.INTERRUPTED):
+                runs[rec.confirm_of].append(rules.Rerun(t.number, rec.status.value, rec.throughput, rec.peak_memory_gb))
+        study.set_user_attr(
+            rules.CONFIRMATION_ATTR,
+            rules.aggregate(
+                baseline=baseline, finalists=finalists, rounds=rounds, headroom=DEFAULT_HEADROOM, runs=runs
+            ),
+        )
+
+
+def _taken(trials: list) -> dict[int, int]:
+    """Re-runs per config that hold a slot of the schedule: finished, running or waiting, not interrupted."""
+    taken: dict[int, int] = {}
+    for t in trials:
+        rec = TrialRecord.from_user_attrs(t.user_attrs)
+        if rec.confirm_of is not None and rec.status != Status.INTERRUPTED:
+            taken[rec.confirm_of] = taken.get(rec.confirm_of, 0) + 1
+    return taken
