@@ -67,7 +67,7 @@ from typing import Any, Mapping, Optional
 
 from trainer.config import PPOConfig, config_to_dict, flatten, resolve_follows
 from trainer.contracts import PHASES
-from tuner.memory_model.shape import ModelShape, param_counts
+from tuner.memory_model.shape import ModelShape, ParamCounts, param_counts
 from tuner.memory_model.workload import Lengths, MicroBatch, Plan, largest_micro_batch
 
 __all__ = ["TERMS", "TRANSIENT_TERMS", "flat_config", "world_of", "phase_terms", "PhaseTerms"]
@@ -142,7 +142,7 @@ def _role(flat: Mapping[str, Any], section: str, strategy: str, model: str, shar
 
 
 def _plan(flat: Mapping[str, Any], prefix: str, dynamic: str, micro: str, budget: str) -> Plan:
-    """A phase's micro-batching from its section's keys (``trainer.rank.run.build_roles``'s ``Plans``)."""
+    """A phase's micro-batching from its section's keys (``trainer.engine.roles.build_roles``'s ``Plans``)."""
     return Plan(bool(flat[f"{prefix}.{dynamic}"]), flat[f"{prefix}.{micro}"], int(flat[f"{prefix}.{budget}"]))
 
 
@@ -163,193 +163,284 @@ def phase_terms(
     (every state resident, offload inert). ``device_memory_gb``: the GPU's memory, for a vLLM engine's
     ``gpu_memory_utilization`` (None: the engine term is 0 on a GPU and its memory falls to the constant).
     """
+    s = _setup(config, shape, lengths, on_gpu=on_gpu, world=world, device_memory_gb=device_memory_gb)
+    out: PhaseTerms = {p: dict.fromkeys(TERMS, 0.0) for p in PHASES}
+    for p in PHASES:
+        out[p]["states"] = _states(s, p)
+        out[p]["engine"] = _engine(s, p)
+    if not s.vllm:
+        out["gen"].update(_generate_terms(s))
+    else:
+        out["update_weights"]["buffers"] = s.counts.embedding * s.actor.master_bytes  # one full tensor at a time
+    out["old_log_prob"].update(_old_log_prob_terms(s))
+    out["ref"].update(_ref_terms(s))
+    out["values"].update(_values_terms(s))
+    out["update_critic"].update(_update_critic_terms(s))
+    out["update_actor"].update(_update_actor_terms(s))
+    return out
+
+
+@dataclass(frozen=True)
+class _Setup:
+    """What the terms read: the flat config, the model's shape and counts, the per-GPU batch, each role."""
+
+    flat: Mapping[str, Any]
+    counts: ParamCounts
+    lengths: Lengths
+    on_gpu: bool
+    device_memory_gb: Optional[float]
+    h: int  # hidden size
+    i: int  # MLP intermediate size
+    kv: int  # key/value width
+    layers: int
+    vocab: int
+    trial_world: int
+    n: int  # responses per prompt
+    rows: float  # sequences per GPU (the per-GPU batch)
+    P: int  # max prompt length
+    R: int  # max response length
+    actor: _Role
+    ref: _Role
+    critic: _Role
+    vllm: bool
+    pad_multiple: Optional[int]  # the actor's length bucket with pad_to_length
+    ref_pad: Optional[int]
+    entropy_chunk: Optional[int]  # rows of the entropy computed at once (None: all)
+
+
+def _setup(
+    config: Mapping[str, Any],
+    shape: ModelShape,
+    lengths: Lengths,
+    *,
+    on_gpu: bool,
+    world: Optional[int],
+    device_memory_gb: Optional[float],
+) -> _Setup:
     flat = flat_config(config)
-    counts = param_counts(shape)
-    h, i, kv, layers, vocab = (
-        shape.hidden_size,
-        shape.intermediate_size,
-        shape.kv_dim,
-        shape.num_hidden_layers,
-        shape.vocab_size,
-    )
     trial_world = world_of(flat)
     shard_world = int(world or trial_world)
     n = int(flat[f"{_RO}.n"])
-    rows = int(flat["data.train_batch_size"]) * n / trial_world  # sequences per GPU (the per-GPU batch)
-    P, R = int(flat["data.max_prompt_length"]), int(flat["data.max_response_length"])
     strategy = flat[f"{_A}.strategy"]
-    actor = _role(flat, f"{_A}.fsdp_config", strategy, "actor_rollout_ref.model", shard_world)
-    ref = _role(flat, f"{_REF}.fsdp_config", strategy, "actor_rollout_ref.model", shard_world)
-    critic = _role(flat, f"{_C}.fsdp", flat[f"{_C}.strategy"], "critic.model", shard_world)
-    vllm = flat[f"{_RO}.name"] == "vllm"
-    pad_multiple = int(flat[f"{_A}.fsdp_config.pad_to_length_bucket"]) if flat[f"{_A}.pad_to_length"] else None
-    ref_pad = int(flat[f"{_REF}.fsdp_config.pad_to_length_bucket"]) if flat[f"{_A}.pad_to_length"] else None
-
-    def micro(plan: Plan, num_rows: float, role: _Role, multiple: Optional[int] = None) -> MicroBatch:
-        return largest_micro_batch(
-            lengths,
-            plan,
-            num_rows=int(round(num_rows)),
-            max_prompt_length=P,
-            max_response_length=R,
-            remove_padding=role.remove_padding,
-            pad_multiple=multiple,
-        )
-
-    # ---- states
-    def trained_states(role: _Role, params: int, uses: set, update: str, phase: str) -> float:
-        shard = params / role.shard
-        if not on_gpu:
-            return shard * role.master_bytes * (3 + (phase == update))  # params + 2 moments (+ grads)
-        if role.offload_policy:
-            return 0.0
-        here = (not role.param_offload) or phase in uses
-        moments = (not role.optimizer_offload) or phase == update
-        return shard * role.master_bytes * (here + 2 * moments + (phase == update))
-
-    actor_uses = {"gen", "old_log_prob", "update_actor"} | ({"update_weights"} if vllm else set())
-
-    def states(phase: str) -> float:
-        total = trained_states(actor, counts.actor, actor_uses, "update_actor", phase)
-        total += trained_states(critic, counts.critic, {"values", "update_critic"}, "update_critic", phase)
-        if not on_gpu:
-            total += counts.actor / ref.shard * ref.master_bytes
-        return total
-
-    # ---- buffers
-    def gathered(role: _Role, params: int, copied_in: bool) -> float:
-        """Bytes of ``params`` unsharded in the compute dtype. FSDP1 NO_SHARD computes on the local copy (a
-        mixed-precision copy at most), unless the parameters live in host memory (``copied_in``)."""
-        no_shard = role.strategy == "fsdp" and role.shard == 1 and not copied_in
-        if no_shard and role.compute_bytes == role.master_bytes:
-            return 0.0
-        return params * role.compute_bytes
-
-    def buffers(role: _Role, root: int, params: int, update: bool, copied_in: bool = False) -> float:
-        if role.reshard_after_forward:
-            unit = gathered(role, counts.block, copied_in)
-            total = gathered(role, root, copied_in) + unit * (2 if role.forward_prefetch else 1)
-        else:  # ZeRO-2: every unit stays gathered from its forward to its backward
-            total = gathered(role, params, copied_in)
-        if update:
-            total += (root + counts.block) * role.reduce_bytes  # unsharded gradients before the reduce-scatter
-            if role.no_sync:
-                total += params * role.master_bytes
-        return total
-
-    def generate_buffers() -> float:
-        if actor.strategy == "fsdp":  # summon_full_params: the fp32 masters, gathered (NO_SHARD: already whole)
-            return 0.0 if actor.shard == 1 else counts.actor * actor.master_bytes
-        return counts.actor * actor.compute_bytes
-
-    # ---- activations (bytes per token)
-    def layer_bytes(cb: int) -> float:
-        return cb * (6 * h + 4 * kv + 4 * i) + 4 * 2 * h
-
-    def update_activations(role: _Role, tokens: float) -> float:
-        cb = role.compute_bytes
-        outside = cb * 2 * h + 4 * h  # final norm (fp32 input) and the head's input
-        if role.activation_offload and on_gpu:
-            kept = h * cb + layer_bytes(cb)
-        elif role.checkpointing:
-            kept = layers * h * cb + layer_bytes(cb)  # layer inputs + the layer being recomputed
-        else:
-            kept = layers * layer_bytes(cb)
-        # backward holds one layer's activation gradients beside what is kept (freed layer by layer)
-        return tokens * (kept + layer_bytes(cb) + outside)
-
-    def forward_activations(role: _Role, tokens: float) -> float:
-        return tokens * (role.compute_bytes * (3 * h + 3 * i) + 4 * h)
-
-    def attention(role: _Role, mb: MicroBatch, *, update: bool) -> float:
-        if role.remove_padding:
-            return 0.0
-        one_layer = mb.rows * (P + R) ** 2 * role.compute_bytes
-        if not update:
-            return one_layer
-        kept = 1 if role.checkpointing or (role.activation_offload and on_gpu) else layers
-        return (kept + 1) * one_layer
-
-    # ---- logits
-    entropy_chunk = (
-        int(flat[f"{_A}.entropy_from_logits_chunk_size"]) if flat[f"{_A}.entropy_from_logits_with_chunking"] else None
+    pad_to_length = flat[f"{_A}.pad_to_length"]
+    return _Setup(
+        flat=flat,
+        counts=param_counts(shape),
+        lengths=lengths,
+        on_gpu=on_gpu,
+        device_memory_gb=device_memory_gb,
+        h=shape.hidden_size,
+        i=shape.intermediate_size,
+        kv=shape.kv_dim,
+        layers=shape.num_hidden_layers,
+        vocab=shape.vocab_size,
+        trial_world=trial_world,
+        n=n,
+        rows=int(flat["data.train_batch_size"]) * n / trial_world,
+        P=int(flat["data.max_prompt_length"]),
+        R=int(flat["data.max_response_length"]),
+        actor=_role(flat, f"{_A}.fsdp_config", strategy, "actor_rollout_ref.model", shard_world),
+        ref=_role(flat, f"{_REF}.fsdp_config", strategy, "actor_rollout_ref.model", shard_world),
+        critic=_role(flat, f"{_C}.fsdp", flat[f"{_C}.strategy"], "critic.model", shard_world),
+        vllm=flat[f"{_RO}.name"] == "vllm",
+        pad_multiple=int(flat[f"{_A}.fsdp_config.pad_to_length_bucket"]) if pad_to_length else None,
+        ref_pad=int(flat[f"{_REF}.fsdp_config.pad_to_length_bucket"]) if pad_to_length else None,
+        entropy_chunk=(
+            int(flat[f"{_A}.entropy_from_logits_chunk_size"])
+            if flat[f"{_A}.entropy_from_logits_with_chunking"]
+            else None
+        ),
     )
 
-    def logits(role: _Role, mb: MicroBatch, *, fp32_tensors: int, entropy: bool) -> float:
-        rows_read = mb.response_tokens
-        total = mb.tokens * vocab * role.compute_bytes + rows_read * vocab * 4 * fp32_tensors
-        if entropy:
-            entropy_rows = min(rows_read, entropy_chunk) if entropy_chunk else rows_read
-            total += entropy_rows * vocab * 4 * 2  # softmax and product
-        return total
 
-    # ---- engine (vLLM)
-    def engine(phase: str) -> float:
-        if not vllm:
-            return 0.0
-        util = float(flat[f"{_RO}.gpu_memory_utilization"])
-        weights = counts.actor * _BYTES[flat[f"{_RO}.dtype"]]
-        if not on_gpu:
-            return max(util * float(flat["ppotune.vllm_cpu_memory_gb"]) * 2**30, weights)
-        asleep = flat[f"{_RO}.free_cache_engine"] and flat[f"{_RO}.enable_sleep_mode"]
-        if asleep and phase not in ("gen", "update_weights"):
-            return 0.0
-        if phase == "update_weights" and asleep:
-            return weights  # weights are loaded into an engine whose KV cache is not allocated yet
-        return util * device_memory_gb * 2**30 if device_memory_gb else 0.0
+def _micro(s: _Setup, plan: Plan, num_rows: float, role: _Role, multiple: Optional[int] = None) -> MicroBatch:
+    return largest_micro_batch(
+        s.lengths,
+        plan,
+        num_rows=int(round(num_rows)),
+        max_prompt_length=s.P,
+        max_response_length=s.R,
+        remove_padding=role.remove_padding,
+        pad_multiple=multiple,
+    )
 
-    # ---- the phases
-    a_plan = _plan(flat, _A, "use_dynamic_bsz", "ppo_micro_batch_size_per_gpu", "ppo_max_token_len_per_gpu")
-    c_plan = _plan(flat, _C, "use_dynamic_bsz", "ppo_micro_batch_size_per_gpu", "ppo_max_token_len_per_gpu")
-    c_fwd = _plan(flat, _C, "use_dynamic_bsz", "forward_micro_batch_size_per_gpu", "forward_max_token_len_per_gpu")
-    log_prob = ("log_prob_use_dynamic_bsz", "log_prob_micro_batch_size_per_gpu", "log_prob_max_token_len_per_gpu")
-    ref_plan, ro_plan = _plan(flat, _REF, *log_prob), _plan(flat, _RO, *log_prob)
-    actor_mini = int(flat[f"{_A}.ppo_mini_batch_size"]) * n / trial_world
-    critic_mini = int(flat[f"{_C}.ppo_mini_batch_size"]) * n / trial_world
-    with_entropy = bool(flat[f"{_A}.entropy_coeff"]) or bool(flat[f"{_A}.calculate_entropy"])
 
-    out: PhaseTerms = {p: dict.fromkeys(TERMS, 0.0) for p in PHASES}
-    for p in PHASES:
-        out[p]["states"] = states(p)
-        out[p]["engine"] = engine(p)
+# --------------------------------------------------------------------------- the phases
+def _generate_terms(s: _Setup) -> dict[str, float]:
+    """gen: HF generate over the rank's whole batch (prefill of the padded prompts, then one token at a time)."""
+    longest_response = min(s.lengths.response["max"], s.R)
+    return {
+        "buffers": _generate_buffers(s),
+        "kv_cache": s.rows * (s.P + longest_response) * s.layers * 2 * s.kv * s.actor.compute_bytes,
+        "activations": _forward_activations(s, s.actor, s.rows * s.P),
+        "attention": s.rows * s.P**2 * s.actor.compute_bytes,  # the prefill's mask over the padded prompts
+        "logits": s.rows * s.vocab * 4 * 3,  # fp32 scores, softmax, top-p's sorted copy
+    }
 
-    # gen: HF generate over the rank's whole batch (prefill of the padded prompts, then one token at a time)
-    if not vllm:
-        longest_response = min(lengths.response["max"], R)
-        out["gen"]["buffers"] = generate_buffers()
-        out["gen"]["kv_cache"] = rows * (P + longest_response) * layers * 2 * kv * actor.compute_bytes
-        out["gen"]["activations"] = forward_activations(actor, rows * P)
-        out["gen"]["attention"] = rows * P**2 * actor.compute_bytes  # the prefill's mask over the padded prompts
-        out["gen"]["logits"] = rows * vocab * 4 * 3  # fp32 scores, softmax, top-p's sorted copy
+
+_LOG_PROB = ("log_prob_use_dynamic_bsz", "log_prob_micro_batch_size_per_gpu", "log_prob_max_token_len_per_gpu")
+
+
+def _old_log_prob_terms(s: _Setup) -> dict[str, float]:
+    mb = _micro(s, _plan(s.flat, _RO, *_LOG_PROB), s.rows, s.actor, s.pad_multiple)
+    return {
+        "buffers": _buffers(s, s.actor, s.counts.actor_root, s.counts.actor, update=False),
+        "activations": _forward_activations(s, s.actor, mb.tokens),
+        "attention": _attention(s, s.actor, mb, update=False),
+        "logits": _logits(s, s.actor, mb, fp32_tensors=2, entropy=True),
+    }
+
+
+def _ref_terms(s: _Setup) -> dict[str, float]:
+    mb = _micro(s, _plan(s.flat, _REF, *_LOG_PROB), s.rows, s.ref, s.ref_pad)
+    return {
+        # on a GPU the reference model's shards live in host memory: each unit is copied in for its forward
+        "buffers": _buffers(s, s.ref, s.counts.actor_root, s.counts.actor, update=False, copied_in=s.on_gpu),
+        "activations": _forward_activations(s, s.ref, mb.tokens),
+        "attention": _attention(s, s.ref, mb, update=False),
+        "logits": _logits(s, s.ref, mb, fp32_tensors=2, entropy=False),
+    }
+
+
+def _values_terms(s: _Setup) -> dict[str, float]:
+    plan = _plan(s.flat, _C, "use_dynamic_bsz", "forward_micro_batch_size_per_gpu", "forward_max_token_len_per_gpu")
+    mb = _micro(s, plan, s.rows, s.critic)
+    return {
+        "buffers": _buffers(s, s.critic, s.counts.critic_root, s.counts.critic, update=False),
+        "activations": _forward_activations(s, s.critic, mb.tokens),
+        "attention": _attention(s, s.critic, mb, update=False),
+    }
+
+
+def _update_critic_terms(s: _Setup) -> dict[str, float]:
+    plan = _plan(s.flat, _C, "use_dynamic_bsz", "ppo_micro_batch_size_per_gpu", "ppo_max_token_len_per_gpu")
+    mini = int(s.flat[f"{_C}.ppo_mini_batch_size"]) * s.n / s.trial_world
+    mb = _micro(s, plan, mini, s.critic)
+    return {
+        "buffers": _buffers(s, s.critic, s.counts.critic_root, s.counts.critic, update=True),
+        "activations": _update_activations(s, s.critic, mb.tokens),
+        "attention": _attention(s, s.critic, mb, update=True),
+    }
+
+
+def _update_actor_terms(s: _Setup) -> dict[str, float]:
+    plan = _plan(s.flat, _A, "use_dynamic_bsz", "ppo_micro_batch_size_per_gpu", "ppo_max_token_len_per_gpu")
+    mini = int(s.flat[f"{_A}.ppo_mini_batch_size"]) * s.n / s.trial_world
+    with_entropy = bool(s.flat[f"{_A}.entropy_coeff"]) or bool(s.flat[f"{_A}.calculate_entropy"])
+    mb = _micro(s, plan, mini, s.actor, s.pad_multiple)
+    return {
+        "buffers": _buffers(s, s.actor, s.counts.actor_root, s.counts.actor, update=True),
+        "activations": _update_activations(s, s.actor, mb.tokens),
+        "attention": _attention(s, s.actor, mb, update=True),
+        "logits": _logits(s, s.actor, mb, fp32_tensors=4, entropy=with_entropy),
+    }
+
+
+# --------------------------------------------------------------------------- states
+def _trained_states(s: _Setup, role: _Role, params: int, uses: set, update: str, phase: str) -> float:
+    shard = params / role.shard
+    if not s.on_gpu:
+        return shard * role.master_bytes * (3 + (phase == update))  # params + 2 moments (+ grads)
+    if role.offload_policy:
+        return 0.0
+    here = (not role.param_offload) or phase in uses
+    moments = (not role.optimizer_offload) or phase == update
+    return shard * role.master_bytes * (here + 2 * moments + (phase == update))
+
+
+def _states(s: _Setup, phase: str) -> float:
+    actor_uses = {"gen", "old_log_prob", "update_actor"} | ({"update_weights"} if s.vllm else set())
+    total = _trained_states(s, s.actor, s.counts.actor, actor_uses, "update_actor", phase)
+    total += _trained_states(s, s.critic, s.counts.critic, {"values", "update_critic"}, "update_critic", phase)
+    if not s.on_gpu:
+        total += s.counts.actor / s.ref.shard * s.ref.master_bytes
+    return total
+
+
+# --------------------------------------------------------------------------- buffers
+def _gathered(role: _Role, params: int, copied_in: bool) -> float:
+    """Bytes of ``params`` unsharded in the compute dtype. FSDP1 NO_SHARD computes on the local copy (a
+    mixed-precision copy at most), unless the parameters live in host memory (``copied_in``)."""
+    no_shard = role.strategy == "fsdp" and role.shard == 1 and not copied_in
+    if no_shard and role.compute_bytes == role.master_bytes:
+        return 0.0
+    return params * role.compute_bytes
+
+
+def _buffers(s: _Setup, role: _Role, root: int, params: int, update: bool, copied_in: bool = False) -> float:
+    if role.reshard_after_forward:
+        unit = _gathered(role, s.counts.block, copied_in)
+        total = _gathered(role, root, copied_in) + unit * (2 if role.forward_prefetch else 1)
+    else:  # ZeRO-2: every unit stays gathered from its forward to its backward
+        total = _gathered(role, params, copied_in)
+    if update:
+        total += (root + s.counts.block) * role.reduce_bytes  # unsharded gradients before the reduce-scatter
+        if role.no_sync:
+            total += params * role.master_bytes
+    return total
+
+
+def _generate_buffers(s: _Setup) -> float:
+    actor = s.actor
+    if actor.strategy == "fsdp":  # summon_full_params: the fp32 masters, gathered (NO_SHARD: already whole)
+        return 0.0 if actor.shard == 1 else s.counts.actor * actor.master_bytes
+    return s.counts.actor * actor.compute_bytes
+
+
+# --------------------------------------------------------------------------- activations (bytes per token)
+def _layer_bytes(s: _Setup, cb: int) -> float:
+    return cb * (6 * s.h + 4 * s.kv + 4 * s.i) + 4 * 2 * s.h
+
+
+def _update_activations(s: _Setup, role: _Role, tokens: float) -> float:
+    cb, h = role.compute_bytes, s.h
+    outside = cb * 2 * h + 4 * h  # final norm (fp32 input) and the head's input
+    if role.activation_offload and s.on_gpu:
+        kept = h * cb + _layer_bytes(s, cb)
+    elif role.checkpointing:
+        kept = s.layers * h * cb + _layer_bytes(s, cb)  # layer inputs + the layer being recomputed
     else:
-        out["update_weights"]["buffers"] = counts.embedding * actor.master_bytes  # one full tensor at a time
+        kept = s.layers * _layer_bytes(s, cb)
+    # backward holds one layer's activation gradients beside what is kept (freed layer by layer)
+    return tokens * (kept + _layer_bytes(s, cb) + outside)
 
-    mb = micro(ro_plan, rows, actor, pad_multiple)
-    out["old_log_prob"]["buffers"] = buffers(actor, counts.actor_root, counts.actor, update=False)
-    out["old_log_prob"]["activations"] = forward_activations(actor, mb.tokens)
-    out["old_log_prob"]["attention"] = attention(actor, mb, update=False)
-    out["old_log_prob"]["logits"] = logits(actor, mb, fp32_tensors=2, entropy=True)
 
-    mb = micro(ref_plan, rows, ref, ref_pad)
-    # on a GPU the reference model's shards live in host memory: each unit is copied in for its forward
-    out["ref"]["buffers"] = buffers(ref, counts.actor_root, counts.actor, update=False, copied_in=on_gpu)
-    out["ref"]["activations"] = forward_activations(ref, mb.tokens)
-    out["ref"]["attention"] = attention(ref, mb, update=False)
-    out["ref"]["logits"] = logits(ref, mb, fp32_tensors=2, entropy=False)
+def _forward_activations(s: _Setup, role: _Role, tokens: float) -> float:
+    return tokens * (role.compute_bytes * (3 * s.h + 3 * s.i) + 4 * s.h)
 
-    mb = micro(c_fwd, rows, critic)
-    out["values"]["buffers"] = buffers(critic, counts.critic_root, counts.critic, update=False)
-    out["values"]["activations"] = forward_activations(critic, mb.tokens)
-    out["values"]["attention"] = attention(critic, mb, update=False)
 
-    mb = micro(c_plan, critic_mini, critic)
-    out["update_critic"]["buffers"] = buffers(critic, counts.critic_root, counts.critic, update=True)
-    out["update_critic"]["activations"] = update_activations(critic, mb.tokens)
-    out["update_critic"]["attention"] = attention(critic, mb, update=True)
+def _attention(s: _Setup, role: _Role, mb: MicroBatch, *, update: bool) -> float:
+    if role.remove_padding:
+        return 0.0
+    one_layer = mb.rows * (s.P + s.R) ** 2 * role.compute_bytes
+    if not update:
+        return one_layer
+    kept = 1 if role.checkpointing or (role.activation_offload and s.on_gpu) else s.layers
+    return (kept + 1) * one_layer
 
-    mb = micro(a_plan, actor_mini, actor, pad_multiple)
-    out["update_actor"]["buffers"] = buffers(actor, counts.actor_root, counts.actor, update=True)
-    out["update_actor"]["activations"] = update_activations(actor, mb.tokens)
-    out["update_actor"]["attention"] = attention(actor, mb, update=True)
-    out["update_actor"]["logits"] = logits(actor, mb, fp32_tensors=4, entropy=with_entropy)
-    return out
+
+# --------------------------------------------------------------------------- logits
+def _logits(s: _Setup, role: _Role, mb: MicroBatch, *, fp32_tensors: int, entropy: bool) -> float:
+    rows_read = mb.response_tokens
+    total = mb.tokens * s.vocab * role.compute_bytes + rows_read * s.vocab * 4 * fp32_tensors
+    if entropy:
+        entropy_rows = min(rows_read, s.entropy_chunk) if s.entropy_chunk else rows_read
+        total += entropy_rows * s.vocab * 4 * 2  # softmax and product
+    return total
+
+
+# --------------------------------------------------------------------------- engine (vLLM)
+def _engine(s: _Setup, phase: str) -> float:
+    if not s.vllm:
+        return 0.0
+    flat = s.flat
+    util = float(flat[f"{_RO}.gpu_memory_utilization"])
+    weights = s.counts.actor * _BYTES[flat[f"{_RO}.dtype"]]
+    if not s.on_gpu:
+        return max(util * float(flat["ppotune.vllm_cpu_memory_gb"]) * 2**30, weights)
+    asleep = flat[f"{_RO}.free_cache_engine"] and flat[f"{_RO}.enable_sleep_mode"]
+    if asleep and phase not in ("gen", "update_weights"):
+        return 0.0
+    if phase == "update_weights" and asleep:
+        return weights  # weights are loaded into an engine whose KV cache is not allocated yet
+    return util * s.device_memory_gb * 2**30 if s.device_memory_gb else 0.0
