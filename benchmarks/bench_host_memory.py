@@ -41,8 +41,8 @@ def worker(side: str, hidden: int, layers: int, out: str) -> None:
     from trainer.engine.metrics import rss_gb
     from trainer.engine.models import load_actor, load_critic, load_tokenizer
     from trainer.engine.parallel import ShardKnobs, shard_model
+    from trainer.engine.roles import build_roles
     from trainer.launch.proc import leave_rank
-    from trainer.rank.run import build_roles
 
     dist.init_process_group("gloo")
     torch.ones(1 << 16).sum()  # runtime threads up before the baseline

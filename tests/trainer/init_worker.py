@@ -12,8 +12,8 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from trainer.config import FSDP_SECTIONS, load_config
 from trainer.engine.models import load_tokenizer
+from trainer.engine.roles import build_roles
 from trainer.launch.proc import leave_rank
-from trainer.rank.run import build_roles
 
 
 def check(ckpt: str, strategy: str) -> dict:

@@ -22,15 +22,17 @@ from trainer.config import FSDP_SECTIONS, load_config
 from trainer.engine.data import PromptDataset, left_pad, load_rows
 from trainer.engine.models import load_tokenizer
 from trainer.engine.parallel import Sharded, clean_state_dict, full_state_dict
+from trainer.engine.roles import build_roles, resident
 from trainer.engine.step import (
+    actor_update,
     assemble_batch,
     compute_log_probs,
     compute_old_log_probs,
     compute_values,
-    resident,
+    critic_update,
 )
 from trainer.launch.proc import leave_rank
-from trainer.rank.run import build_roles, rows_of_rank
+from trainer.rank.trial import rows_of_rank
 
 BASE = "configs/tiny_cpu.yaml"
 GLOBAL_BATCH = 16
@@ -113,7 +115,7 @@ def run_variant(overrides: dict, *, world: int, rank: int, device: torch.device)
     capture_gradients(roles.actor, device, grads["actor"])
     capture_gradients(roles.critic, device, grads["critic"])
     full = fixed_batch(cfg, tokenizer, device)
-    # rows as trainer/rank/run.py takes them: blocks that split the actor's and the critic's mini-batches
+    # rows as trainer/rank/trial.py takes them: blocks that split the actor's and the critic's mini-batches
     rows = torch.tensor(rows_of_rank(cfg, GLOBAL_BATCH, world, rank), device=device)
     batch = {k: v[rows] for k, v in full.items()}
     init_actor, init_critic = state_dict(roles.actor, device), state_dict(roles.critic, device)
@@ -126,8 +128,8 @@ def run_variant(overrides: dict, *, world: int, rank: int, device: torch.device)
     )
     batch["values"] = compute_values(roles.critic, batch, plans.critic_forward, prompt_width=P, device=device)
     batch["returns"] = batch["values"] + batch.pop("return_noise")
-    critic_stats = roles.update_critic(batch, prompt_width=P, device=device)
-    actor_stats = roles.update_actor(batch, prompt_width=P, device=device)
+    critic_stats = critic_update(roles, batch, prompt_width=P, device=device)
+    actor_stats = actor_update(roles, batch, prompt_width=P, device=device)
     # the old-log-prob pass's entropy (the actor/entropy metric): chunked or not, the same numbers
     mask = batch["response_mask"].double()
     totals = torch.stack([(old_entropy.double() * mask).sum(), mask.sum()])

@@ -24,9 +24,10 @@ from trainer.contracts import PHASES
 from trainer.engine.data import PromptDataset, left_pad, load_rows
 from trainer.engine.metrics import PhaseMeter
 from trainer.engine.models import load_tokenizer
+from trainer.engine.roles import build_roles
 from trainer.engine.step import ppo_step
 from trainer.launch.proc import leave_rank
-from trainer.rank.run import build_roles, rows_of_rank
+from trainer.rank.trial import rows_of_rank
 
 BASE = ROOT / "configs" / "tiny_cpu.yaml"
 OFFLOAD_FLAGS = ("param_offload", "optimizer_offload", "offload_policy")

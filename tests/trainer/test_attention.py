@@ -157,7 +157,7 @@ def test_the_kernel_and_the_note_say_when_packed_attention_is_not_verls():
     per-sequence path instead (fp32, or no flash-attn), and a CPU run says nothing (verl runs padded there)."""
     from trainer.config import effective_config, load_config
     from trainer.engine.attention import FLASH_VARLEN, packed_kernel
-    from trainer.rank.run import packed_attention_notes
+    from trainer.engine.knob_notes import packed_attention_notes
 
     assert packed_kernel("cuda", torch.bfloat16, has_flash=True) == FLASH_VARLEN
     assert packed_kernel("cuda", torch.float16, has_flash=True) == FLASH_VARLEN

@@ -110,7 +110,7 @@ def test_e2e_nccl(tmp_path, strategy):
     assert r["summary"]["memory_source"] == "torch_cuda" and r["summary"]["peak_memory_allocated_gb"] > 0
     assert not any("no effect on CPU" in n for n in r["notes"])
     # the demo config packs rows (use_remove_padding) and computes in fp32: flash-attn cannot run it, and the
-    # result says so (trainer.rank.run.packed_attention_notes), where a CPU run says nothing
+    # result says so (trainer.engine.knob_notes.packed_attention_notes), where a CPU run says nothing
     assert any(
         n.startswith("actor_rollout_ref.model.use_remove_padding: packed attention ran one sdpa call per sequence")
         for n in r["notes"]

@@ -71,7 +71,7 @@ def test_engine_plan_and_its_memory_classification():
     """The engine's arguments per device (pure), and which vLLM start-up failures are OOMs for the tuner."""
     from trainer.config import RolloutConfig
     from trainer.engine.vllm_rollout import SLEEP_LEVEL, GiB, cpu_kv_cache_bytes, engine_plan
-    from trainer.rank.run import is_oom_error
+    from trainer.rank.process import is_oom_error
 
     ro = RolloutConfig(gpu_memory_utilization=0.4, max_num_seqs=8, seed=42)
     cuda = engine_plan(ro, device_type="cuda", max_model_len=96, weight_bytes=10, cpu_memory_gb=1.0, rank=3)

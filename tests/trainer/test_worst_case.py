@@ -8,8 +8,8 @@ import pytest
 
 from trainer.config import ConfigError, load_config
 from trainer.engine.data import PromptDataset, extend_prompt, synthetic_rows
+from trainer.engine.roles import MicroBatching, Plans, StepSettings, fullest_micro_batches
 from trainer.engine.rollout import Sampling
-from trainer.engine.step import MicroBatching, Plans, StepSettings, fullest_micro_batches
 
 
 # --------------------------------------------------------------------------- prompts
@@ -107,7 +107,7 @@ def test_the_fullest_micro_batch_of_full_length_sequences_per_phase():
 
 
 def test_the_worst_case_notes_say_the_lengths_and_the_packing():
-    from trainer.engine.step import Roles, worst_case_notes
+    from trainer.engine.roles import Roles, worst_case_notes
 
     plans = Plans(*(MicroBatching(True, None, 256),) * 5)
     roles = Roles(None, None, None, None, None, plans, _settings(actor_mini=4, critic_mini=4))

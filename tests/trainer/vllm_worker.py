@@ -22,10 +22,10 @@ from trainer.engine.data import PromptDataset, left_pad, load_rows
 from trainer.engine.metrics import PhaseMeter
 from trainer.engine.models import load_tokenizer
 from trainer.engine.parallel import iter_full_params
+from trainer.engine.roles import build_roles, resident
 from trainer.engine.rollout import generate_responses
-from trainer.engine.step import ppo_step, resident
+from trainer.engine.step import ppo_step
 from trainer.launch.proc import leave_rank
-from trainer.rank.run import build_roles
 
 BASE = "configs/tiny_cpu.yaml"
 PER_RANK = 4

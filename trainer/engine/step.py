@@ -1,6 +1,8 @@
-"""One PPO iteration on one rank, as numbered phases (torchtune's recipe style).
+"""One PPO iteration on one rank, as numbered phases (torchtune's recipe style): :func:`ppo_step`, and the
+forward passes and updates its phases run on the roles (trainer/engine/roles.py: what a role is, and how a
+config builds them).
 
-The per-GPU knobs enter only through :class:`MicroBatching`, ``rmpad`` and the sharding:
+The per-GPU knobs enter only through :class:`~trainer.engine.roles.MicroBatching`, ``rmpad`` and the sharding:
 losses are token means over the GLOBAL mini-batch (the token count is all-reduced once per
 mini-batch), so the update does not depend on how the batch is split across micro-batches or
 ranks. No ``.item()`` inside micro-batch loops: statistics stay on device and are read once per
@@ -9,10 +11,7 @@ mini-batch.
 
 from __future__ import annotations
 
-import contextlib
-import functools
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -31,133 +30,24 @@ from trainer.engine.batching import (
 from trainer.engine.data import score_response
 from trainer.engine.metrics import PhaseMeter
 from trainer.engine.parallel import (
-    Sharded,
     activation_offload_context,
     clip_grad_norm,
     compute_autocast,
-    free_memory,
     gradient_sync,
-    iter_full_params,
-    move_optimizer_state,
-    move_params,
 )
-from trainer.engine.rollout import Sampling, generate_responses
-
-if TYPE_CHECKING:
-    from trainer.engine.vllm_rollout import VLLMRollout
+from trainer.engine.roles import ActorLoss, MicroBatching, Roles, Trainee, resident
 
 __all__ = [
-    "MicroBatching",
-    "ActorLoss",
-    "Trainee",
-    "resident",
-    "make_entropy_fn",
     "forward_response",
     "compute_log_probs",
     "compute_values",
     "update_actor",
     "update_critic",
+    "critic_update",
+    "actor_update",
     "ppo_step",
     "assemble_batch",
-    "StepSettings",
-    "fullest_micro_batches",
-    "worst_case_notes",
 ]
-
-
-@dataclass(frozen=True)
-class MicroBatching:
-    """How a rank splits its sequences: fixed ``micro_batch_size`` or a per-GPU token budget."""
-
-    dynamic: bool
-    micro_batch_size: Optional[int]
-    max_token_len: int
-
-
-@dataclass
-class Trainee:
-    """A sharded model plus (if trained) its optimizer and the knobs that act around its passes."""
-
-    sharded: Sharded
-    optimizer: Optional[torch.optim.Optimizer] = None
-    param_offload: bool = False  # parameter shards in host memory between phases
-    optimizer_offload: bool = False  # optimizer state in host memory between updates
-    activation_offload: bool = False
-    rmpad: bool = True
-    no_sync: bool = False  # use_no_sync_for_gradient_accumulation
-    pad_to_multiple: Optional[int] = None  # pad_to_length: packed rows padded to a multiple of the bucket
-    entropy_fn: Callable[[torch.Tensor], torch.Tensor] = core.entropy_from_logits
-
-
-@contextlib.contextmanager
-def resident(trainee: Trainee, device: torch.device, *, update: bool = False):
-    """What a phase needs on the device, for the phase only (verl's load_fsdp_model_to_gpu /
-    load_fsdp_optimizer before a phase, offload after): the parameter shards with ``param_offload``,
-    and for an update the optimizer state with ``optimizer_offload``. On a CPU run both are no-ops."""
-    if trainee.param_offload:
-        move_params(trainee.sharded, device)
-    if update and trainee.optimizer_offload:
-        move_optimizer_state(trainee.optimizer, None)  # next to each parameter, wherever it lives
-    try:
-        yield
-    finally:
-        if update and trainee.optimizer_offload:
-            move_optimizer_state(trainee.optimizer, torch.device("cpu"))
-        if trainee.param_offload:
-            move_params(trainee.sharded, torch.device("cpu"))
-
-
-def make_entropy_fn(*, chunk_size: Optional[int], checkpointing: bool, compile: bool):
-    """The actor's entropy function as verl builds it: chunked over tokens (lower transient peak),
-    torch.compile'd, and under autograd optionally checkpointed (its (N, V) softmax recomputed in
-    backward instead of kept)."""
-    fn = core.entropy_from_logits
-    if chunk_size is not None:
-        fn = functools.partial(core.entropy_from_logits_chunked, chunk_size=chunk_size)
-    if compile:
-        fn = torch.compile(fn, dynamic=True)
-    if not checkpointing:
-        return fn
-
-    def checkpointed(logits: torch.Tensor) -> torch.Tensor:
-        if not torch.is_grad_enabled():
-            return fn(logits)
-        return torch.utils.checkpoint.checkpoint(fn, logits, use_reentrant=False)
-
-    return checkpointed
-
-
-@dataclass(frozen=True)
-class ActorLoss:
-    clip_ratio_low: float
-    clip_ratio_high: float
-    clip_ratio_c: float
-    entropy_coeff: float
-    calculate_entropy: bool
-    use_kl_loss: bool
-    kl_loss_coef: float
-    kl_loss_type: str
-    grad_clip: float
-
-
-@dataclass(frozen=True)
-class StepSettings:
-    """The global (algorithm) settings of a step; identical under every knob setting."""
-
-    sampling: Sampling  # the rollout's
-    ppo_mini_batch_size_per_gpu: int  # sequences, = ppo_mini_batch_size * n / world_size
-    critic_mini_batch_size_per_gpu: int
-    ppo_epochs: int
-    critic_epochs: int
-    gamma: float
-    lam: float
-    use_kl_in_reward: bool
-    kl_penalty: str
-    cliprange_value: float
-    critic_grad_clip: float
-    actor_loss: ActorLoss
-    train_batch_size: int
-    rollout_n: int
 
 
 # --------------------------------------------------------------------------- forward passes
@@ -480,6 +370,38 @@ def update_critic(
     return {f"critic/{k}": v for k, v in stats.items()}
 
 
+def critic_update(roles: Roles, batch: dict, *, prompt_width: int, device: torch.device) -> dict:
+    """:func:`update_critic` of ``roles.critic`` with this run's plan and settings."""
+    s = roles.settings
+    return update_critic(
+        roles.critic,
+        batch,
+        roles.plans.critic,
+        cliprange_value=s.cliprange_value,
+        grad_clip=s.critic_grad_clip,
+        mini_per_gpu=s.critic_mini_batch_size_per_gpu,
+        epochs=s.critic_epochs,
+        prompt_width=prompt_width,
+        device=device,
+    )
+
+
+def actor_update(roles: Roles, batch: dict, *, prompt_width: int, device: torch.device) -> dict:
+    """:func:`update_actor` of ``roles.actor`` with this run's plan and settings."""
+    s = roles.settings
+    return update_actor(
+        roles.actor,
+        batch,
+        roles.plans.actor,
+        s.actor_loss,
+        mini_per_gpu=s.ppo_mini_batch_size_per_gpu,
+        epochs=s.ppo_epochs,
+        prompt_width=prompt_width,
+        temperature=s.sampling.temperature,
+        device=device,
+    )
+
+
 # --------------------------------------------------------------------------- one iteration
 def assemble_batch(
     prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, responses: torch.Tensor, response_mask: torch.Tensor
@@ -495,131 +417,6 @@ def assemble_batch(
     }
 
 
-@dataclass
-class Plans:
-    actor: MicroBatching
-    critic: MicroBatching
-    critic_forward: MicroBatching
-    ref: MicroBatching
-    rollout_log_prob: MicroBatching
-
-
-@dataclass
-class Roles:
-    actor: Trainee
-    ref: Trainee
-    critic: Trainee
-    tokenizer: object
-    kl_ctrl: object
-    plans: Plans
-    settings: StepSettings
-    rollout: Optional["VLLMRollout"] = None  # rollout.name=vllm: the colocated engine; None: HF generate
-
-    def free(self) -> None:
-        """The run is over: give back the models' memory now (:func:`trainer.engine.parallel.free_memory`), so a
-        later trial of the same process starts from what it would have in a fresh one."""
-        for trainee in (self.actor, self.ref, self.critic):
-            free_memory(trainee.sharded, trainee.optimizer)
-
-    def update_weights(self, device: torch.device) -> None:
-        """Push the actor's current weights into the rollout engine (no-op for HF generate, which
-        reads the actor itself). Every rank gathers each tensor and loads it into its own engine."""
-        if self.rollout is None:
-            return
-        with resident(self.actor, device):  # param_offload: the shards come to the device for the gather
-            self.rollout.update_weights(iter_full_params(self.actor.sharded, device))
-
-    def release_rollout(self) -> None:
-        """After generation: the engine sleeps (``free_cache_engine``), training gets its memory back."""
-        if self.rollout is not None:
-            self.rollout.sleep()
-
-    def generate(
-        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Responses and their mask sampled from the actor with this run's rollout settings."""
-        sampling = self.settings.sampling
-        if self.rollout is not None:
-            return self.rollout.generate(prompt_ids, prompt_mask, sampling)
-        with resident(self.actor, device):
-            return generate_responses(self.actor.sharded, prompt_ids, prompt_mask, sampling)
-
-    def update_critic(self, batch: dict, *, prompt_width: int, device: torch.device) -> dict:
-        """:func:`update_critic` of the critic with this run's plan and settings."""
-        s = self.settings
-        return update_critic(
-            self.critic,
-            batch,
-            self.plans.critic,
-            cliprange_value=s.cliprange_value,
-            grad_clip=s.critic_grad_clip,
-            mini_per_gpu=s.critic_mini_batch_size_per_gpu,
-            epochs=s.critic_epochs,
-            prompt_width=prompt_width,
-            device=device,
-        )
-
-    def update_actor(self, batch: dict, *, prompt_width: int, device: torch.device) -> dict:
-        """:func:`update_actor` of the actor with this run's plan and settings."""
-        s = self.settings
-        return update_actor(
-            self.actor,
-            batch,
-            self.plans.actor,
-            s.actor_loss,
-            mini_per_gpu=s.ppo_mini_batch_size_per_gpu,
-            epochs=s.ppo_epochs,
-            prompt_width=prompt_width,
-            temperature=s.sampling.temperature,
-            device=device,
-        )
-
-
-def fullest_micro_batches(
-    plans: Plans, settings: StepSettings, seq_lengths: list[int]
-) -> dict[str, tuple[int, int, Optional[int]]]:
-    """phase -> (sequences, tokens, token budget or None for a fixed size) of the fullest micro-batch a rank's
-    sequences of ``seq_lengths`` tokens make in each phase of :func:`ppo_step`: the same plans and the same
-    partitioning (trainer/engine/batching.py) the step runs; the updates split each mini-batch. On one rank's lengths
-    (the step agrees the count across ranks: with equal lengths on every rank, as in the worst case, the same)."""
-
-    def fullest(lengths: list[int], plan: MicroBatching) -> tuple[int, int, Optional[int]]:
-        if plan.dynamic:
-            bins = token_budget_micro_batches(lengths, plan.max_token_len)
-        else:
-            bins = fixed_micro_batches(len(lengths), plan.micro_batch_size)
-        best = max(bins, key=lambda b: (sum(lengths[i] for i in b), len(b)))
-        return len(best), sum(lengths[i] for i in best), plan.max_token_len if plan.dynamic else None
-
-    def per_mini_batch(plan: MicroBatching, mini: int) -> tuple[int, int, Optional[int]]:
-        parts = [fullest(seq_lengths[i : i + mini], plan) for i in range(0, len(seq_lengths), mini)]
-        return max(parts, key=lambda x: (x[1], x[0]))
-
-    return {
-        "old_log_prob": fullest(seq_lengths, plans.rollout_log_prob),
-        "ref": fullest(seq_lengths, plans.ref),
-        "values": fullest(seq_lengths, plans.critic_forward),
-        "update_critic": per_mini_batch(plans.critic, settings.critic_mini_batch_size_per_gpu),
-        "update_actor": per_mini_batch(plans.actor, settings.ppo_mini_batch_size_per_gpu),
-    }
-
-
-def worst_case_notes(roles: Roles, *, num_rows: int, prompt_length: int, response_length: int) -> list[str]:
-    """The notes of a worst-case probe (``ppotune.worst_case``): its lengths, and what the fullest micro-batch of
-    each phase then holds on a rank of ``num_rows`` sequences."""
-    seq = prompt_length + response_length
-    parts = []
-    for phase, (num_seqs, tokens, budget) in fullest_micro_batches(
-        roles.plans, roles.settings, [seq] * num_rows
-    ).items():
-        limit = f"of a {budget}-token budget" if budget is not None else "fixed micro-batch size"
-        parts.append(f"{phase} {num_seqs} x {seq} = {tokens} tokens ({limit})")
-    return [
-        f"worst case: every prompt {prompt_length} tokens, every response {response_length} tokens (EOS ignored)",
-        f"worst case: the fullest micro-batch per phase, {num_rows} sequences per rank: " + "; ".join(parts),
-    ]
-
-
 def ppo_step(
     roles: Roles,
     prompt_ids: torch.Tensor,
@@ -628,9 +425,13 @@ def ppo_step(
     meter: PhaseMeter,
     device: torch.device,
 ) -> dict:
-    """Rollout -> reward -> old/ref log-probs -> values -> advantages -> critic and actor updates."""
+    """Rollout -> reward -> old/ref log-probs -> values -> advantages -> critic and actor updates; -> the step's
+    metrics, with ``_sum_seqlen_sq`` and this rank's ``_lengths`` for the run to take out.
+
+    Each phase runs under ``meter.phase(name)``, in the order of ``trainer.contracts.PHASES``."""
     s = roles.settings
     P = prompt_ids.shape[1]
+    temperature = s.sampling.temperature
     metrics: dict = {}
 
     # step 0. the rollout engine gets the actor's current weights (verl: update_weights)
@@ -646,32 +447,18 @@ def ppo_step(
 
     # step 2. rule-based reward on the last response token
     with meter.phase("reward"):
-        scores = torch.zeros_like(response_mask, dtype=torch.float32)
-        lengths = response_mask.sum(-1)
-        texts = roles.tokenizer.batch_decode(
-            [r[: int(n)].tolist() for r, n in zip(responses, lengths)], skip_special_tokens=True
-        )
-        seq_scores = torch.tensor(
-            [score_response(t, g) for t, g in zip(texts, ground_truths)], dtype=torch.float32, device=device
-        )
-        scores[torch.arange(len(texts), device=device), (lengths - 1).clamp(min=0)] = seq_scores
-        batch["token_level_scores"] = scores
+        seq_scores = _reward(batch, roles.tokenizer, ground_truths, device)
 
     # step 3. log-probs of the behaviour policy (the actor before this update)
     with meter.phase("old_log_prob"):
         batch["old_log_probs"], entropy = compute_old_log_probs(
-            roles.actor,
-            batch,
-            roles.plans.rollout_log_prob,
-            prompt_width=P,
-            temperature=s.sampling.temperature,
-            device=device,
+            roles.actor, batch, roles.plans.rollout_log_prob, prompt_width=P, temperature=temperature, device=device
         )
 
     # step 4. log-probs of the frozen reference policy, for the KL penalty
     with meter.phase("ref"):
         batch["ref_log_probs"] = compute_log_probs(
-            roles.ref, batch, roles.plans.ref, prompt_width=P, temperature=s.sampling.temperature, device=device
+            roles.ref, batch, roles.plans.ref, prompt_width=P, temperature=temperature, device=device
         )
 
     # step 5. critic values
@@ -680,46 +467,79 @@ def ppo_step(
 
     # step 6. KL-regularized rewards, GAE, advantages whitened over the global batch
     with meter.phase("adv"):
-        metrics["actor/kl_coef"] = roles.kl_ctrl.value  # the coefficient this step's rewards use
-        if s.use_kl_in_reward:
-            rewards, kl_mean = core.apply_kl_in_reward(
-                scores,
-                batch["old_log_probs"],
-                batch["ref_log_probs"],
-                response_mask,
-                kl_coef=roles.kl_ctrl.value,
-                kl_penalty_type=s.kl_penalty,
-            )
-            kl_sum = _all_reduce_sum(kl_mean.detach().to(torch.float64).reshape(1) * len(texts))
-            current_kl = float(kl_sum.item()) / (len(texts) * (dist.get_world_size() if dist.is_initialized() else 1))
-            metrics["actor/reward_kl_penalty"] = current_kl
-            # verl steps the controller by the number of responses in the batch (prompts x rollout.n)
-            roles.kl_ctrl.update(current_kl, n_steps=s.train_batch_size * s.rollout_n)
-        else:
-            rewards = scores
-        batch["token_level_rewards"] = rewards
-        adv, returns = core.compute_gae_advantage_return(
-            rewards, batch["values"], response_mask, gamma=s.gamma, lam=s.lam
-        )
-        moments = _all_reduce_sum(torch.stack(core.masked_moments(adv, response_mask)).to(torch.float64))
-        mean, var = core.moments_to_mean_var(moments[0], moments[1], moments[2])
-        batch["advantages"] = core.whiten(adv, response_mask, mean=mean, var=var)
-        batch["returns"] = returns
+        metrics.update(_advantages(roles, batch))
 
     # step 7. critic update (verl's order: critic, then actor)
     with meter.phase("update_critic"):
-        metrics.update(roles.update_critic(batch, prompt_width=P, device=device))
+        metrics.update(critic_update(roles, batch, prompt_width=P, device=device))
 
     # step 8. actor update: clipped surrogate (+ KL loss, entropy bonus)
     with meter.phase("update_actor"):
-        metrics.update(roles.update_actor(batch, prompt_width=P, device=device))
+        metrics.update(actor_update(roles, batch, prompt_width=P, device=device))
 
-    # global batch statistics (one collective)
+    # step 9. global batch statistics (one collective)
+    metrics.update(_batch_statistics(batch, seq_scores, entropy, prompt_width=P, device=device))
+    return metrics
+
+
+def _reward(batch: dict, tokenizer, ground_truths: list[str], device: torch.device) -> torch.Tensor:
+    """Each response's rule-based score on its last token (``batch["token_level_scores"]``, (B, R));
+    -> the scores (B,)."""
+    responses, response_mask = batch["responses"], batch["response_mask"]
+    scores = torch.zeros_like(response_mask, dtype=torch.float32)
+    lengths = response_mask.sum(-1)
+    texts = tokenizer.batch_decode([r[: int(n)].tolist() for r, n in zip(responses, lengths)], skip_special_tokens=True)
+    seq_scores = torch.tensor(
+        [score_response(t, g) for t, g in zip(texts, ground_truths)], dtype=torch.float32, device=device
+    )
+    scores[torch.arange(len(texts), device=device), (lengths - 1).clamp(min=0)] = seq_scores
+    batch["token_level_scores"] = scores
+    return seq_scores
+
+
+def _advantages(roles: Roles, batch: dict) -> dict:
+    """``token_level_rewards`` (the scores, less the KL penalty with ``use_kl_in_reward``), ``advantages`` (GAE,
+    whitened over the global batch) and ``returns`` into ``batch``; -> the KL metrics."""
+    s, kl_ctrl = roles.settings, roles.kl_ctrl
+    scores, response_mask = batch["token_level_scores"], batch["response_mask"]
+    num_seqs = batch["responses"].shape[0]
+    metrics = {"actor/kl_coef": kl_ctrl.value}  # the coefficient this step's rewards use
+    if s.use_kl_in_reward:
+        rewards, kl_mean = core.apply_kl_in_reward(
+            scores,
+            batch["old_log_probs"],
+            batch["ref_log_probs"],
+            response_mask,
+            kl_coef=kl_ctrl.value,
+            kl_penalty_type=s.kl_penalty,
+        )
+        kl_sum = _all_reduce_sum(kl_mean.detach().to(torch.float64).reshape(1) * num_seqs)
+        current_kl = float(kl_sum.item()) / (num_seqs * (dist.get_world_size() if dist.is_initialized() else 1))
+        metrics["actor/reward_kl_penalty"] = current_kl
+        # verl steps the controller by the number of responses in the batch (prompts x rollout.n)
+        kl_ctrl.update(current_kl, n_steps=s.train_batch_size * s.rollout_n)
+    else:
+        rewards = scores
+    batch["token_level_rewards"] = rewards
+    adv, returns = core.compute_gae_advantage_return(rewards, batch["values"], response_mask, gamma=s.gamma, lam=s.lam)
+    moments = _all_reduce_sum(torch.stack(core.masked_moments(adv, response_mask)).to(torch.float64))
+    mean, var = core.moments_to_mean_var(moments[0], moments[1], moments[2])
+    batch["advantages"] = core.whiten(adv, response_mask, mean=mean, var=var)
+    batch["returns"] = returns
+    return metrics
+
+
+def _batch_statistics(
+    batch: dict, seq_scores: torch.Tensor, entropy: torch.Tensor, *, prompt_width: int, device: torch.device
+) -> dict:
+    """Reward, entropy, lengths and token counts over the global batch (one collective), and this rank's
+    prompt and response lengths (the run gathers them: the length distribution the measurement saw)."""
+    response_mask = batch["response_mask"]
     seq_lens = batch["attention_mask"].sum(-1)
     local = torch.stack(
         [
             seq_scores.sum().double(),
-            torch.tensor(float(len(texts)), dtype=torch.float64, device=device),
+            torch.tensor(float(batch["responses"].shape[0]), dtype=torch.float64, device=device),
             batch["attention_mask"].sum().double(),
             response_mask.sum().double(),
             (seq_lens.double() ** 2).sum(),
@@ -727,14 +547,13 @@ def ppo_step(
         ]
     )
     glob = _all_reduce_sum(local).tolist()
-    metrics["actor/entropy"] = glob[5] / max(glob[3], 1.0)  # token mean over the global batch
+    metrics = {"actor/entropy": glob[5] / max(glob[3], 1.0)}  # token mean over the global batch
     metrics["critic/score/mean"] = metrics["reward/mean"] = glob[0] / glob[1]
     metrics["response_length/mean"] = glob[3] / glob[1]
     metrics["perf/total_num_tokens"] = int(glob[2])
     metrics["_sum_seqlen_sq"] = glob[4]
-    # this rank's sequences (the run gathers them: the length distribution the measurement saw)
     metrics["_lengths"] = (
-        batch["attention_mask"][:, :P].sum(-1).tolist(),
+        batch["attention_mask"][:, :prompt_width].sum(-1).tolist(),
         response_mask.sum(-1).tolist(),
     )
     return metrics

@@ -1,9 +1,9 @@
 """One rank of a warm job (``ppotune train CONFIG --serve JOBDIR``; the launcher starts its ranks:
 trainer/launch/ranks.py).
 
-The rank starts once (:func:`trainer.rank.run.start_rank`: device, process group), then runs trial after trial
+The rank starts once (:func:`trainer.rank.process.start_rank`: device, process group), then runs trial after trial
 as the launcher hands them over (:class:`trainer.launch.jobdir.JobDir` task files, read by every rank: the job
-is one node), each trial through :func:`trainer.rank.run.run_trial`, the code a cold ``ppotune train`` runs.
+is one node), each trial through :func:`trainer.rank.trial.run_trial`, the code a cold ``ppotune train`` runs.
 Between two trials it gives back what the trial held and resets what the next one measures:
 
 * memory: garbage collection, the CUDA caching allocator emptied, on CPU ``malloc_trim(0)`` so freed heap
@@ -12,14 +12,14 @@ Between two trials it gives back what the trial held and resets what the next on
   (the next trial sets its own: RLIMIT_DATA above the level at its start, as a soft limit). On CPU a
   later trial counts its memory and its cap from its start less what the job's first trial left behind
   once freed (``first_use``: kernels, caches, lazily built state, which a cold run allocates inside its
-  own figure), so its figures are a cold run's (trainer.rank.run.run_trial);
+  own figure), so its figures are a cold run's (trainer.rank.trial.run_trial);
 * torch's random generators re-seeded as a fresh process has them, so a trial samples the same responses
   warm or cold; ``torch._dynamo`` reset (a compiled function's cache would otherwise outlive its models).
 
 What a job keeps: the process, its imports, the process group and a CPU copy of the weights the last trial
 loaded (:class:`WeightCache`, rank 0 only: the other ranks build on the meta device and get their shards
 from rank 0), and the tokenized prompts while the data config stays the same. An OOM, an error or a signal
-ends the rank exactly as in a cold run (trainer.rank.run.fail: status file, exit code 3/1); the launcher then ends
+ends the rank exactly as in a cold run (trainer.rank.process.fail: status file, exit code 3/1); the launcher then ends
 the job and the tuner starts a fresh one for the next trial.
 """
 
@@ -37,16 +37,8 @@ from pathlib import Path
 
 from trainer.launch.jobdir import JobDir
 from trainer.launch.proc import die_with_parent, leave_rank, write_json_atomic
-from trainer.rank.run import (
-    MemoryLevel,
-    fail,
-    malloc_trim,
-    model_loads,
-    new_state,
-    on_sigterm_write,
-    run_trial,
-    start_rank,
-)
+from trainer.rank.process import MemoryLevel, fail, malloc_trim, new_state, on_sigterm_write, start_rank
+from trainer.rank.trial import run_trial
 
 __all__ = ["main", "WeightCache"]
 
@@ -164,11 +156,12 @@ def main(argv: list[str] | None = None) -> int:
 
         from trainer.config import load_config
         from trainer.engine.models import load_tokenizer
+        from trainer.engine.roles import model_loads
 
         fresh_seed = torch.initial_seed()  # a fresh process's generators: every trial starts from them
         proc = start_rank(load_config(args.config, validate=False))
         weights, tokenizers, data_cache = WeightCache(), {}, {}
-        first_use = None  # CPU: what the job's first trial left behind (see trainer.rank.run.run_trial)
+        first_use = None  # CPU: what the job's first trial left behind (see trainer.rank.trial.run_trial)
         left_gb = 0.0  # CUDA: what the earlier trials left allocated on the device
         seq = 0
         while True:

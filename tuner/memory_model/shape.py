@@ -1,7 +1,7 @@
 """A model's shape and its parameter counts, from the HF config fields alone (no weights, no torch).
 
 A trial records its actor's shape (``TrialRecord.model_shape``: the fields of
-``trainer.rank.run.SHAPE_KEYS`` plus ``head_dim`` and ``num_params``); :func:`param_counts` splits it into
+``trainer.engine.roles.SHAPE_KEYS`` plus ``head_dim`` and ``num_params``); :func:`param_counts` splits it into
 the pieces the memory terms need: the embedding, one decoder block (attention, MLP, norms), the final
 norm, the LM head (absent when tied) and the critic's value head, and the FSDP units they form (each
 decoder block is one unit; the root unit holds what is outside the blocks).

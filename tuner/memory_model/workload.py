@@ -64,7 +64,7 @@ class Lengths:
 
 @dataclass(frozen=True)
 class Plan:
-    """How a phase splits its sequences (``trainer.engine.step.MicroBatching``)."""
+    """How a phase splits its sequences (``trainer.engine.roles.MicroBatching``)."""
 
     dynamic: bool
     micro_batch_size: Optional[int]

@@ -1,0 +1,522 @@
+"""The roles of a PPO run (torch): what each one is, and :func:`build_roles`, which makes them from a config.
+
+A :class:`Trainee` is a sharded model plus (if trained) its optimizer and the knobs that act around its passes;
+:class:`Roles` holds actor, reference model and critic with the run's micro-batch :class:`Plans` and its
+:class:`StepSettings` (the algorithm's, identical under every knob setting): what
+:func:`trainer.engine.step.ppo_step` runs on. :func:`build_roles` reads top to bottom as numbered steps:
+the notes about knobs that cannot act (trainer/engine/knob_notes.py), the three models loaded and sharded one
+at a time, the rollout engine, optimizers, KL controller, plans and settings, assembled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from trainer.config import PRECISIONS, effective_config
+from trainer.engine import core
+from trainer.engine.batching import fixed_micro_batches, token_budget_micro_batches
+from trainer.engine.knob_notes import knob_notes
+from trainer.engine.models import load_actor, load_critic, num_params
+from trainer.engine.parallel import (
+    Sharded,
+    ShardKnobs,
+    free_memory,
+    iter_full_params,
+    move_optimizer_state,
+    move_params,
+    shard_model,
+    torch_dtype,
+)
+from trainer.engine.rollout import Sampling, generate_responses
+
+if TYPE_CHECKING:
+    from trainer.engine.vllm_rollout import VLLMRollout
+
+__all__ = [
+    "MicroBatching",
+    "Trainee",
+    "resident",
+    "make_entropy_fn",
+    "ActorLoss",
+    "StepSettings",
+    "Plans",
+    "Roles",
+    "fullest_micro_batches",
+    "worst_case_notes",
+    "model_loads",
+    "build_roles",
+    "SHAPE_KEYS",
+]
+
+#: The HF config fields a result records under ``model`` (with ``head_dim`` and ``num_params``).
+SHAPE_KEYS = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "tie_word_embeddings",
+)
+
+
+# --------------------------------------------------------------------------- what a role is
+
+
+@dataclass(frozen=True)
+class MicroBatching:
+    """How a rank splits its sequences: fixed ``micro_batch_size`` or a per-GPU token budget."""
+
+    dynamic: bool
+    micro_batch_size: Optional[int]
+    max_token_len: int
+
+
+@dataclass
+class Trainee:
+    """A sharded model plus (if trained) its optimizer and the knobs that act around its passes."""
+
+    sharded: Sharded
+    optimizer: Optional[torch.optim.Optimizer] = None
+    param_offload: bool = False  # parameter shards in host memory between phases
+    optimizer_offload: bool = False  # optimizer state in host memory between updates
+    activation_offload: bool = False
+    rmpad: bool = True
+    no_sync: bool = False  # use_no_sync_for_gradient_accumulation
+    pad_to_multiple: Optional[int] = None  # pad_to_length: packed rows padded to a multiple of the bucket
+    entropy_fn: Callable[[torch.Tensor], torch.Tensor] = core.entropy_from_logits
+
+
+@contextlib.contextmanager
+def resident(trainee: Trainee, device: torch.device, *, update: bool = False):
+    """What a phase needs on the device, for the phase only (verl's load_fsdp_model_to_gpu /
+    load_fsdp_optimizer before a phase, offload after): the parameter shards with ``param_offload``,
+    and for an update the optimizer state with ``optimizer_offload``. On a CPU run both are no-ops."""
+    if trainee.param_offload:
+        move_params(trainee.sharded, device)
+    if update and trainee.optimizer_offload:
+        move_optimizer_state(trainee.optimizer, None)  # next to each parameter, wherever it lives
+    try:
+        yield
+    finally:
+        if update and trainee.optimizer_offload:
+            move_optimizer_state(trainee.optimizer, torch.device("cpu"))
+        if trainee.param_offload:
+            move_params(trainee.sharded, torch.device("cpu"))
+
+
+def make_entropy_fn(*, chunk_size: Optional[int], checkpointing: bool, compile: bool):
+    """The actor's entropy function as verl builds it: chunked over tokens (lower transient peak),
+    torch.compile'd, and under autograd optionally checkpointed (its (N, V) softmax recomputed in
+    backward instead of kept)."""
+    fn = core.entropy_from_logits
+    if chunk_size is not None:
+        fn = functools.partial(core.entropy_from_logits_chunked, chunk_size=chunk_size)
+    if compile:
+        fn = torch.compile(fn, dynamic=True)
+    if not checkpointing:
+        return fn
+
+    def checkpointed(logits: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            return fn(logits)
+        return torch.utils.checkpoint.checkpoint(fn, logits, use_reentrant=False)
+
+    return checkpointed
+
+
+@dataclass(frozen=True)
+class ActorLoss:
+    clip_ratio_low: float
+    clip_ratio_high: float
+    clip_ratio_c: float
+    entropy_coeff: float
+    calculate_entropy: bool
+    use_kl_loss: bool
+    kl_loss_coef: float
+    kl_loss_type: str
+    grad_clip: float
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """The global (algorithm) settings of a step; identical under every knob setting."""
+
+    sampling: Sampling  # the rollout's
+    ppo_mini_batch_size_per_gpu: int  # sequences, = ppo_mini_batch_size * n / world_size
+    critic_mini_batch_size_per_gpu: int
+    ppo_epochs: int
+    critic_epochs: int
+    gamma: float
+    lam: float
+    use_kl_in_reward: bool
+    kl_penalty: str
+    cliprange_value: float
+    critic_grad_clip: float
+    actor_loss: ActorLoss
+    train_batch_size: int
+    rollout_n: int
+
+
+@dataclass
+class Plans:
+    """Each phase's :class:`MicroBatching` (the per-GPU knobs of its section)."""
+
+    actor: MicroBatching
+    critic: MicroBatching
+    critic_forward: MicroBatching
+    ref: MicroBatching
+    rollout_log_prob: MicroBatching
+
+
+@dataclass
+class Roles:
+    """What :func:`trainer.engine.step.ppo_step` runs on: the three trainees, the rollout (a colocated vLLM
+    engine or HF generate from the actor), the KL controller, the plans and the step's settings."""
+
+    actor: Trainee
+    ref: Trainee
+    critic: Trainee
+    tokenizer: object
+    kl_ctrl: object
+    plans: Plans
+    settings: StepSettings
+    rollout: Optional["VLLMRollout"] = None  # rollout.name=vllm: the colocated engine; None: HF generate
+
+    def free(self) -> None:
+        """The run is over: give back the models' memory now (:func:`trainer.engine.parallel.free_memory`), so a
+        later trial of the same process starts from what it would have in a fresh one."""
+        for trainee in (self.actor, self.ref, self.critic):
+            free_memory(trainee.sharded, trainee.optimizer)
+
+    def update_weights(self, device: torch.device) -> None:
+        """Push the actor's current weights into the rollout engine (no-op for HF generate, which
+        reads the actor itself). Every rank gathers each tensor and loads it into its own engine."""
+        if self.rollout is None:
+            return
+        with resident(self.actor, device):  # param_offload: the shards come to the device for the gather
+            self.rollout.update_weights(iter_full_params(self.actor.sharded, device))
+
+    def release_rollout(self) -> None:
+        """After generation: the engine sleeps (``free_cache_engine``), training gets its memory back."""
+        if self.rollout is not None:
+            self.rollout.sleep()
+
+    def generate(
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Responses and their mask sampled from the actor with this run's rollout settings."""
+        sampling = self.settings.sampling
+        if self.rollout is not None:
+            return self.rollout.generate(prompt_ids, prompt_mask, sampling)
+        with resident(self.actor, device):
+            return generate_responses(self.actor.sharded, prompt_ids, prompt_mask, sampling)
+
+
+def fullest_micro_batches(
+    plans: Plans, settings: StepSettings, seq_lengths: list[int]
+) -> dict[str, tuple[int, int, Optional[int]]]:
+    """phase -> (sequences, tokens, token budget or None for a fixed size) of the fullest micro-batch a rank's
+    sequences of ``seq_lengths`` tokens make in each phase of :func:`trainer.engine.step.ppo_step`: the same plans
+    and the same partitioning (trainer/engine/batching.py) the step runs; the updates split each mini-batch. On one
+    rank's lengths (the step agrees the count across ranks: with equal lengths on every rank, as in the worst case,
+    the same)."""
+
+    def fullest(lengths: list[int], plan: MicroBatching) -> tuple[int, int, Optional[int]]:
+        if plan.dynamic:
+            bins = token_budget_micro_batches(lengths, plan.max_token_len)
+        else:
+            bins = fixed_micro_batches(len(lengths), plan.micro_batch_size)
+        best = max(bins, key=lambda b: (sum(lengths[i] for i in b), len(b)))
+        return len(best), sum(lengths[i] for i in best), plan.max_token_len if plan.dynamic else None
+
+    def per_mini_batch(plan: MicroBatching, mini: int) -> tuple[int, int, Optional[int]]:
+        parts = [fullest(seq_lengths[i : i + mini], plan) for i in range(0, len(seq_lengths), mini)]
+        return max(parts, key=lambda x: (x[1], x[0]))
+
+    return {
+        "old_log_prob": fullest(seq_lengths, plans.rollout_log_prob),
+        "ref": fullest(seq_lengths, plans.ref),
+        "values": fullest(seq_lengths, plans.critic_forward),
+        "update_critic": per_mini_batch(plans.critic, settings.critic_mini_batch_size_per_gpu),
+        "update_actor": per_mini_batch(plans.actor, settings.ppo_mini_batch_size_per_gpu),
+    }
+
+
+def worst_case_notes(roles: Roles, *, num_rows: int, prompt_length: int, response_length: int) -> list[str]:
+    """The notes of a worst-case probe (``ppotune.worst_case``): its lengths, and what the fullest micro-batch of
+    each phase then holds on a rank of ``num_rows`` sequences."""
+    seq = prompt_length + response_length
+    parts = []
+    for phase, (num_seqs, tokens, budget) in fullest_micro_batches(
+        roles.plans, roles.settings, [seq] * num_rows
+    ).items():
+        limit = f"of a {budget}-token budget" if budget is not None else "fixed micro-batch size"
+        parts.append(f"{phase} {num_seqs} x {seq} = {tokens} tokens ({limit})")
+    return [
+        f"worst case: every prompt {prompt_length} tokens, every response {response_length} tokens (EOS ignored)",
+        f"worst case: the fullest micro-batch per phase, {num_rows} sequences per rank: " + "; ".join(parts),
+    ]
+
+
+# --------------------------------------------------------------------------- building the roles from a config
+def model_loads(cfg, rank: int) -> dict:
+    """role -> (loader, path, keyword arguments): how :func:`build_roles` loads each model on ``rank``.
+
+    Rank 0 loads the weights; the others build the architecture on the meta device and get their shards
+    from rank 0 (verl: rank-0 load + sync_module_states). The reference model starts as the actor."""
+    cfg = effective_config(cfg)
+    max_pos = cfg.data.max_prompt_length + cfg.data.max_response_length
+    kw = dict(tiny=cfg.ppotune.tiny, max_positions=max_pos, seed=cfg.trainer.seed, meta=rank != 0)
+    actor = (load_actor, cfg.actor_rollout_ref.model.path, kw)
+    return {"actor": actor, "ref": actor, "critic": (load_critic, cfg.critic.model.path, kw)}
+
+
+def build_roles(cfg, tokenizer, device, world: int, notes: list[str], *, weights=None):
+    """Load, shard and equip actor, ref and critic with this config's knobs; -> (Roles, model shape info).
+
+    ``weights``: where a warm job keeps a copy of the loaded weights (``load(loader, path, tokenizer, **kw)``
+    returns a fresh model, as the loader would, without reading the checkpoint again)."""
+    cfg = effective_config(cfg)  # null follow-keys filled in: every value below is what the run uses
+
+    # step 1. what cannot act as set is said in the notes, never silently ignored
+    notes.extend(knob_notes(cfg, device.type))
+
+    # step 2. actor, reference model and critic, each sharded before the next is built
+    models = _build_models(cfg, tokenizer, device, notes, weights)
+
+    # step 3. param_offload: the shards wait in host memory from the start, as verl offloads them at init
+    # (a colocated vLLM engine, built next, then sees the device without them)
+    if device.type != "cpu":
+        a, c = cfg.actor_rollout_ref.actor, cfg.critic
+        for sharded, offload in ((models.actor, a.fsdp_config.param_offload), (models.critic, c.fsdp.param_offload)):
+            if offload:
+                move_params(sharded, torch.device("cpu"))
+
+    # step 4. the rollout: a colocated vLLM engine (rollout.name=vllm), else HF generate from the actor
+    rollout = _vllm_rollout(cfg, models, device, notes) if cfg.actor_rollout_ref.rollout.name == "vllm" else None
+
+    # step 5. the trainees: the models with their optimizers and the knobs that act around their passes
+    actor, ref, critic = _trainees(cfg, models)
+
+    # step 6. assembled with the KL controller, the micro-batch plans and the step's settings
+    roles = Roles(
+        actor=actor,
+        ref=ref,
+        critic=critic,
+        tokenizer=tokenizer,
+        kl_ctrl=_kl_controller(cfg.algorithm.kl_ctrl),
+        plans=_plans(cfg),
+        settings=_step_settings(cfg, tokenizer, world),
+        rollout=rollout,
+    )
+    return roles, _shape_info(models.shape, models.num_params)
+
+
+def _shard_knobs(fc, strategy: str, gradient_checkpointing: bool, *, compute_offload: bool) -> ShardKnobs:
+    """A role's sharding knobs from its FSDP section (``fc``)."""
+    mp = fc.mixed_precision
+    return ShardKnobs(
+        strategy=strategy,
+        compute_offload=compute_offload,
+        reshard_after_forward=fc.reshard_after_forward,
+        forward_prefetch=fc.forward_prefetch,
+        fsdp_size=fc.fsdp_size,
+        param_dtype=PRECISIONS[mp.param_dtype],
+        reduce_dtype=PRECISIONS[mp.reduce_dtype],
+        buffer_dtype=PRECISIONS[mp.buffer_dtype],
+        gradient_checkpointing=gradient_checkpointing,
+        wrap_min_num_params=fc.wrap_policy.min_num_params,
+    )
+
+
+@dataclass(frozen=True)
+class _Models:
+    """The three sharded models, and the actor's shape (its HF config) and parameter count before sharding."""
+
+    actor: Sharded
+    ref: Sharded
+    critic: Sharded
+    shape: Any  # the actor's transformers config
+    num_params: int
+
+
+def _build_models(cfg, tokenizer, device, notes: list[str], weights) -> _Models:
+    """Rank 0 loads the weights; the others build the architecture on the meta device and get their
+    shards from rank 0 (verl: rank-0 load + sync_module_states). One model at a time, each sharded
+    before the next is built: host memory holds one full model, on one rank."""
+    a, c = cfg.actor_rollout_ref.actor, cfg.critic
+    ref_fc, mdl = cfg.actor_rollout_ref.ref.fsdp_config, cfg.actor_rollout_ref.model
+    loads = model_loads(cfg, dist.get_rank())
+
+    def build(role, fc, name, shard_knobs, *, frozen=False):
+        """-> (the model's HF config, its parameter count, the sharded model)."""
+        load, path, kw = loads[role]
+        model = load(path, tokenizer, **kw) if weights is None else weights.load(load, path, tokenizer, **kw)
+        model = model.to(torch_dtype(fc.model_dtype))  # master weights (model_dtype)
+        model.requires_grad_(not frozen)
+        count = num_params(model)  # before sharding: afterwards a rank sees only its shards
+        return model.config, count, shard_model(model, shard_knobs, device=device, name=name, notes=notes)
+
+    actor_knobs = _shard_knobs(
+        a.fsdp_config, a.strategy, mdl.enable_gradient_checkpointing, compute_offload=a.fsdp_config.offload_policy
+    )
+    shape, count, actor = build("actor", a.fsdp_config, "actor_rollout_ref.actor.fsdp_config", actor_knobs)
+    # the reference model: always compute-time offloaded, never checkpointed (it runs forward only)
+    ref_knobs = _shard_knobs(ref_fc, a.strategy, False, compute_offload=True)
+    _, _, ref = build("ref", ref_fc, "actor_rollout_ref.ref.fsdp_config", ref_knobs, frozen=True)
+    critic_knobs = _shard_knobs(
+        c.fsdp, c.strategy, c.model.enable_gradient_checkpointing, compute_offload=c.fsdp.offload_policy
+    )
+    _, _, critic = build("critic", c.fsdp, "critic.fsdp", critic_knobs)
+    return _Models(actor=actor, ref=ref, critic=critic, shape=shape, num_params=count)
+
+
+def _vllm_rollout(cfg, models: _Models, device, notes: list[str]) -> "VLLMRollout":
+    """The colocated vLLM engine, sized by its plan (whose notes the run says)."""
+    from trainer.engine.vllm_rollout import DTYPE_BYTES, VLLMRollout, engine_plan
+
+    ro = cfg.actor_rollout_ref.rollout
+    plan = engine_plan(
+        ro,
+        device_type=device.type,
+        max_model_len=ro.max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length,
+        weight_bytes=models.num_params * DTYPE_BYTES[ro.dtype],
+        cpu_memory_gb=cfg.ppotune.vllm_cpu_memory_gb,
+        rank=dist.get_rank(),
+    )
+    notes.extend(plan.notes)
+    return VLLMRollout.build(models.shape, plan)
+
+
+def _adamw(sharded: Sharded, optim) -> torch.optim.AdamW:
+    return torch.optim.AdamW(
+        sharded.module.parameters(), lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay
+    )
+
+
+def _trainees(cfg, models: _Models) -> tuple[Trainee, Trainee, Trainee]:
+    """(actor, ref, critic): each model with its optimizer (the trained ones) and its pass knobs."""
+    a, c = cfg.actor_rollout_ref.actor, cfg.critic
+    ref_fc, mdl = cfg.actor_rollout_ref.ref.fsdp_config, cfg.actor_rollout_ref.model
+    actor_opt = _adamw(models.actor, a.optim)
+    critic_opt = _adamw(models.critic, c.optim)
+    actor = Trainee(
+        models.actor,
+        actor_opt,
+        param_offload=a.fsdp_config.param_offload,
+        optimizer_offload=a.fsdp_config.optimizer_offload,
+        activation_offload=mdl.enable_activation_offload,
+        rmpad=mdl.use_remove_padding,
+        no_sync=a.fsdp_config.use_no_sync_for_gradient_accumulation,
+        pad_to_multiple=a.fsdp_config.pad_to_length_bucket if a.pad_to_length else None,
+        entropy_fn=make_entropy_fn(
+            chunk_size=a.entropy_from_logits_chunk_size if a.entropy_from_logits_with_chunking else None,
+            checkpointing=a.entropy_checkpointing,
+            compile=a.use_torch_compile,
+        ),
+    )
+    ref = Trainee(
+        models.ref,
+        rmpad=mdl.use_remove_padding,
+        pad_to_multiple=ref_fc.pad_to_length_bucket if a.pad_to_length else None,
+    )
+    critic = Trainee(
+        models.critic,
+        critic_opt,
+        param_offload=c.fsdp.param_offload,
+        optimizer_offload=c.fsdp.optimizer_offload,
+        activation_offload=c.model.enable_activation_offload,
+        rmpad=c.model.use_remove_padding,
+        no_sync=c.fsdp.use_no_sync_for_gradient_accumulation,
+    )
+    return actor, ref, critic
+
+
+def _kl_controller(kl):
+    """``algorithm.kl_ctrl``: the coefficient of the KL penalty in the reward, adaptive or fixed."""
+    if kl.type == "adaptive":
+        return core.AdaptiveKLController(init_kl_coef=kl.kl_coef, target_kl=kl.target_kl, horizon=kl.horizon)
+    return core.FixedKLController(kl_coef=kl.kl_coef)
+
+
+def _plans(cfg) -> Plans:
+    """Each phase's micro-batching, from its section's per-GPU keys."""
+    a, c = cfg.actor_rollout_ref.actor, cfg.critic
+    ref_cfg, ro = cfg.actor_rollout_ref.ref, cfg.actor_rollout_ref.rollout
+    return Plans(
+        actor=MicroBatching(a.use_dynamic_bsz, a.ppo_micro_batch_size_per_gpu, a.ppo_max_token_len_per_gpu),
+        critic=MicroBatching(c.use_dynamic_bsz, c.ppo_micro_batch_size_per_gpu, c.ppo_max_token_len_per_gpu),
+        critic_forward=MicroBatching(
+            c.use_dynamic_bsz, c.forward_micro_batch_size_per_gpu, c.forward_max_token_len_per_gpu
+        ),
+        ref=MicroBatching(
+            ref_cfg.log_prob_use_dynamic_bsz,
+            ref_cfg.log_prob_micro_batch_size_per_gpu,
+            ref_cfg.log_prob_max_token_len_per_gpu,
+        ),
+        rollout_log_prob=MicroBatching(
+            ro.log_prob_use_dynamic_bsz, ro.log_prob_micro_batch_size_per_gpu, ro.log_prob_max_token_len_per_gpu
+        ),
+    )
+
+
+def _step_settings(cfg, tokenizer, world: int) -> StepSettings:
+    """The algorithm's settings of every step; the mini-batches per GPU at this world size."""
+    a, c, ro = cfg.actor_rollout_ref.actor, cfg.critic, cfg.actor_rollout_ref.rollout
+    n = ro.n
+    return StepSettings(
+        sampling=Sampling(
+            max_response_length=cfg.data.max_response_length,
+            temperature=ro.temperature,
+            top_p=ro.top_p,
+            top_k=ro.top_k,
+            do_sample=ro.do_sample,
+            ignore_eos=ro.ignore_eos or cfg.ppotune.worst_case,  # the worst-case probe: full-length responses
+            pad_id=tokenizer.pad_token_id,
+            eos_id=tokenizer.eos_token_id,
+            vocab_limit=len(tokenizer),
+        ),
+        ppo_mini_batch_size_per_gpu=a.ppo_mini_batch_size * n // world,
+        critic_mini_batch_size_per_gpu=c.ppo_mini_batch_size * n // world,
+        ppo_epochs=a.ppo_epochs,
+        critic_epochs=c.ppo_epochs,
+        gamma=cfg.algorithm.gamma,
+        lam=cfg.algorithm.lam,
+        use_kl_in_reward=cfg.algorithm.use_kl_in_reward,
+        kl_penalty=cfg.algorithm.kl_penalty,
+        cliprange_value=c.cliprange_value,
+        critic_grad_clip=c.grad_clip,
+        actor_loss=ActorLoss(
+            clip_ratio_low=a.clip_ratio_low,
+            clip_ratio_high=a.clip_ratio_high,
+            clip_ratio_c=a.clip_ratio_c,
+            entropy_coeff=a.entropy_coeff,
+            calculate_entropy=a.calculate_entropy,
+            use_kl_loss=a.use_kl_loss,
+            kl_loss_coef=a.kl_loss_coef,
+            kl_loss_type=a.kl_loss_type,
+            grad_clip=a.grad_clip,
+        ),
+        train_batch_size=cfg.data.train_batch_size,
+        rollout_n=n,
+    )
+
+
+def _shape_info(shape, n_params: int) -> dict:
+    """The result's ``model`` (what tuner.memory_model computes from) and what the MFU formula reads."""
+    head_dim = getattr(shape, "head_dim", None) or shape.hidden_size // shape.num_attention_heads
+    return {
+        "model": {**{k: getattr(shape, k, None) for k in SHAPE_KEYS}, "head_dim": head_dim, "num_params": n_params},
+        "num_params": n_params,
+        "head_dim": head_dim,
+        "num_heads": shape.num_attention_heads,
+        "num_layers": shape.num_hidden_layers,
+    }
