@@ -22,19 +22,18 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import optuna
 import psutil
 
 from trainer.config import apply_overrides, config_from_dict, config_to_dict, flatten
-from trainer.contracts import STUDY_SCHEMA_VERSION, ExitCode, Status, StorageError, TrialRecord, parse_storage
+from trainer.contracts import STUDY_SCHEMA_VERSION, ExitCode, StorageError, TrialRecord, parse_storage
 from trainer.summary import MIN_MEASURED_STEPS
 from tuner.search.decide import count_progress
 from tuner.search.loop import Search, SearchOptions
 from tuner.search.policy import SAMPLERS, build_sampler
-from tuner.search.progress import Display, trial_line
-from tuner.search.session import TrialEvent
+from tuner.search.progress import ConsoleObserver, Display, seed_display, summary
 from tuner.space import Space, base_flat_config, comparable_space, load_space
 from tuner.stages.confirm import DEFAULT_ROUNDS, MAX_FINALISTS
 from tuner.study import lifecycle as st
@@ -43,13 +42,18 @@ from tuner.trials.launch import add_hang_flags, positive_seconds, stop_on_signal
 from tuner.trials.memory import gpu_info, nvml_available, visible_gpus
 from tuner.trials.runners import SubprocessRunner, VerlEngine
 from tuner.trials.warm import WarmRunner
-from tuner.units import gb
 from tuner.world import WorldPlan, plan_world, trial_overrides
 
 __all__ = ["add_arguments", "run", "options_from_args"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    for flags in (_study_flags, _trial_flags, _search_flags, _output_flags):
+        flags(p)
+
+
+def _study_flags(p: argparse.ArgumentParser) -> None:
+    """What the search is over and where its study lives."""
     p.add_argument("base_config", help="base config YAML (verl keys); its values are the baseline trial")
     p.add_argument("--space", required=True, help="search space YAML (see search_spaces/)")
     p.add_argument(
@@ -90,6 +94,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--out", default="ppotune_out", help="output dir: trials/, the default storage (default ppotune_out)"
     )
+
+
+def _trial_flags(p: argparse.ArgumentParser) -> None:
+    """How each trial runs: its world, steps, measurement, limits."""
     p.add_argument(
         "--nproc", type=int, default=None, help="processes (GPUs) per trial (default: the base config's per node)"
     )
@@ -140,6 +148,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="G",
         help="a real per-process memory cap for every trial (GPU: allocator fraction; CPU: rlimit)",
     )
+
+
+def _search_flags(p: argparse.ArgumentParser) -> None:
+    """How the search proposes, and what runs after it."""
     p.add_argument("--sampler", choices=list(SAMPLERS), default="tpe")
     p.add_argument(
         "--local-every",
@@ -176,6 +188,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "once 3 trials are measured: a candidate predicted over the memory limit by more than the model's "
         "leave-one-out error is recorded, not launched)",
     )
+
+
+def _output_flags(p: argparse.ArgumentParser) -> None:
+    """How trials start and run, and what is written."""
     p.add_argument(
         "--parallel",
         type=int,
@@ -253,48 +269,6 @@ def options_from_args(args: argparse.Namespace, *, seed: Optional[int] = None) -
         heartbeat_s=args.heartbeat,
         grace_s=args.grace,
     )
-
-
-class ConsoleObserver:
-    """One plain line per finished trial (and the progress bar), plus a wandb run per trial."""
-
-    def __init__(self, display: Display, tracker: Any = None):
-        self.display = display
-        self.tracker = tracker
-
-    def trial_done(self, e: TrialEvent) -> None:
-        r = e.record
-        thr = r.throughput if e.status == Status.OK else None
-        line = trial_line(
-            e.number,
-            e.status,
-            throughput=thr,
-            memory_gb=r.peak_memory_gb,
-            seconds=float(r.duration_s or 0.0),
-            params=e.params,
-            note=e.note,
-        )
-        self.display.trial_done(
-            line,
-            counted=e.counted,
-            status=e.status,
-            throughput=thr,
-            memory_gb=r.peak_memory_gb,
-            number=e.number,
-            duration_s=float(r.duration_s or 0.0),
-        )
-        if self.tracker is not None and e.status != Status.DUPLICATE:
-            self.tracker.log_trial(
-                e.number,
-                status=str(e.status),
-                params=e.params,
-                overrides=r.overrides or {},
-                attrs=r.to_user_attrs(),
-                values=e.values,
-            )
-
-    def message(self, text: str) -> None:
-        self.display.message(text)
 
 
 # --------------------------------------------------------------------------- entry
@@ -396,37 +370,42 @@ def _incompatible(study: optuna.Study, attrs: dict) -> Optional[str]:
     return None
 
 
-def run(args: argparse.Namespace) -> int:
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    try:
-        options = options_from_args(args)
-        space = load_space(args.space)
-        base_nested, verl, plan = _base_config(args, space)
-        # One complete trial config: the trial command carries only its path and --result.
-        trial_extra = {
-            "trainer.total_training_steps": args.steps,
-            "ppotune.warmup_steps": args.warmup,
-            "ppotune.memory_limit_gb": args.memory_limit_gb,
-            "ppotune.precision": args.precision or None,
-        }
-        trial_base = config_to_dict(
-            config_from_dict(apply_overrides(base_nested, trial_extra), source=args.base_config)
+@dataclasses.dataclass(frozen=True)
+class _Inputs:
+    """What a search is about, validated before anything is launched or written."""
+
+    options: SearchOptions
+    space: Space
+    base_nested: dict  # the decision base: the base config at the trial's world
+    verl: Optional[VerlEngine]  # how verl trials run (--engine verl), else None
+    plan: WorldPlan
+    trial_base: dict  # one complete trial config: the trial command carries only its path and --result
+    trial_flat: dict
+
+
+def _inputs(args: argparse.Namespace) -> _Inputs:
+    """The flags, the space and the base config, validated (``ValueError``: one line naming file and key)."""
+    options = options_from_args(args)
+    space = load_space(args.space)
+    base_nested, verl, plan = _base_config(args, space)
+    trial_extra = {
+        "trainer.total_training_steps": args.steps,
+        "ppotune.warmup_steps": args.warmup,
+        "ppotune.memory_limit_gb": args.memory_limit_gb,
+        "ppotune.precision": args.precision or None,
+    }
+    trial_base = config_to_dict(config_from_dict(apply_overrides(base_nested, trial_extra), source=args.base_config))
+    trial_flat = flatten(trial_base)
+    if trial_flat.get("ppotune.worst_case"):
+        raise ValueError(
+            f"{args.base_config}: ppotune.worst_case: true would make every trial a worst-case probe; "
+            "the search probes its picks itself (--probe), or run ppotune probe CONFIG"
         )
-        trial_flat = flatten(trial_base)
-        if trial_flat.get("ppotune.worst_case"):
-            raise ValueError(
-                f"{args.base_config}: ppotune.worst_case: true would make every trial a worst-case probe; "
-                "the search probes its picks itself (--probe), or run ppotune probe CONFIG"
-            )
-        space.validate(trial_flat)
-    except ValueError as e:  # SpaceError / ConfigError / bad option: one line naming file and key
-        return _fail(str(e))
-    out_dir = Path(args.out).resolve()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        spec = parse_storage(args.storage, default_dir=out_dir)
-    except StorageError as e:
-        return _fail(str(e))
+    space.validate(trial_flat)
+    return _Inputs(options, space, base_nested, verl, plan, trial_base, trial_flat)
+
+
+def _warn_if_shared(spec) -> None:
     shared_fs = network_filesystem(spec.path) if spec.path is not None else None
     if shared_fs:
         print(
@@ -435,174 +414,151 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
-    device = _device(trial_flat)
-    nproc = trial_flat["trainer.n_gpus_per_node"]
-    if device["kind"] == "cuda" and options.parallel * nproc > len(visible_gpus()):
+
+
+def _runner(args: argparse.Namespace, inputs: _Inputs, device: dict, out_dir: Path):
+    """The trial runner: a warm job per process layout (ppotune's engine, unless --cold), else one process group
+    per trial. A warm job's processes start now, while the study opens and the first trial is asked."""
+    runner = SubprocessRunner(
+        device_kind=device["kind"],
+        nproc=inputs.trial_flat["trainer.n_gpus_per_node"],
+        timeout_s=args.trial_timeout,
+        grace_s=args.kill_grace,
+        verl=inputs.verl,
+        startup_timeout_s=args.startup_timeout,
+        step_timeout_s=args.step_timeout,
+    )
+    if args.cold or inputs.verl is not None:
+        return runner
+    warm = WarmRunner(cold=runner, jobs_dir=out_dir / "jobs")
+    warm.prestart(inputs.trial_base)
+    return warm
+
+
+def run(args: argparse.Namespace) -> int:
+    """``ppotune search``: validate, open (or create) the study, search, then the summary (and the report)."""
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    try:
+        inputs = _inputs(args)
+    except ValueError as e:  # SpaceError / ConfigError / bad option: one line naming file and key
+        return _fail(str(e))
+    out_dir = Path(args.out).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        spec = parse_storage(args.storage, default_dir=out_dir)
+    except StorageError as e:
+        return _fail(str(e))
+    _warn_if_shared(spec)
+    device = _device(inputs.trial_flat)
+    nproc, parallel = inputs.trial_flat["trainer.n_gpus_per_node"], inputs.options.parallel
+    if device["kind"] == "cuda" and parallel * nproc > len(visible_gpus()):
         return _fail(
-            f"--parallel {options.parallel} x --nproc {nproc} needs {options.parallel * nproc} GPUs; "
-            f"{len(visible_gpus())} visible"
+            f"--parallel {parallel} x --nproc {nproc} needs {parallel * nproc} GPUs; {len(visible_gpus())} visible"
         )
+    runner = _runner(args, inputs, device, out_dir)
+    try:
+        return _search(args, inputs, device, spec, out_dir, runner)
+    finally:
+        if isinstance(runner, WarmRunner):
+            runner.close()  # waits for the jobs asked to stop; ends one started ahead and never used
+
+
+def _search(args: argparse.Namespace, inputs: _Inputs, device: dict, spec, out_dir: Path, runner) -> int:
+    """Open the study (refusing one created for another search), run the search, say what it found."""
+    options, space = inputs.options, inputs.space
     # the memory a trial may use: the cap when there is one (on CPU it counts above the post-start level,
     # as the CPU memory objective does), else the device; the graded constraint is peak / this - 1
     penalty = args.memory_limit_gb or device["memory_total_gb"] or 80.0
-    attrs = _study_attrs(args, space, base_nested, device, penalty, verl, plan)
+    attrs = _study_attrs(args, space, inputs.base_nested, device, penalty, inputs.verl, inputs.plan)
     name = args.study or st.default_study_name(args.base_config, args.space)
     lock = st.StudyLock(spec.lock_path)
 
     def setup(study: optuna.Study) -> None:
         for k, v in attrs.items():
             study.set_user_attr(k, v)
-        study.enqueue_trial(
-            space.baseline_params(trial_flat), user_attrs=TrialRecord(baseline=True).to_user_attrs(only={"baseline"})
-        )
+        baseline = space.baseline_params(inputs.trial_flat)
+        study.enqueue_trial(baseline, user_attrs=TrialRecord(baseline=True).to_user_attrs(only={"baseline"}))
         study.set_user_attr(st.SCHEMA_ATTR, STUDY_SCHEMA_VERSION)  # last: marks the study as set up
 
-    runner = SubprocessRunner(
-        device_kind=device["kind"],
-        nproc=nproc,
-        timeout_s=args.trial_timeout,
-        grace_s=args.kill_grace,
-        verl=verl,
-        startup_timeout_s=args.startup_timeout,
-        step_timeout_s=args.step_timeout,
-    )
-    if not args.cold and verl is None:
-        runner = WarmRunner(cold=runner, jobs_dir=out_dir / "jobs")
-        runner.prestart(trial_base)  # its processes start while the study opens and the first trial is asked
     try:
+        study, storage, created = st.open_study(
+            spec,
+            name,
+            lock,
+            sampler=build_sampler(options.sampler, seed=options.seed, n_trials=options.trials),
+            setup=setup,
+            heartbeat_s=options.heartbeat_s,
+            grace_s=options.grace_s,
+        )
+    except StorageError as e:
+        return _fail(str(e))
+    except Exception as e:  # noqa: BLE001 - storage errors come in many types
+        return _fail(f"--storage {spec.display}: {type(e).__name__}: {e}")
+    bad = _incompatible(study, attrs)
+    foreign = space.foreign_params(study.get_trials(deepcopy=False))
+    if bad or foreign:
+        return _fail(bad or f"study {name!r}: {foreign}")
+    options = dataclasses.replace(options, seed=_process_seed(args.seed, created))
+    study.sampler = build_sampler(options.sampler, seed=options.seed, n_trials=options.trials)
+    trials = study.get_trials(deepcopy=False)
+    done = count_progress(trials)
+    print(
+        f"ppotune search: study {name!r} in {spec.display} ({'new' if created else 'resumed'}, "
+        f"{done}/{options.trials} trials done) | space {args.space} ({space.size(inputs.trial_flat):,} configs) | "
+        f"{device['kind']} x{inputs.trial_flat['trainer.n_gpus_per_node']} per trial | sampler {options.sampler} | "
+        f"lock {lock.kind} | out {out_dir}",
+        flush=True,
+    )
+    if inputs.plan.scaled:
+        print(f"ppotune search: {inputs.plan.describe()}", flush=True)
+    display = Display(options.trials, done=min(done, options.trials), parallel=options.parallel)
+    seed_display(display, trials)
+    tracker = None
+    if args.wandb:
+        from tuner.search.tracking import TrialTracker
+
+        tracker = TrialTracker(project="ppotune", group=name, out_dir=out_dir)
+    search = Search(
+        options=options,
+        study=study,
+        storage=storage,
+        lock=lock,
+        space=space,
+        trial_base=inputs.trial_base,
+        trial_flat=inputs.trial_flat,
+        runner=runner,
+        penalty_gb=penalty,
+        trials_dir=out_dir / "trials",
+        observer=ConsoleObserver(display, tracker),
+        heartbeat=st.Heartbeat(storage, interval_s=options.heartbeat_s),
+    )
+    return _run_search(search, display, spec, name, out_dir, report=args.report)
+
+
+def _run_search(search: Search, display: Display, spec, name: str, out_dir: Path, *, report: bool) -> int:
+    """Run it (stopped cleanly by SIGINT/SIGTERM: the interrupted trials run again on the next run), then the
+    summary, and the report when asked."""
+    search.heartbeat.start()
+    with stop_on_signals(search.stop_event) as got:
         try:
-            study, storage, created = st.open_study(
-                spec,
-                name,
-                lock,
-                sampler=build_sampler(options.sampler, seed=options.seed, n_trials=options.trials),
-                setup=setup,
-                heartbeat_s=options.heartbeat_s,
-                grace_s=options.grace_s,
-            )
-        except StorageError as e:
-            return _fail(str(e))
-        except Exception as e:  # noqa: BLE001 - storage errors come in many types
-            return _fail(f"--storage {spec.display}: {type(e).__name__}: {e}")
-        bad = _incompatible(study, attrs)
-        foreign = space.foreign_params(study.get_trials(deepcopy=False))
-        if bad or foreign:
-            return _fail(bad or f"study {name!r}: {foreign}")
-        options = dataclasses.replace(options, seed=_process_seed(args.seed, created))
-        study.sampler = build_sampler(options.sampler, seed=options.seed, n_trials=options.trials)
-
-        trials = study.get_trials(deepcopy=False)
-        done = count_progress(trials)
+            search.run()
+        finally:
+            if isinstance(search.runner, WarmRunner):
+                search.runner.close(wait=False)  # the jobs exit while the summary is written; waited for later
+            search.heartbeat.stop()
+            display.close()
+    summary(search.study, search)
+    close_storage(search.storage)  # the database connections go back to the server now, not at exit
+    if got:
         print(
-            f"ppotune search: study {name!r} in {spec.display} ({'new' if created else 'resumed'}, "
-            f"{done}/{options.trials} trials done) | space {args.space} ({space.size(trial_flat):,} configs) | "
-            f"{device['kind']} x{nproc} per trial | sampler {options.sampler} | lock {lock.kind} | out {out_dir}",
+            f"ppotune search: stopped by {signal.Signals(got[0]).name}; the interrupted trial(s) will run "
+            "again when the same command is re-run",
             flush=True,
         )
-        if plan.scaled:
-            print(f"ppotune search: {plan.describe()}", flush=True)
-        display = Display(options.trials, done=min(done, options.trials), parallel=options.parallel)
-        _seed_display(display, trials)
-        tracker = None
-        if args.wandb:
-            from tuner.search.tracking import TrialTracker
-
-            tracker = TrialTracker(project="ppotune", group=name, out_dir=out_dir)
-        search = Search(
-            options=options,
-            study=study,
-            storage=storage,
-            lock=lock,
-            space=space,
-            trial_base=trial_base,
-            trial_flat=trial_flat,
-            runner=runner,
-            penalty_gb=penalty,
-            trials_dir=out_dir / "trials",
-            observer=ConsoleObserver(display, tracker),
-            heartbeat=st.Heartbeat(storage, interval_s=options.heartbeat_s),
-        )
-        search.heartbeat.start()
-
-        with stop_on_signals(search.stop_event) as got:
-            try:
-                search.run()
-            finally:
-                if isinstance(runner, WarmRunner):
-                    runner.close(wait=False)  # the jobs exit while the summary is written; waited for below
-                search.heartbeat.stop()
-                display.close()
-        _summary(study, search)
-        close_storage(storage)  # the database connections go back to the server now, not at exit
-        if got:
-            print(
-                f"ppotune search: stopped by {signal.Signals(got[0]).name}; the interrupted trial(s) will run "
-                "again when the same command is re-run",
-                flush=True,
-            )
-            return ExitCode.INTERRUPTED if got[0] == signal.SIGINT else 128 + got[0]
-        if args.report:
-            _write_report(spec, name, out_dir)
-        return ExitCode.OK
-    finally:
-        if isinstance(runner, WarmRunner):
-            runner.close()  # waits for the jobs asked to stop above; ends one started ahead and never used
-
-
-def _seed_display(display: Display, trials: list) -> None:
-    """A resumed study: the progress line starts from what the study already holds."""
-    recs = [(t, TrialRecord.from_user_attrs(t.user_attrs)) for t in trials]
-    ok = [(t, r) for t, r in recs if r.status == Status.OK and t.values]
-    if ok:
-        b, _ = max(ok, key=lambda tr: tr[0].values[0])
-        display.seed(
-            best=(b.values[0], b.values[1], b.number),
-            ooms=sum(r.status in (Status.OOM, Status.INFERRED_OOM) for _, r in recs),
-        )
-
-
-def _summary(study: optuna.Study, search: Search) -> None:
-    from tuner.study.frame import trials_frame
-
-    df = trials_frame(study)
-    counts = ", ".join(f"{k} {v}" for k, v in sorted(df["status"].value_counts().items())) if not df.empty else ""
-    print(f"ppotune search: done ({search.stopped_reason or 'stopped'}) | {len(df)} trials: {counts}", flush=True)
-    if df.empty:
-        return
-    front = df[df["pareto"]].sort_values("throughput", ascending=False)
-    base = df[df["baseline"] & (df["status"] == Status.OK)]
-    base_thr = float(base["throughput"].iloc[0]) if len(base) and base["throughput"].iloc[0] else None
-    for _, r in front.head(5).iterrows():
-        rel = f" ({r['throughput'] / base_thr:.2f}x baseline)" if base_thr else ""
-        print(
-            f"  pareto: trial {r['number']}: {r['throughput']:.1f} tok/s/GPU{rel}, {gb(r['peak_memory_gb'])} GB",
-            flush=True,
-        )
-    _confirm_summary(study)
-    _worst_case_summary(study)
-
-
-def _worst_case_summary(study: optuna.Study) -> None:
-    """The worst-case probes (study attr ``worst_case``), one line each."""
-    from tuner.stages.probe import WORST_CASE_ATTR, ProbeResult
-
-    for n, d in sorted((study.user_attrs.get(WORST_CASE_ATTR) or {}).items(), key=lambda kv: int(kv[0])):
-        print(f"  worst case: trial {n}: {ProbeResult.from_dict(d).lines()[-1]}", flush=True)
-
-
-def _confirm_summary(study: optuna.Study) -> None:
-    """The confirmed finalists (study attr ``confirmation``), as export ranks them."""
-    from tuner.stages.confirm import CONFIRMATION_ATTR, describe
-
-    conf = study.user_attrs.get(CONFIRMATION_ATTR)
-    if not conf:
-        return
-    state = "" if conf.get("complete") else " (incomplete: re-run the same command to finish)"
-    print(f"ppotune search: confirmed side by side with baseline #{conf.get('baseline')}{state}:", flush=True)
-    for e in conf.get("finalists") or []:
-        mem = f", peak {gb(e['peak_memory_gb'])} GB" if e.get("peak_memory_gb") is not None else ""
-        failed = f", {e['failed']} re-run(s) not ok: {', '.join(e.get('statuses') or [])}" if e.get("failed") else ""
-        print(f"  confirmed: trial {e['number']}: {describe(e)}{mem}{failed}", flush=True)
+        return ExitCode.INTERRUPTED if got[0] == signal.SIGINT else 128 + got[0]
+    if report:
+        _write_report(spec, name, out_dir)
+    return ExitCode.OK
 
 
 def _write_report(spec, study_name: str, out_dir: Path) -> None:

@@ -1,17 +1,21 @@
 """What ``ppotune search`` shows: one plain line per finished trial, always; a rich progress
-bar (trials done/total, best throughput and its memory, OOMs, ETA) when stdout is a TTY."""
+bar (trials done/total, best throughput and its memory, OOMs, ETA) when stdout is a TTY; the summary at the end
+(the Pareto front, the confirmed finalists, the worst-case probes)."""
 
 from __future__ import annotations
 
 import sys
 import threading
 import time
-from typing import Optional
+from typing import Any, Optional
 
-from trainer.contracts import short_knob
+import optuna
+
+from trainer.contracts import Status, TrialRecord, short_knob
+from tuner.search.session import TrialEvent
 from tuner.units import gb
 
-__all__ = ["Display", "trial_line", "format_knobs"]
+__all__ = ["Display", "trial_line", "format_knobs", "ConsoleObserver", "seed_display", "summary"]
 
 
 def format_knobs(params: dict, *, limit: int = 6) -> str:
@@ -125,3 +129,103 @@ class Display:
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
+
+
+# --------------------------------------------------------------------------- the search's console
+class ConsoleObserver:
+    """One plain line per finished trial (and the progress bar), plus a wandb run per trial."""
+
+    def __init__(self, display: Display, tracker: Any = None):
+        self.display = display
+        self.tracker = tracker
+
+    def trial_done(self, e: TrialEvent) -> None:
+        r = e.record
+        thr = r.throughput if e.status == Status.OK else None
+        line = trial_line(
+            e.number,
+            e.status,
+            throughput=thr,
+            memory_gb=r.peak_memory_gb,
+            seconds=float(r.duration_s or 0.0),
+            params=e.params,
+            note=e.note,
+        )
+        self.display.trial_done(
+            line,
+            counted=e.counted,
+            status=e.status,
+            throughput=thr,
+            memory_gb=r.peak_memory_gb,
+            number=e.number,
+            duration_s=float(r.duration_s or 0.0),
+        )
+        if self.tracker is not None and e.status != Status.DUPLICATE:
+            self.tracker.log_trial(
+                e.number,
+                status=str(e.status),
+                params=e.params,
+                overrides=r.overrides or {},
+                attrs=r.to_user_attrs(),
+                values=e.values,
+            )
+
+    def message(self, text: str) -> None:
+        self.display.message(text)
+
+
+def seed_display(display: Display, trials: list) -> None:
+    """A resumed study: the progress line starts from what the study already holds."""
+    recs = [(t, TrialRecord.from_user_attrs(t.user_attrs)) for t in trials]
+    ok = [(t, r) for t, r in recs if r.status == Status.OK and t.values]
+    if ok:
+        b, _ = max(ok, key=lambda tr: tr[0].values[0])
+        display.seed(
+            best=(b.values[0], b.values[1], b.number),
+            ooms=sum(r.status in (Status.OOM, Status.INFERRED_OOM) for _, r in recs),
+        )
+
+
+def summary(study: optuna.Study, search: Any) -> None:
+    """The search's last lines: why it stopped, its trials by status, the front, the confirmation, the probes."""
+    from tuner.study.frame import trials_frame
+
+    df = trials_frame(study)
+    counts = ", ".join(f"{k} {v}" for k, v in sorted(df["status"].value_counts().items())) if not df.empty else ""
+    print(f"ppotune search: done ({search.stopped_reason or 'stopped'}) | {len(df)} trials: {counts}", flush=True)
+    if df.empty:
+        return
+    front = df[df["pareto"]].sort_values("throughput", ascending=False)
+    base = df[df["baseline"] & (df["status"] == Status.OK)]
+    base_thr = float(base["throughput"].iloc[0]) if len(base) and base["throughput"].iloc[0] else None
+    for _, r in front.head(5).iterrows():
+        rel = f" ({r['throughput'] / base_thr:.2f}x baseline)" if base_thr else ""
+        print(
+            f"  pareto: trial {r['number']}: {r['throughput']:.1f} tok/s/GPU{rel}, {gb(r['peak_memory_gb'])} GB",
+            flush=True,
+        )
+    confirm_summary(study)
+    worst_case_summary(study)
+
+
+def worst_case_summary(study: optuna.Study) -> None:
+    """The worst-case probes (study attr ``worst_case``), one line each."""
+    from tuner.stages.probe import WORST_CASE_ATTR, ProbeResult
+
+    for n, d in sorted((study.user_attrs.get(WORST_CASE_ATTR) or {}).items(), key=lambda kv: int(kv[0])):
+        print(f"  worst case: trial {n}: {ProbeResult.from_dict(d).lines()[-1]}", flush=True)
+
+
+def confirm_summary(study: optuna.Study) -> None:
+    """The confirmed finalists (study attr ``confirmation``), as export ranks them."""
+    from tuner.stages.confirm import CONFIRMATION_ATTR, describe
+
+    conf = study.user_attrs.get(CONFIRMATION_ATTR)
+    if not conf:
+        return
+    state = "" if conf.get("complete") else " (incomplete: re-run the same command to finish)"
+    print(f"ppotune search: confirmed side by side with baseline #{conf.get('baseline')}{state}:", flush=True)
+    for e in conf.get("finalists") or []:
+        mem = f", peak {gb(e['peak_memory_gb'])} GB" if e.get("peak_memory_gb") is not None else ""
+        failed = f", {e['failed']} re-run(s) not ok: {', '.join(e.get('statuses') or [])}" if e.get("failed") else ""
+        print(f"  confirmed: trial {e['number']}: {describe(e)}{mem}{failed}", flush=True)
