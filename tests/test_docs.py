@@ -1,5 +1,6 @@
-"""docs/verl_parity.md names real code: every ppotune function it cites exists, and so does every
-verl 0.9.1 function (checked against verl's source when it is on disk)."""
+"""The docs name real code: every ppotune function docs/verl_parity.md cites exists, and so does every
+verl 0.9.1 function (checked against verl's source when it is on disk); every module, name and path
+docs/architecture.md names exists."""
 
 import ast
 import importlib.util
@@ -77,3 +78,44 @@ def test_every_verl_function_named_exists():
         if not path.is_file() or n not in defined_names(path):
             missing.append(f"{f}:{n}")
     assert not missing, missing
+
+
+ARCHITECTURE = REPO / "docs" / "architecture.md"
+DOTTED = re.compile(r"`((?:trainer|tuner)(?:\.\w+)+)")  # `tuner.search.loop.Search.ask` (a call's arguments aside)
+PATH = re.compile(r"`((?:trainer|tuner|tests|docs|search_spaces|configs)/[\w/.]+)`")
+
+
+def _module_file(dotted: str) -> tuple[Path, list[str]] | None:
+    """The longest prefix of ``dotted`` that is one of our modules: (its file, the names after it)."""
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        base = REPO.joinpath(*parts[:i])
+        for f in (base.with_suffix(".py"), base / "__init__.py"):
+            if f.is_file():
+                return f, parts[i:]
+    return None
+
+
+def _defined_anywhere(path: Path, name: str) -> bool:
+    """A function, class, method or assigned name anywhere in the file (a nested helper included)."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name:
+            return True
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+                return True
+    return False
+
+
+def test_the_architecture_page_names_real_modules_names_and_paths():
+    text = ARCHITECTURE.read_text()
+    dotted, paths = DOTTED.findall(text), PATH.findall(text)
+    assert len(dotted) > 20 and len(paths) > 5
+    missing = []
+    for name in dotted:
+        found = _module_file(name)
+        if found is None or not all(_defined_anywhere(found[0], n) for n in found[1]):
+            missing.append(name)
+    missing += [p for p in paths if not (REPO / p).exists()]
+    assert missing == []
