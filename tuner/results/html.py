@@ -198,17 +198,36 @@ def _engine_label(attrs: dict) -> str:
 def report_html(data: ReportData, images: dict[str, bytes]) -> str:
     """``report.html``: ``images`` maps pareto/importances/phases to PNG bytes, embedded inline."""
     view = data.view
+    counts = _status_counts(view.trials)
+    img = {k: "data:image/png;base64," + base64.b64encode(v).decode() for k, v in images.items()}
+    parts = _head(view)
+    parts += _cards(data, counts)
+    parts += _pareto_plot_section(data, img)
+    parts += _baseline_section(data)
+    parts += _confirmation_section(view.attrs.get(CONFIRMATION_ATTR))
+    parts += _pareto_configs_section(view, img)
+    parts += _lengths_section(view)
+    parts += _memory_section(data)
+    parts += _importances_section(data, img)
+    parts += _no_effect_section(data)
+    parts += _cost_section(data, counts)
+    parts += _trials_section(view)
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def _status_counts(df: pd.DataFrame) -> dict:
+    """{status: number of trials}, most frequent first."""
+    return df["status"].value_counts().to_dict() if not df.empty else {}
+
+
+def _head(view: StudyView) -> list[str]:
+    """The page's head, title, what measured the trials on what, and the warnings about the study itself."""
     df = view.trials
     dev, dev_label = view.device_memory
     attrs = view.attrs
     device = attrs.get("device") or {}
-    counts = df["status"].value_counts().to_dict() if not df.empty else {}
     running = int((df["state"] == "RUNNING").sum()) if not df.empty else 0
-    front = pareto_front(df)
-    bvb = data.baseline_vs_best
-    cost = data.cost
-    img = {k: "data:image/png;base64," + base64.b64encode(v).decode() for k, v in images.items()}
-
     parts = [
         f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>ppotune report: {_e(view.name)}</title>"
         f"<style>{_CSS}</style></head><body>"
@@ -230,9 +249,20 @@ def report_html(data: ReportData, images: dict[str, bytes]) -> str:
         parts.append(
             "<p class='warn'>Device memory unknown: no headroom line, and export applies no headroom filter.</p>"
         )
+    return parts
 
-    # cards
-    cards = [("trials", f"{len(df)}", " · ".join(f"{n} {STATUS_STYLE.get(s, (s,))[0]}" for s, n in counts.items()))]
+
+def _cards(data: ReportData, counts: dict) -> list[str]:
+    """The figures at a glance: trials, the best under the headroom, its ratio to the baseline, the cost."""
+    bvb = data.baseline_vs_best
+    cost = data.cost
+    cards = [
+        (
+            "trials",
+            f"{len(data.view.trials)}",
+            " · ".join(f"{n} {STATUS_STYLE.get(s, (s,))[0]}" for s, n in counts.items()),
+        )
+    ]
     if bvb.best is not None:
         best = bvb.best
         cards.append(
@@ -259,7 +289,7 @@ def report_html(data: ReportData, images: dict[str, bytes]) -> str:
                 f"{cost.inferred} trials skipped ({cost.predicted} predicted by the memory model)",
             )
         )
-    parts.append(
+    return [
         "<div class='cards'>"
         + "".join(
             f"<div class='card'><div class='k'>{_e(k)}</div><div class='v'>{_e(v)}</div>"
@@ -267,21 +297,25 @@ def report_html(data: ReportData, images: dict[str, bytes]) -> str:
             for k, v, s in cards
         )
         + "</div>"
-    )
+    ]
 
-    # pareto
-    parts.append("<h2>Pareto front: throughput vs peak memory</h2>")
-    parts.append(f"<img alt='Pareto plot' src='{img['pareto']}'>")
-    parts.append(
+
+def _pareto_plot_section(data: ReportData, img: dict[str, str]) -> list[str]:
+    return [
+        "<h2>Pareto front: throughput vs peak memory</h2>",
+        f"<img alt='Pareto plot' src='{img['pareto']}'>",
         "<p class='sub'>Every trial is plotted. Up: faster; left: smaller. Dark points are the Pareto front of "
         "feasible trials. The red line is the memory a config must fit (the cap the search ran under, else the "
         f"device's), the dashed line keeps {data.headroom:.0%} of it free. Failed trials have no real throughput "
         "(Optuna records a penalized 0), so they sit on the strip below: at the peak the memory sampler saw when "
-        "there is one, else at their penalized memory value (hollow), else listed as 'no measurement'.</p>"
-    )
+        "there is one, else at their penalized memory value (hollow), else listed as 'no measurement'.</p>",
+    ]
 
-    # baseline vs best
-    parts.append("<h2>Baseline vs best</h2>")
+
+def _baseline_section(data: ReportData) -> list[str]:
+    """The base config against export's pick: single trials, then the confirmation's figure or why there is none."""
+    bvb = data.baseline_vs_best
+    parts = ["<h2>Baseline vs best</h2>"]
     b, best = bvb.baseline, bvb.best
     if data.pick_error:
         parts.append(f"<p class='warn'>{_e(data.pick_error)}</p>")
@@ -310,22 +344,30 @@ def report_html(data: ReportData, images: dict[str, bytes]) -> str:
         )
     elif best is not None and data.pick is not None:
         parts.append(f"<p class='warn'>Unconfirmed: {_e(data.pick.unconfirmed)}. These are single short trials.</p>")
-    conf = attrs.get(CONFIRMATION_ATTR)
-    if conf:
-        parts.append("<h2>Finalists confirmed side by side</h2>")
-        parts.append(
-            f"<p class='sub'>After the search the finalists (Pareto points under the headroom, and trials whose "
-            f"throughput interval reaches the best's) and the baseline were re-run interleaved, {conf.get('rounds')} "
-            "rounds, rotated each round so no config always ran first. A finalist's figure is the median of its "
-            "paired ratios (its throughput / the same round's baseline throughput); the 90% interval is Student's t "
-            "on the log-ratios, wide with few rounds. Export ranks by it. ★ baseline."
-            + ("" if conf.get("complete") else " <b>Incomplete</b>: the search was stopped; re-run it to finish.")
-            + "</p>"
-        )
-        parts.append(_confirmation_table(conf))
+    return parts
 
-    # pareto configs
-    parts.append("<h2>Pareto configs</h2>")
+
+def _confirmation_section(conf: Optional[dict]) -> list[str]:
+    """The finalists re-run side by side with the baseline (nothing when the study holds no confirmation)."""
+    if not conf:
+        return []
+    return [
+        "<h2>Finalists confirmed side by side</h2>",
+        f"<p class='sub'>After the search the finalists (Pareto points under the headroom, and trials whose "
+        f"throughput interval reaches the best's) and the baseline were re-run interleaved, {conf.get('rounds')} "
+        "rounds, rotated each round so no config always ran first. A finalist's figure is the median of its "
+        "paired ratios (its throughput / the same round's baseline throughput); the 90% interval is Student's t "
+        "on the log-ratios, wide with few rounds. Export ranks by it. ★ baseline."
+        + ("" if conf.get("complete") else " <b>Incomplete</b>: the search was stopped; re-run it to finish.")
+        + "</p>",
+        _confirmation_table(conf),
+    ]
+
+
+def _pareto_configs_section(view: StudyView, img: dict[str, str]) -> list[str]:
+    """The front's figures by memory source, its knob values and its step time by phase."""
+    front = pareto_front(view.trials)
+    parts = ["<h2>Pareto configs</h2>"]
     if front:
         parts.append(
             "<p class='sub'>Peak memory by source: the objective is the larger of the tuner's external sampler "
@@ -338,10 +380,13 @@ def report_html(data: ReportData, images: dict[str, bytes]) -> str:
         parts.append(f"<img alt='phases' src='{img['phases']}'>")
     else:
         parts.append("<p class='muted'>No feasible trial yet.</p>")
+    return parts
 
-    # the data the trials saw
+
+def _lengths_section(view: StudyView) -> list[str]:
+    """The token lengths the trials saw: a config tuned on them can lose on other data."""
     seen, n_seen = lengths_seen(view)
-    parts.append("<h2>Sequence lengths the trials saw</h2>")
+    parts = ["<h2>Sequence lengths the trials saw</h2>"]
     if seen:
         parts.append(
             f"<p class='sub'>Token lengths of the measured steps' prompts and responses (median over {n_seen} ok "
@@ -351,11 +396,11 @@ def report_html(data: ReportData, images: dict[str, bytes]) -> str:
         parts.append(_lengths_table(seen))
     else:
         parts.append("<p class='muted'>No trial recorded its sequence lengths.</p>")
+    return parts
 
-    parts += _memory_section(data)
 
-    # importances
-    parts.append("<h2>Which knobs matter</h2>")
+def _importances_section(data: ReportData, img: dict[str, str]) -> list[str]:
+    parts = ["<h2>Which knobs matter</h2>"]
     imp = data.importances
     parts.append(
         f"<p class='sub'>{_e(imp.message)}. Importance is computed on feasible trials only, separately "
@@ -369,6 +414,11 @@ def report_html(data: ReportData, images: dict[str, bytes]) -> str:
             for k in sorted(imp.throughput, key=lambda k: -imp.throughput[k])
         )
         parts.append(f"<table class='t'><tr><th>knob</th><th>throughput</th><th>memory</th></tr>{rows}</table>")
+    return parts
+
+
+def _no_effect_section(data: ReportData) -> list[str]:
+    """Each knob's verdict: a knob with no measurable effect only costs trials."""
     eff_rows = "".join(
         f"<tr><th class='knob' title='{_e(e.knob)}'>{_e(short_knob(e.knob))}</th>"
         f"<td class='small'>"
@@ -376,43 +426,43 @@ def report_html(data: ReportData, images: dict[str, bytes]) -> str:
         f"{_e(e.verdict)}</span></td><td class='small'>{_e(e.evidence)}</td></tr>"
         for e in data.effects
     )
-    parts.append("<h2>Knobs that changed nothing measurable</h2>")
-    parts.append(
+    return [
+        "<h2>Knobs that changed nothing measurable</h2>",
         "<p class='sub'>'no effect': every pair of ok trials differing in this knob alone moved throughput "
         f"by less than max({THROUGHPUT_REL_TOL:.0%}, 2×CV) and memory by less than "
         f"max({MEMORY_REL_TOL:.0%}, {MEMORY_ABS_TOL_GB} GB), or the trainer noted the knob is a no-op here. "
-        "Drop such knobs from the space: they only cost trials.</p>"
-    )
-    parts.append(f"<table class='t'><tr><th>knob</th><th>verdict</th><th>evidence</th></tr>{eff_rows}</table>")
+        "Drop such knobs from the space: they only cost trials.</p>",
+        f"<table class='t'><tr><th>knob</th><th>verdict</th><th>evidence</th></tr>{eff_rows}</table>",
+    ]
 
-    # cost
-    parts.append("<h2>What the search cost</h2>")
-    by = cost.by_status
+
+def _cost_section(data: ReportData, counts: dict) -> list[str]:
+    """Trial time by status, the wall clock and what OOM inference saved."""
+    cost = data.cost
     cost_rows = "".join(
         f"<tr><th class='knob'>{_e(STATUS_STYLE.get(s, (s,))[0])}</th><td>{counts.get(s, 0)}</td>"
         f"<td>{_dur(v)}</td></tr>"
-        for s, v in sorted(by.items(), key=lambda kv: -kv[1])
+        for s, v in sorted(cost.by_status.items(), key=lambda kv: -kv[1])
     )
-    parts.append(
+    return [
+        "<h2>What the search cost</h2>",
         f"<table class='t'><tr><th>status</th><th>trials</th><th>trial time</th></tr>{cost_rows}"
-        f"<tr><th class='knob'>total</th><td>{len(df)}</td><td><b>{_dur(cost.trial_s)}</b></td></tr></table>"
-    )
-    parts.append(
+        f"<tr><th class='knob'>total</th><td>{len(data.view.trials)}</td><td><b>{_dur(cost.trial_s)}</b></td></tr>"
+        "</table>",
         f"<p>Wall clock {_dur(cost.wall_s)}. OOM inference skipped {cost.inferred} trial(s) "
         f"({cost.predicted} predicted by the memory model), saving "
-        f"≈{_dur(cost.saved_s)} ({_e(cost.saved_basis)} × {cost.inferred}).</p>"
-    )
+        f"≈{_dur(cost.saved_s)} ({_e(cost.saved_basis)} × {cost.inferred}).</p>",
+    ]
 
-    # every trial
-    parts.append("<h2>All trials</h2>")
-    parts.append("<p class='sub'>★ baseline · ◆ Pareto front. Knobs are shown where they differ from the baseline.</p>")
-    parts.append(_all_trials_table(view))
-    parts.append(
+
+def _trials_section(view: StudyView) -> list[str]:
+    return [
+        "<h2>All trials</h2>",
+        "<p class='sub'>★ baseline · ◆ Pareto front. Knobs are shown where they differ from the baseline.</p>",
+        _all_trials_table(view),
         f"<p class='sub'>Storage: <code>{_e(view.storage.display)}</code>. Open it live with "
-        f"<code>optuna-dashboard {_e(view.storage.display)}</code>.</p>"
-    )
-    parts.append("</body></html>")
-    return "\n".join(parts)
+        f"<code>optuna-dashboard {_e(view.storage.display)}</code>.</p>",
+    ]
 
 
 def _memory_section(data: ReportData) -> list[str]:
@@ -476,7 +526,7 @@ def summary_md(data: ReportData) -> str:
     view = data.view
     df = view.trials
     dev, dev_label = view.device_memory
-    counts = df["status"].value_counts().to_dict() if not df.empty else {}
+    counts = _status_counts(df)
     bvb = data.baseline_vs_best
     out = [
         f"# ppotune report: study `{view.name}`",

@@ -65,9 +65,24 @@ def plot_pareto(view: StudyView, *, headroom: float = DEFAULT_HEADROOM, chosen: 
     fig = Figure(figsize=(10, 7.2))
     ax, strip = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [4, 1.5], "hspace": 0.16})
     ok = df.loc[measured_feasible(df)] if not df.empty else df
-    xs = list(ok["peak_memory_gb"]) if len(ok) else []
     conf = view.attrs.get(CONFIRMATION_ATTR) or {}
-    xs += [e["peak_memory_gb"] for e in conf.get("finalists") or [] if e.get("peak_memory_gb") and len(ok)]
+    strip_pts, unplaced = _strip_points(df)
+    show_device, xmin, xmax = _memory_axis(ok, conf, strip_pts, dev, headroom)
+
+    _draw_feasible(ax, df, ok, conf, chosen)
+    ax.set_ylabel("throughput (tokens/s/GPU)")
+    ax.set_title(f"study {view.name}: throughput vs peak memory ({len(df)} trials)", fontsize=11)
+    ax.grid(True, alpha=0.3)
+    _draw_device_lines(ax, strip, dev, dev_label, headroom, show_device=show_device, xmax=xmax)
+    _draw_strip(strip, strip_pts, unplaced, xmin, xmax)
+    handles, labels = ax.get_legend_handles_labels()
+    h2, l2 = strip.get_legend_handles_labels()
+    fig.legend(handles + h2, labels + l2, fontsize=7, loc="upper left", bbox_to_anchor=(0.905, 0.88), framealpha=0.9)
+    return fig
+
+
+def _strip_points(df: pd.DataFrame) -> tuple[list, dict[str, list[int]]]:
+    """The trials with no throughput: ([(status, x, penalized, number)], {status: numbers with no x})."""
     strip_pts = []  # (row, x, penalized, number)
     unplaced: dict[str, list[int]] = {}
     for _, r in (df.loc[df["status"].isin(STRIP_ROWS)] if not df.empty else df).iterrows():
@@ -76,6 +91,15 @@ def plot_pareto(view: StudyView, *, headroom: float = DEFAULT_HEADROOM, chosen: 
             unplaced.setdefault(r["status"], []).append(int(r["number"]))
         else:
             strip_pts.append((r["status"], x, pen, int(r["number"])))
+    return strip_pts, unplaced
+
+
+def _memory_axis(
+    ok: pd.DataFrame, conf: dict, strip_pts: list, dev: Optional[float], headroom: float
+) -> tuple[bool, float, float]:
+    """(whether the device line is drawn, the memory axis's xmin, xmax) over every measured peak."""
+    xs = list(ok["peak_memory_gb"]) if len(ok) else []
+    xs += [e["peak_memory_gb"] for e in conf.get("finalists") or [] if e.get("peak_memory_gb") and len(ok)]
     measured_x = xs + [x for _, x, pen, _ in strip_pts if not pen]
     lo, hi = (min(measured_x), max(measured_x)) if measured_x else (0.0, dev or 1.0)
     # Show the device line when the trials come near it; otherwise zoom on the trials
@@ -86,83 +110,101 @@ def plot_pareto(view: StudyView, *, headroom: float = DEFAULT_HEADROOM, chosen: 
     else:
         pad = max(hi - lo, 0.05 * hi, 1e-3)
         xmin, xmax = max(0.0, lo - pad), hi + pad
+    return show_device, xmin, xmax
 
-    # feasible trials, front, baseline, pick
-    if len(ok):
-        front = ok.loc[ok["pareto"]].sort_values("peak_memory_gb")
-        rest = ok.loc[~ok["pareto"]]
-        ax.scatter(
-            rest["peak_memory_gb"],
-            rest["throughput"],
-            s=36,
-            c="#9ecae1",
-            edgecolors="#3182bd",
-            linewidths=0.6,
-            label="ok (dominated)",
-            zorder=3,
-        )
-        ax.step(front["peak_memory_gb"], front["throughput"], where="post", color="#08519c", lw=1.4, zorder=2)
-        ax.scatter(
-            front["peak_memory_gb"],
-            front["throughput"],
-            s=64,
-            c="#08519c",
-            edgecolors="white",
-            linewidths=0.8,
-            label="Pareto front",
-            zorder=4,
-        )
-        top = _error_bars(ax, ok, conf)
-        base = ok.loc[ok["baseline"]]
-        if len(base):
-            ax.scatter(
-                base["peak_memory_gb"],
-                base["throughput"],
-                s=260,
-                marker="*",
-                facecolors="none",
-                edgecolors="black",
-                linewidths=1.2,
-                label="baseline (base config)",
-                zorder=5,
-            )
-        if chosen is not None and (ok["number"] == chosen).any():
-            c = ok.loc[ok["number"] == chosen].iloc[0]
-            ax.scatter(
-                [c["peak_memory_gb"]],
-                [c["throughput"]],
-                s=240,
-                facecolors="none",
-                edgecolors="#2ca02c",
-                linewidths=2.2,
-                label=f"export pick #{chosen}",
-                zorder=6,
-            )
-        label_all = len(ok) <= 60
-        dups: dict[int, list[int]] = {}
-        for _, r in df.loc[df["duplicate_of"].notna()].iterrows():
-            dups.setdefault(int(r["duplicate_of"]), []).append(int(r["number"]))
-        for _, r in ok.iterrows():
-            if label_all or r["pareto"] or r["baseline"]:
-                k = len(dups.get(int(r["number"]), []))
-                same = f" (+{k} re-sampled)" if k else ""
-                ax.annotate(
-                    f"#{int(r['number'])}{same}",
-                    (r["peak_memory_gb"], r["throughput"]),
-                    xytext=(4, 4),
-                    textcoords="offset points",
-                    fontsize=7,
-                    color="#333333",
-                )
-        ax.set_ylim(0, max(ok["throughput"].max(), top) * 1.15)
-    else:
+
+def _draw_feasible(ax, df: pd.DataFrame, ok: pd.DataFrame, conf: dict, chosen: Optional[int]) -> None:
+    """The upper panel: feasible trials, the front, their intervals, the baseline, the pick, the labels."""
+    if not len(ok):
         ax.text(0.5, 0.5, "no feasible trial yet", transform=ax.transAxes, ha="center", va="center", color="#888888")
         ax.set_ylim(0, 1)
-    ax.set_ylabel("throughput (tokens/s/GPU)")
-    ax.set_title(f"study {view.name}: throughput vs peak memory ({len(df)} trials)", fontsize=11)
-    ax.grid(True, alpha=0.3)
+        return
+    _draw_front(ax, ok)
+    top = _error_bars(ax, ok, conf)
+    _draw_baseline_and_pick(ax, ok, chosen)
+    _label_points(ax, df, ok)
+    ax.set_ylim(0, max(ok["throughput"].max(), top) * 1.15)
 
-    # the device line and the headroom line, on both panels
+
+def _draw_front(ax, ok: pd.DataFrame) -> None:
+    front = ok.loc[ok["pareto"]].sort_values("peak_memory_gb")
+    rest = ok.loc[~ok["pareto"]]
+    ax.scatter(
+        rest["peak_memory_gb"],
+        rest["throughput"],
+        s=36,
+        c="#9ecae1",
+        edgecolors="#3182bd",
+        linewidths=0.6,
+        label="ok (dominated)",
+        zorder=3,
+    )
+    ax.step(front["peak_memory_gb"], front["throughput"], where="post", color="#08519c", lw=1.4, zorder=2)
+    ax.scatter(
+        front["peak_memory_gb"],
+        front["throughput"],
+        s=64,
+        c="#08519c",
+        edgecolors="white",
+        linewidths=0.8,
+        label="Pareto front",
+        zorder=4,
+    )
+
+
+def _draw_baseline_and_pick(ax, ok: pd.DataFrame, chosen: Optional[int]) -> None:
+    base = ok.loc[ok["baseline"]]
+    if len(base):
+        ax.scatter(
+            base["peak_memory_gb"],
+            base["throughput"],
+            s=260,
+            marker="*",
+            facecolors="none",
+            edgecolors="black",
+            linewidths=1.2,
+            label="baseline (base config)",
+            zorder=5,
+        )
+    if chosen is not None and (ok["number"] == chosen).any():
+        c = ok.loc[ok["number"] == chosen].iloc[0]
+        ax.scatter(
+            [c["peak_memory_gb"]],
+            [c["throughput"]],
+            s=240,
+            facecolors="none",
+            edgecolors="#2ca02c",
+            linewidths=2.2,
+            label=f"export pick #{chosen}",
+            zorder=6,
+        )
+
+
+def _label_points(ax, df: pd.DataFrame, ok: pd.DataFrame) -> None:
+    """Each trial's number (only the front's and the baseline's past 60 trials), with how many times the
+    search sampled the same config again."""
+    label_all = len(ok) <= 60
+    dups: dict[int, list[int]] = {}
+    for _, r in df.loc[df["duplicate_of"].notna()].iterrows():
+        dups.setdefault(int(r["duplicate_of"]), []).append(int(r["number"]))
+    for _, r in ok.iterrows():
+        if label_all or r["pareto"] or r["baseline"]:
+            k = len(dups.get(int(r["number"]), []))
+            same = f" (+{k} re-sampled)" if k else ""
+            ax.annotate(
+                f"#{int(r['number'])}{same}",
+                (r["peak_memory_gb"], r["throughput"]),
+                xytext=(4, 4),
+                textcoords="offset points",
+                fontsize=7,
+                color="#333333",
+            )
+
+
+def _draw_device_lines(
+    ax, strip, dev: Optional[float], dev_label: str, headroom: float, *, show_device: bool, xmax: float
+) -> None:
+    """The device line and the headroom line, on both panels; off scale, a note where they are."""
     for a in (ax, strip):
         if show_device:
             a.axvline(dev, color="#d62728", lw=1.6)
@@ -193,72 +235,15 @@ def plot_pareto(view: StudyView, *, headroom: float = DEFAULT_HEADROOM, chosen: 
             rotation=90,
         )
 
-    # the strip: failed trials have no real throughput (Optuna holds a penalized 0)
+
+def _draw_strip(strip, strip_pts: list, unplaced: dict[str, list[int]], xmin: float, xmax: float) -> None:
+    """The lower panel: failed trials have no real throughput (Optuna holds a penalized 0), one row per status."""
     rows = [s for s in STRIP_ROWS if any(p[0] == s for p in strip_pts) or s in unplaced] or list(STRIP_ROWS[:2])
     ypos = {s: i for i, s in enumerate(reversed(rows))}
     for status in rows:
-        label, color, marker = STATUS_STYLE[status]
         pts = [p for p in strip_pts if p[0] == status]
-        real = [p for p in pts if not p[2]]
-        pen = [p for p in pts if p[2]]
-        if real:
-            strip.scatter(
-                [min(p[1], xmax * 0.995) for p in real],
-                [ypos[status]] * len(real),
-                marker=marker,
-                s=55,
-                c=color,
-                label=f"{label}: measured peak",
-                zorder=3,
-            )
-        if pen:
-            strip.scatter(
-                [min(p[1], xmax * 0.995) for p in pen],
-                [ypos[status]] * len(pen),
-                marker=marker,
-                s=55,
-                **({"c": color} if marker in ("x", "+") else {"facecolors": "none", "edgecolors": color}),
-                alpha=0.6,
-                label=f"{label}: penalized value",
-                zorder=3,
-            )
-        pinned: dict[float, list[int]] = {}  # penalties far off the scale: pinned to the edge, named once
-        for _, x, penalized, n in pts:
-            if x > xmax * 0.995:
-                pinned.setdefault(round(x, 1), []).append(n)
-            else:
-                strip.annotate(
-                    f"#{n}",
-                    (x, ypos[status]),
-                    xytext=(0, 6),
-                    textcoords="offset points",
-                    fontsize=7,
-                    ha="center",
-                    color=color,
-                )
-        for x, ns in pinned.items():
-            names = ", ".join(f"#{n}" for n in ns[:10]) + (" ..." if len(ns) > 10 else "")
-            strip.annotate(
-                f"{names} at {x:g} GB \u2192",
-                (xmax * 0.995, ypos[status]),
-                xytext=(-8, 0),
-                textcoords="offset points",
-                fontsize=7,
-                ha="right",
-                va="center",
-                color=color,
-            )
-        if status in unplaced:
-            names = ", ".join(f"#{n}" for n in unplaced[status][:12]) + (" ..." if len(unplaced[status]) > 12 else "")
-            strip.text(
-                xmin + (xmax - xmin) * 0.01,
-                ypos[status],
-                f"no measurement: {names}",
-                fontsize=7,
-                va="center",
-                ha="left",
-                color=color,
-            )
+        _strip_scatter(strip, status, pts, ypos[status], xmax)
+        _strip_labels(strip, status, pts, unplaced.get(status), ypos[status], xmin, xmax)
     if not strip_pts and not unplaced:
         strip.text(
             0.5,
@@ -282,10 +267,79 @@ def plot_pareto(view: StudyView, *, headroom: float = DEFAULT_HEADROOM, chosen: 
         loc="left",
         color="#555555",
     )
-    handles, labels = ax.get_legend_handles_labels()
-    h2, l2 = strip.get_legend_handles_labels()
-    fig.legend(handles + h2, labels + l2, fontsize=7, loc="upper left", bbox_to_anchor=(0.905, 0.88), framealpha=0.9)
-    return fig
+
+
+def _strip_scatter(strip, status: str, pts: list, y: float, xmax: float) -> None:
+    """One status's points: filled at a measured peak, hollow at the penalized value."""
+    label, color, marker = STATUS_STYLE[status]
+    real = [p for p in pts if not p[2]]
+    pen = [p for p in pts if p[2]]
+    if real:
+        strip.scatter(
+            [min(p[1], xmax * 0.995) for p in real],
+            [y] * len(real),
+            marker=marker,
+            s=55,
+            c=color,
+            label=f"{label}: measured peak",
+            zorder=3,
+        )
+    if pen:
+        strip.scatter(
+            [min(p[1], xmax * 0.995) for p in pen],
+            [y] * len(pen),
+            marker=marker,
+            s=55,
+            **({"c": color} if marker in ("x", "+") else {"facecolors": "none", "edgecolors": color}),
+            alpha=0.6,
+            label=f"{label}: penalized value",
+            zorder=3,
+        )
+
+
+def _strip_labels(
+    strip, status: str, pts: list, unplaced: Optional[list[int]], y: float, xmin: float, xmax: float
+) -> None:
+    """One status's trial numbers: beside each point, at the edge for penalties off the scale, and a list of
+    the trials with no memory figure at all."""
+    color = STATUS_STYLE[status][1]
+    pinned: dict[float, list[int]] = {}  # penalties far off the scale: pinned to the edge, named once
+    for _, x, penalized, n in pts:
+        if x > xmax * 0.995:
+            pinned.setdefault(round(x, 1), []).append(n)
+        else:
+            strip.annotate(
+                f"#{n}",
+                (x, y),
+                xytext=(0, 6),
+                textcoords="offset points",
+                fontsize=7,
+                ha="center",
+                color=color,
+            )
+    for x, ns in pinned.items():
+        names = ", ".join(f"#{n}" for n in ns[:10]) + (" ..." if len(ns) > 10 else "")
+        strip.annotate(
+            f"{names} at {x:g} GB \u2192",
+            (xmax * 0.995, y),
+            xytext=(-8, 0),
+            textcoords="offset points",
+            fontsize=7,
+            ha="right",
+            va="center",
+            color=color,
+        )
+    if unplaced is not None:
+        names = ", ".join(f"#{n}" for n in unplaced[:12]) + (" ..." if len(unplaced) > 12 else "")
+        strip.text(
+            xmin + (xmax - xmin) * 0.01,
+            y,
+            f"no measurement: {names}",
+            fontsize=7,
+            va="center",
+            ha="left",
+            color=color,
+        )
 
 
 def _error_bars(ax, ok: pd.DataFrame, conf: Optional[dict]) -> float:
