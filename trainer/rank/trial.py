@@ -242,6 +242,7 @@ class _Steps:
 
     @classmethod
     def start(cls, cfg, roles, shape_info: dict, meter, proc: RankProcess, rank: int, *, rss_start, later) -> "_Steps":
+        """The loop's shared parts; ``later``: a warm job's later trial (see :func:`run_trial`)."""
         from trainer.config import config_to_dict
         from trainer.engine.metrics import peak_flops
         from trainer.tracking import StepLogger
@@ -272,17 +273,22 @@ class _Steps:
 
     def run(self, step: int, data: _Data, tokenizer, state: dict, rank_file: Path) -> bool:
         """One step, recorded in ``state``; -> whether the trial stops after it (every rank decides alike)."""
+        # 4a. this rank's slice of the step's global batch
         prompt_ids, prompt_mask, truths = self.draw_batch(data, tokenizer)
         _inject_fault(self.cfg.ppotune.fault, self.rank, step)
+        # 4b. the PPO step, timed on this rank
         profiling = step == self.cfg.ppotune.profile_step
         metrics, step_s = self.timed_ppo_step(step, prompt_ids, prompt_mask, truths, profiling=profiling)
+        # 4c. the memory peaks and the step time, the max over ranks; every rank's sequence lengths
         peaks = self.peaks_across_ranks(step_s)
         sum_sq = metrics.pop("_sum_seqlen_sq")
         self.gather_lengths(metrics.pop("_lengths"))
+        # 4d. the step's row of the result
         row = self.row(step, peaks, metrics, sum_sq, warmup=step <= self.warmup or profiling)
         state["steps"].append(row)
         if self.provisional:
             self.settle_first_step(state)
+        # 4e. enough measured? (the summary so far); rank 0 rewrites the status file
         stop = self.stop_reason(step, state)
         if self.rank == 0:
             write_json_atomic(rank_file, state)
