@@ -284,24 +284,46 @@ def _session_dir(args) -> Path:
 
 
 def run(args) -> int:
-    from tuner.results.analysis import MEMORY_ABS_TOL_GB, lengths_seen, merge_lengths
-
     try:
         view, cfg, trial, study, warmup = _inputs(args)
     except (BadInput, StorageError, ConfigError, OSError) as e:
         return _fail(str(e))
-    limit = view.attrs.get("memory_limit_gb")
-    run_keys = _run_keys(args.steps, warmup, limit)
     try:
-        configs = {
-            "config": config_to_dict(config_from_dict(apply_overrides(cfg, run_keys), source=args.config)),
-            "baseline": config_to_dict(
-                config_from_dict(apply_overrides(view.attrs["base_config"], run_keys), source="the study's base_config")
-            ),
-        }
+        configs = _run_configs(args, view, cfg, warmup)
     except ConfigError as e:
         return _fail(str(e))
-    flat = flatten(configs["config"])
+    runner, device, nproc = _runner(args, configs["config"])
+    out = _session_dir(args)
+    plan = schedule(["config"], "baseline", args.rounds)
+    print(
+        f"ppotune validate: {args.config} = trial #{trial} of study {view.name!r}; {args.rounds} interleaved "
+        f"round(s) of {args.steps} steps ({warmup} warm-up) against the baseline #{study.baseline}, "
+        f"{device} x{nproc}; runs in {out}",
+        flush=True,
+    )
+    runs, records, got = _run_rounds(runner, configs, plan, out)
+    if got:
+        print(f"ppotune validate: stopped by {signal.Signals(got[0]).name}; nothing decided", flush=True)
+        return ExitCode.INTERRUPTED if got[0] == signal.SIGINT else 128 + got[0]
+    passed = _conclude(args, view, trial, study, warmup, runs, records, out)
+    return ExitCode.OK if passed else ExitCode.ERROR
+
+
+def _run_configs(args, view, cfg: dict, warmup: int) -> dict[str, dict]:
+    """CONFIG and the study's base config, each with this run's length (ConfigError)."""
+    limit = view.attrs.get("memory_limit_gb")
+    run_keys = _run_keys(args.steps, warmup, limit)
+    return {
+        "config": config_to_dict(config_from_dict(apply_overrides(cfg, run_keys), source=args.config)),
+        "baseline": config_to_dict(
+            config_from_dict(apply_overrides(view.attrs["base_config"], run_keys), source="the study's base_config")
+        ),
+    }
+
+
+def _runner(args, config: dict) -> tuple[SubprocessRunner, str, int]:
+    """The search's cold runner for CONFIG's layout: (runner, device kind, processes)."""
+    flat = flatten(config)
     nproc = int(flat["trainer.n_gpus_per_node"])
     device = "cuda" if flat.get("ppotune.device", "auto") != "cpu" and nvml_available() else "cpu"
     runner = SubprocessRunner(
@@ -311,15 +333,13 @@ def run(args) -> int:
         startup_timeout_s=args.startup_timeout,
         step_timeout_s=args.step_timeout,
     )
-    out = _session_dir(args)
-    plan = schedule(["config"], "baseline", args.rounds)
+    return runner, device, nproc
+
+
+def _run_rounds(runner: SubprocessRunner, configs: dict[str, dict], plan: list, out: Path) -> tuple[dict, dict, list]:
+    """Every run of ``plan`` in order, one line each: ({label: [Rerun]}, {label: [TrialRecord]}, the signals
+    that stopped it). A stop or an interrupted run ends the round."""
     total = sum(len(r) for r in plan)
-    print(
-        f"ppotune validate: {args.config} = trial #{trial} of study {view.name!r}; {args.rounds} interleaved "
-        f"round(s) of {args.steps} steps ({warmup} warm-up) against the baseline #{study.baseline}, "
-        f"{device} x{nproc}; runs in {out}",
-        flush=True,
-    )
     stop = threading.Event()
     runs: dict[str, list] = {"config": [], "baseline": []}
     records: dict[str, list] = {"config": [], "baseline": []}
@@ -355,9 +375,12 @@ def run(args) -> int:
                     f"{float(rec.duration_s or 0):.1f} s",
                     flush=True,
                 )
-    if got:
-        print(f"ppotune validate: stopped by {signal.Signals(got[0]).name}; nothing decided", flush=True)
-        return ExitCode.INTERRUPTED if got[0] == signal.SIGINT else 128 + got[0]
+    return runs, records, got
+
+
+def _measured_verdict(runs: dict, records: dict, study: StudyFigures) -> tuple[Verdict, dict]:
+    """The verdict on the runs, and what they measured (validate.json's ``measured``, less the lengths)."""
+    from tuner.results.analysis import MEMORY_ABS_TOL_GB
 
     ratios = paired_ratios(runs["config"], runs["baseline"])
     ratio, ratio_ci = log_interval(ratios)
@@ -373,6 +396,21 @@ def run(args) -> int:
         failed_runs=sum(1 for x in runs["config"] if not x.ok),
         memory_floor_gb=MEMORY_ABS_TOL_GB,
     )
+    measured = {
+        "ratio": ratio,
+        "ratio_ci": list(ratio_ci) if ratio_ci else None,
+        "ratios": ratios,
+        "peak_memory_gb": max(peaks) if peaks else None,
+        "runs": {label: [x.__dict__ for x in xs] for label, xs in runs.items()},
+    }
+    return v, measured
+
+
+def _conclude(args, view, trial: int, study: StudyFigures, warmup: int, runs: dict, records: dict, out: Path) -> bool:
+    """Print the checks and the length warnings, write validate.json, print PASS/FAIL; True on PASS."""
+    from tuner.results.analysis import lengths_seen, merge_lengths
+
+    v, measured = _measured_verdict(runs, records, study)
     study_lengths, n_study = lengths_seen(view)
     here = merge_lengths([x.lengths for x in records["config"] + records["baseline"] if x.lengths])
     warnings = length_warnings(study_lengths, here)
@@ -391,14 +429,7 @@ def run(args) -> int:
         "steps": args.steps,
         "warmup": warmup,
         "rounds": args.rounds,
-        "measured": {
-            "ratio": ratio,
-            "ratio_ci": list(ratio_ci) if ratio_ci else None,
-            "ratios": ratios,
-            "peak_memory_gb": max(peaks) if peaks else None,
-            "runs": {label: [x.__dict__ for x in xs] for label, xs in runs.items()},
-            "lengths": here,
-        },
+        "measured": {**measured, "lengths": here},
         "study_figures": {**study.__dict__, "lengths": study_lengths, "lengths_trials": n_study},
         "checks": v.lines,
         "length_warnings": warnings,
@@ -406,4 +437,4 @@ def run(args) -> int:
     }
     (out / "validate.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     print(f"ppotune validate: {'PASS' if v.passed else 'FAIL'} ({out / 'validate.json'})", flush=True)
-    return ExitCode.OK if v.passed else ExitCode.ERROR
+    return v.passed
