@@ -118,7 +118,7 @@ STEP = r"^step \d+"
     ],
 )
 def test_timeout_reason(tmp_path, elapsed, steps, since_last, expected):
-    from tuner.trials.launch import StepWatch, timeout_reason
+    from tuner.trials.watch import StepWatch, timeout_reason
 
     watch = StepWatch(tmp_path / "log", STEP)
     watch.steps, now = steps, 1000.0
@@ -129,8 +129,8 @@ def test_timeout_reason(tmp_path, elapsed, steps, since_last, expected):
 
 def test_step_lines_of_both_engines(tmp_path):
     """What each engine's trial log shows after a step (verl's line as it reached a real trial log)."""
-    from tuner.trials.launch import StepWatch
     from tuner.trials.runners import STEP_LINE
+    from tuner.trials.watch import StepWatch
 
     log = tmp_path / "train.log"
     log.write_bytes(

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -43,6 +42,7 @@ from trainer.launch.proc import (
     with_pythonpath,
 )
 from tuner.trials.memory import MemoryPeaks, MemorySampler
+from tuner.trials.watch import StepWatch, Verdict, judge, timeout_reason, total_timeout_text
 
 __all__ = [
     "add_hang_flags",
@@ -52,16 +52,13 @@ __all__ = [
     "TrialRun",
     "train_command",
     "launch_trial",
+    "finished_run",
     "classify",
     "log_tail",
     "read_result",
     "start_reaped",
     "terminate_reaped",
     "kill_leftovers",
-    "StepWatch",
-    "timeout_reason",
-    "Verdict",
-    "judge",
     "REPO_ROOT",
 ]
 
@@ -125,7 +122,7 @@ def classify(
     if interrupted:
         return Status.INTERRUPTED, "interrupted: the tuner was stopped while the trial ran"
     if timed_out:
-        why = timeout_reason or (_total_timeout(timeout_s) if timeout_s is not None else "trial timed out")
+        why = timeout_reason or (total_timeout_text(timeout_s) if timeout_s is not None else "trial timed out")
         return Status.HANG, f"{why}; trial process group killed"
     if result is not None:
         status, error = result.get("status"), result.get("error")
@@ -206,33 +203,6 @@ def _trial_env(extra_env: Optional[dict]) -> dict:
     return env
 
 
-class StepWatch:
-    """The step lines a trial's log gains (``step_line``: a regex matched per line; rank 0 logs one line
-    per PPO step): how many so far and when the last one arrived."""
-
-    def __init__(self, path: Path, step_line: str):
-        self.path = Path(path)
-        self.pattern = re.compile(step_line)
-        self.offset = 0
-        self.partial = b""
-        self.steps = 0
-        self.last: Optional[float] = None
-
-    def poll(self, now: float) -> None:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                data = f.read()
-        except OSError:
-            return
-        self.offset += len(data)
-        *lines, self.partial = (self.partial + data).split(b"\n")
-        found = sum(1 for line in lines if self.pattern.search(line.decode(errors="replace")))
-        if found:
-            self.steps += found
-            self.last = now
-
-
 def positive_seconds(text: str) -> float:
     """argparse ``type=`` of a timeout flag: seconds, > 0."""
     try:
@@ -247,7 +217,7 @@ def positive_seconds(text: str) -> float:
 def add_hang_flags(p: argparse.ArgumentParser, *, subject: str, step: bool = True) -> None:
     """The hang timeouts of a command that launches ``subject`` (``"a trial"``, ``"a run"``, ``"a probe"``):
     ``--startup-timeout`` (to the first step), ``--step-timeout`` (between steps; with ``step``) and the
-    hidden ``--kill-grace`` (SIGTERM to SIGKILL); what :func:`timeout_reason` enforces."""
+    hidden ``--kill-grace`` (SIGTERM to SIGKILL); what :func:`tuner.trials.watch.timeout_reason` enforces."""
     p.add_argument(
         "--startup-timeout",
         type=positive_seconds,
@@ -265,75 +235,6 @@ def add_hang_flags(p: argparse.ArgumentParser, *, subject: str, step: bool = Tru
             help=f"a hang: {subject} logging no next step for S seconds once it has stepped (default 300)",
         )
     p.add_argument("--kill-grace", type=positive_seconds, default=10.0, metavar="S", help=argparse.SUPPRESS)
-
-
-def _total_timeout(total_s: float) -> str:
-    return f"no result after {total_s:g} s (--trial-timeout)"
-
-
-def timeout_reason(
-    elapsed_s: float,
-    watch: Optional[StepWatch],
-    *,
-    total_s: Optional[float],
-    startup_s: Optional[float],
-    step_s: Optional[float],
-    now: float,
-) -> Optional[str]:
-    """Which timeout fires now, as the flag that sets it (None: none)."""
-    if total_s is not None and elapsed_s > total_s:
-        return _total_timeout(total_s)
-    if watch is None:
-        return None
-    if watch.steps == 0:
-        if startup_s is not None and elapsed_s > startup_s:
-            return f"no first step after {startup_s:g} s (--startup-timeout: start-up, model build and one step)"
-        return None
-    if step_s is not None and now - watch.last > step_s:
-        return f"no step for {step_s:g} s after step {watch.steps} (--step-timeout)"
-    return None
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """What the watch of a running trial decided at one poll: go on, or end it and why."""
-
-    interrupted: bool = False  # the tuner is stopping
-    reason: Optional[str] = None  # the timeout that fired (:func:`timeout_reason`)
-
-    @property
-    def timed_out(self) -> bool:
-        return self.reason is not None
-
-    @property
-    def ends(self) -> bool:
-        return self.interrupted or self.timed_out
-
-
-def judge(
-    t0: float,
-    watch: Optional[StepWatch],
-    stop_event: Optional[threading.Event],
-    reason_of: Callable[[float, Optional[StepWatch], float], Optional[str]],
-    *,
-    log_path: Path,
-    what: str,
-) -> Verdict:
-    """One poll of a running trial (cold or warm): read its new step lines, then decide. A trial to end
-    gets a line in its log saying why (``what``: the processes about to be terminated);
-    ``reason_of(elapsed_s, watch, now)`` is the timeout rule of the trial's kind."""
-    now = time.monotonic()
-    if watch is not None:
-        watch.poll(now)
-    if stop_event is not None and stop_event.is_set():
-        verdict = Verdict(interrupted=True)
-    else:
-        verdict = Verdict(reason=reason_of(now - t0, watch, now))
-    if verdict.ends:
-        why = f"timed out ({verdict.reason})" if verdict.timed_out else "interrupted"
-        with open(log_path, "ab") as log:
-            log.write(f"\nppotune search: trial {why} after {now - t0:.1f} s; terminating {what}\n".encode())
-    return verdict
 
 
 def launch_trial(
@@ -374,13 +275,46 @@ def launch_trial(
         on_start(proc.pid)
     sampler = MemorySampler(proc.pid, gpus=gpus, use_nvml=use_nvml, hz=sample_hz)
     sampler.start()
-    verdict = Verdict()
     watch = StepWatch(log_path, step_line) if step_line else None
 
     def reason_of(elapsed_s: float, w: Optional[StepWatch], now: float) -> Optional[str]:
         limits = dict(total_s=timeout_s, startup_s=startup_timeout_s, step_s=step_timeout_s)
         return timeout_reason(elapsed_s, w, **limits, now=now)
 
+    rc, verdict = _wait(proc, t0, watch, stop_event, reason_of, log_path=log_path, grace_s=grace_s, sampler=sampler)
+    duration = time.monotonic() - t0
+    peaks = sampler.stop()
+    leftovers = kill_leftovers(peaks.pids_seen)  # the wrapper should have done this; be certain
+    result, read_error = read_result(result_path)
+    return finished_run(
+        rc,
+        result,
+        read_error,
+        verdict,
+        timeout_s=timeout_s,
+        duration_s=duration,
+        log_path=log_path,
+        result_path=result_path,
+        memory=peaks,
+        leftover_pids=leftovers,
+        stderr_hint=_last_error_line(log_path),
+    )
+
+
+def _wait(
+    proc: subprocess.Popen,
+    t0: float,
+    watch: Optional[StepWatch],
+    stop_event: Optional[threading.Event],
+    reason_of: Callable[[float, Optional[StepWatch], float], Optional[str]],
+    *,
+    log_path: Path,
+    grace_s: float,
+    sampler: MemorySampler,
+) -> tuple[Optional[int], Verdict]:
+    """Poll the trial until it exits, or until the watch ends it (then its tree is terminated, with every process
+    the sampler saw): (its exit code, the last verdict)."""
+    verdict = Verdict()
     while True:
         try:
             rc = proc.wait(timeout=0.2)
@@ -391,18 +325,33 @@ def launch_trial(
         if verdict.ends:
             rc = terminate_reaped(proc, grace_s, sampler.pids_seen)
             break
-    duration = time.monotonic() - t0
-    peaks = sampler.stop()
-    leftovers = kill_leftovers(peaks.pids_seen)  # the wrapper should have done this; be certain
-    result, read_error = read_result(result_path)
+    return rc, verdict
+
+
+def finished_run(
+    returncode: Optional[int],
+    result: Optional[dict],
+    read_error: Optional[str],
+    verdict: Verdict,
+    *,
+    timeout_s: Optional[float],
+    duration_s: float,
+    log_path: Path,
+    result_path: Path,
+    memory: MemoryPeaks,
+    leftover_pids: list,
+    stderr_hint: Optional[str] = None,
+) -> TrialRun:
+    """A finished trial (cold or warm) classified (:func:`classify`): a crash with no result says why its result
+    could not be read; a trial that did not end ok keeps its log's tail."""
     status, error = classify(
-        rc,
+        returncode,
         result,
         timed_out=verdict.timed_out,
         interrupted=verdict.interrupted,
         timeout_s=timeout_s,
         timeout_reason=verdict.reason,
-        stderr_hint=_last_error_line(log_path),
+        stderr_hint=stderr_hint,
     )
     if read_error and status == Status.CRASH and result is None:
         error = read_error
@@ -410,14 +359,14 @@ def launch_trial(
     return TrialRun(
         status=status,
         error=error,
-        returncode=rc,
+        returncode=returncode,
         result=result,
-        duration_s=duration,
+        duration_s=duration_s,
         log_path=str(log_path),
         result_path=str(result_path),
         log_tail=tail,
-        memory=peaks,
-        leftover_pids=leftovers,
+        memory=memory,
+        leftover_pids=leftover_pids,
     )
 
 

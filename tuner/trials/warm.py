@@ -37,25 +37,20 @@ from typing import Optional
 
 import yaml
 
-from trainer.contracts import ExitCode, Status
+from trainer.contracts import ExitCode
 from trainer.launch.jobdir import JobDir, serve_layout, warm_refusal
 from trainer.launch.proc import write_json_atomic
 from tuner.trials.launch import (
-    StepWatch,
-    TrialRun,
-    Verdict,
-    classify,
-    judge,
+    finished_run,
     kill_leftovers,
-    log_tail,
     read_result,
     start_reaped,
     terminate_reaped,
-    timeout_reason,
     train_command,
 )
-from tuner.trials.memory import MemorySampler
+from tuner.trials.memory import MemoryPeaks, MemorySampler
 from tuner.trials.runners import STEP_LINE, SubprocessRunner, TrialOutcome, TrialRequest, trial_record
+from tuner.trials.watch import StepWatch, Verdict, judge, timeout_reason
 
 __all__ = ["WarmRunner"]
 
@@ -212,6 +207,39 @@ class WarmRunner:
         write_json_atomic(job.dir.request(job.trials), request_file)
         sampler = MemorySampler(job.proc.pid, gpus=gpus, use_nvml=self.cold.device_kind == "cuda", hz=self.sample_hz)
         sampler.start()
+        verdict = self._watch(job, first, t0, stop, sampler, log_path=log_path, result_path=result_path)
+        duration = time.monotonic() - t0
+        result, read_error = read_result(result_path)
+        refused = result is not None and (result.get("error") or "").startswith("config:")  # the job goes on
+        returncode, peaks, leftovers, ended = self._settle(job, request.slot, sampler, result, refused=refused)
+        run = finished_run(
+            returncode,
+            result,
+            read_error,
+            verdict,
+            timeout_s=self.cold.timeout_s,
+            duration_s=duration,
+            log_path=log_path,
+            result_path=result_path,
+            memory=peaks,
+            leftover_pids=leftovers,
+        )
+        record = trial_record(run, config_path=config_path, gpus=gpus, engine=self.name)
+        record.notes.append(self._note(job, first, ended))
+        return TrialOutcome(run.status, record)
+
+    def _watch(
+        self,
+        job: _Job,
+        first: bool,
+        t0: float,
+        stop: threading.Event,
+        sampler: MemorySampler,
+        *,
+        log_path: Path,
+        result_path: Path,
+    ) -> Verdict:
+        """Poll until the job writes the trial's result or ends; a timeout or a stop terminates the job."""
         watch = StepWatch(log_path, STEP_LINE[self.name])
         verdict = Verdict()
         what = f"its warm job's process group ({job.name})"
@@ -227,9 +255,13 @@ class WarmRunner:
             if verdict.ends:
                 terminate_reaped(job.proc, self.cold.grace_s, job.pids | sampler.pids_seen)
                 break
-        duration = time.monotonic() - t0
-        result, read_error = read_result(result_path)
-        refused = result is not None and (result.get("error") or "").startswith("config:")  # the job goes on
+        return verdict
+
+    def _settle(
+        self, job: _Job, slot: int, sampler: MemorySampler, result: Optional[dict], *, refused: bool
+    ) -> tuple[Optional[int], MemoryPeaks, list[int], bool]:
+        """After the trial: the job it ended is waited for and its processes made sure of, and it leaves the
+        slot. (the trial's return code, its memory peaks, the processes left over, whether the job ended)"""
         if result is not None and result.get("status") != "ok" and not refused:
             # a failure ends the job (the launcher exits once it has written the result): wait for it
             try:
@@ -242,37 +274,13 @@ class WarmRunner:
         leftovers: list[int] = []
         if ended:
             with self._lock:
-                if self._jobs.get(request.slot) is job:
-                    del self._jobs[request.slot]
+                if self._jobs.get(slot) is job:
+                    del self._jobs[slot]
             leftovers = kill_leftovers(sorted(job.pids))
             returncode = job.proc.returncode
         else:
             returncode = ExitCode.USAGE if refused else ExitCode.OK if result else None
-        status, error = classify(
-            returncode,
-            result,
-            timed_out=verdict.timed_out,
-            interrupted=verdict.interrupted,
-            timeout_s=self.cold.timeout_s,
-            timeout_reason=verdict.reason,
-        )
-        if read_error and status == Status.CRASH and result is None:
-            error = read_error
-        run = TrialRun(
-            status=status,
-            error=error,
-            returncode=returncode,
-            result=result,
-            duration_s=duration,
-            log_path=str(log_path),
-            result_path=str(result_path),
-            log_tail=log_tail(log_path) if status != Status.OK else None,
-            memory=peaks,
-            leftover_pids=leftovers,
-        )
-        record = trial_record(run, config_path=config_path, gpus=gpus, engine=self.name)
-        record.notes.append(self._note(job, first, ended))
-        return TrialOutcome(status, record)
+        return returncode, peaks, leftovers, ended
 
     def _timeout(self, first: bool, elapsed_s: float, watch: StepWatch, now: float) -> Optional[str]:
         c = self.cold
