@@ -385,41 +385,14 @@ def run_verl(spec: RunSpec, *, result_path: Optional[Path]) -> int:
     config = {"engine": "verl", "verl_version": version, "python": spec.python, "overrides": spec.overrides}
 
     def finish(status: str, error: Optional[str], rows: list[dict], tail: Optional[str], code: int) -> int:
-        result = {
-            "schema_version": RESULT_SCHEMA_VERSION,
-            "status": status,
-            "error": error,
-            "oom_rank": None,
-            "oom_phase": None,
-            "config": config,
-            "steps": rows,
-            "summary": summarize_steps(rows, device_type=device),
-            "environment": {
-                "device": device,
-                "world_size": spec.nproc,
-                "backend": "nccl" if device == "cuda" else "gloo",
-                "python": spec.python,
-                "verl": version,
-            },
-            "notes": [f"engine: verl {version} ({spec.python})", *spec.notes],
-            "log_tail": tail,
-            "wall_s": time.time() - t0,
-        }
+        result = _result(spec, device, version, config, status, error, rows, tail, t0)
         if result_path:
             write_json_atomic(result_path, result)
         shutil.rmtree(workdir, ignore_errors=True)
         return code
 
     try:
-        if version is None:
-            raise ConfigError("ppotune.python", f"verl is not installed for {spec.python}", source=spec.source)
-        if device == "cpu" and version != SUPPORTED_VERL:
-            raise ConfigError(
-                "ppotune.python",
-                f"verl {version}: the CPU shim supports verl {SUPPORTED_VERL} only "
-                "(a GPU machine runs any verl as shipped)",
-                source=spec.source,
-            )
+        _check_version(spec, device, version)
         overrides = run_overrides(spec, device=device, workdir=workdir)
     except ConfigError as e:
         print(f"ppotune train: error: {e}", file=sys.stderr)
@@ -431,6 +404,33 @@ def run_verl(spec: RunSpec, *, result_path: Optional[Path]) -> int:
     cmd = [spec.python, "-m", "verl.trainer.main_ppo", *overrides]
     config["command"] = cmd
     print("$ " + " ".join(cmd), flush=True)
+    returncode, text, oom_line = _stream(cmd, env=verl_env(spec, device=device, metrics_path=metrics), cwd=workdir)
+    rows = steps_from_jsonl(metrics.read_text() if metrics.is_file() else "", warmup=spec.warmup, device=device)
+    measured = [r for r in rows if not r["warmup"]]
+    if returncode == 0 and len(rows) >= spec.steps and measured:
+        return finish("ok", None, rows, None, ExitCode.OK)
+    status, error = classify_failure(returncode, "\n".join([*oom_line, text]))  # an OOM line from anywhere in the log
+    if returncode == 0 and status == "error":
+        error = f"verl exited 0 after {len(rows)} of {spec.steps} steps"
+    return finish(status, error, rows, text, ExitCode.OOM if status == "oom" else ExitCode.ERROR)
+
+
+def _check_version(spec: RunSpec, device: str, version: Optional[str]) -> None:
+    """ConfigError when the engine's environment has no verl, or a verl the CPU shim was not written for."""
+    if version is None:
+        raise ConfigError("ppotune.python", f"verl is not installed for {spec.python}", source=spec.source)
+    if device == "cpu" and version != SUPPORTED_VERL:
+        raise ConfigError(
+            "ppotune.python",
+            f"verl {version}: the CPU shim supports verl {SUPPORTED_VERL} only "
+            "(a GPU machine runs any verl as shipped)",
+            source=spec.source,
+        )
+
+
+def _stream(cmd: list[str], *, env: dict[str, str], cwd: Path) -> tuple[int, str, list[str]]:
+    """Run verl's driver, its output echoed and its last lines kept: (exit code, the tail, [the first OOM
+    line] or []). SIGTERM and SIGINT are passed on to it; its descendants are killed once it ends."""
     prctl(PR_SET_CHILD_SUBREAPER, 1)  # Ray's daemons that outlive the driver come back to us
     proc = subprocess.Popen(
         cmd,
@@ -438,8 +438,8 @@ def run_verl(spec: RunSpec, *, result_path: Optional[Path]) -> int:
         stderr=subprocess.STDOUT,
         text=True,
         bufsize=1,
-        env=verl_env(spec, device=device, metrics_path=metrics),
-        cwd=str(workdir),
+        env=env,
+        cwd=str(cwd),
         preexec_fn=lambda: die_with_parent(signal.SIGTERM),
     )
     tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
@@ -469,15 +469,41 @@ def run_verl(spec: RunSpec, *, result_path: Optional[Path]) -> int:
         for s, h in old.items():
             signal.signal(s, h)
         kill_descendants()
-    rows = steps_from_jsonl(metrics.read_text() if metrics.is_file() else "", warmup=spec.warmup, device=device)
-    text = "\n".join(tail)
-    measured = [r for r in rows if not r["warmup"]]
-    if returncode == 0 and len(rows) >= spec.steps and measured:
-        return finish("ok", None, rows, None, ExitCode.OK)
-    status, error = classify_failure(returncode, "\n".join([*oom_line, text]))  # an OOM line from anywhere in the log
-    if returncode == 0 and status == "error":
-        error = f"verl exited 0 after {len(rows)} of {spec.steps} steps"
-    return finish(status, error, rows, text, ExitCode.OOM if status == "oom" else ExitCode.ERROR)
+    return returncode, "\n".join(tail), oom_line
+
+
+def _result(
+    spec: RunSpec,
+    device: str,
+    version: Optional[str],
+    config: dict,
+    status: str,
+    error: Optional[str],
+    rows: list[dict],
+    tail: Optional[str],
+    t0: float,
+) -> dict:
+    """The run's result JSON (trainer/result_schema.json), as ppotune's own trainer writes it."""
+    return {
+        "schema_version": RESULT_SCHEMA_VERSION,
+        "status": status,
+        "error": error,
+        "oom_rank": None,
+        "oom_phase": None,
+        "config": config,
+        "steps": rows,
+        "summary": summarize_steps(rows, device_type=device),
+        "environment": {
+            "device": device,
+            "world_size": spec.nproc,
+            "backend": "nccl" if device == "cuda" else "gloo",
+            "python": spec.python,
+            "verl": version,
+        },
+        "notes": [f"engine: verl {version} ({spec.python})", *spec.notes],
+        "log_tail": tail,
+        "wall_s": time.time() - t0,
+    }
 
 
 def run(args: Any) -> int:

@@ -61,83 +61,91 @@ def _device_module() -> types.SimpleNamespace:
 
 
 def register() -> None:
+    """``cpu`` in verl's PlatformRegistry: :class:`_CpuPlatform` on verl's ``PlatformBase``."""
     from verl.plugin.platform.platform_base import PlatformBase
     from verl.plugin.platform.platform_manager import PlatformRegistry
 
     @PlatformRegistry.register(platform="cpu")
-    class PlatformCPU(PlatformBase):
-        _module = _device_module()
+    class PlatformCPU(_CpuPlatform, PlatformBase):
+        pass
 
-        @property
-        def device_name(self) -> str:
-            return "cpu"
 
-        @property
-        def vendor_name(self) -> str:
-            return "cpu"
+class _CpuPlatform:
+    """The methods of the ``cpu`` platform. A mixin, not a ``PlatformBase`` subclass: verl can be imported only
+    inside verl's processes, so the class verl registers is put together in :func:`register`."""
 
-        @property
-        def device_module(self) -> Any:
-            return self._module
+    _module = _device_module()
 
-        def is_available(self) -> bool:
-            return True
+    @property
+    def device_name(self) -> str:
+        return "cpu"
 
-        def is_platform_available(self, use_smi_check: bool = False) -> bool:
-            return os.environ.get("VERL_PLATFORM", "").lower() == "cpu"
+    @property
+    def vendor_name(self) -> str:
+        return "cpu"
 
-        def current_device(self) -> Any:
-            # verl passes this to ``.to()``: an int would name a CUDA device
-            return torch.device("cpu")
+    @property
+    def device_module(self) -> Any:
+        return self._module
 
-        def device_count(self) -> int:
-            return 1
+    def is_available(self) -> bool:
+        return True
 
-        def set_device(self, device_index: int) -> None:
-            pass
+    def is_platform_available(self, use_smi_check: bool = False) -> bool:
+        return os.environ.get("VERL_PLATFORM", "").lower() == "cpu"
 
-        def synchronize(self, device_index: Optional[int] = None) -> None:
-            pass
+    def current_device(self) -> Any:
+        # verl passes this to ``.to()``: an int would name a CUDA device
+        return torch.device("cpu")
 
-        def manual_seed(self, seed: int) -> None:
-            torch.manual_seed(seed)
+    def device_count(self) -> int:
+        return 1
 
-        def manual_seed_all(self, seed: int) -> None:
-            torch.manual_seed(seed)
+    def set_device(self, device_index: int) -> None:
+        pass
 
-        def set_allocator_settings(self, settings: str) -> None:
-            pass
+    def synchronize(self, device_index: Optional[int] = None) -> None:
+        pass
 
-        def empty_cache(self) -> None:
-            pass
+    def manual_seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
 
-        def get_device_capability(self, device_index: int = 0) -> tuple[Optional[int], Optional[int]]:
-            return None, None
+    def manual_seed_all(self, seed: int) -> None:
+        torch.manual_seed(seed)
 
-        def communication_backend_name(self) -> str:
-            return "gloo"
+    def set_allocator_settings(self, settings: str) -> None:
+        pass
 
-        def visible_devices_envvar(self) -> str:
-            return "CUDA_VISIBLE_DEVICES"
+    def empty_cache(self) -> None:
+        pass
 
-        @contextlib.contextmanager
-        def nvtx_range(self, msg: str):
-            yield
+    def get_device_capability(self, device_index: int = 0) -> tuple[Optional[int], Optional[int]]:
+        return None, None
 
-        def profiler_start(self) -> None:
-            pass
+    def communication_backend_name(self) -> str:
+        return "gloo"
 
-        def profiler_stop(self) -> None:
-            pass
+    def visible_devices_envvar(self) -> str:
+        return "CUDA_VISIBLE_DEVICES"
 
-        def ray_resource_name(self) -> str:
-            return "GPU"  # logical GPUs declared to Ray (ray_init.num_gpus): one per trainer rank
+    @contextlib.contextmanager
+    def nvtx_range(self, msg: str):
+        yield
 
-        def ray_noset_envvars(self) -> list[str]:
-            return []
+    def profiler_start(self) -> None:
+        pass
 
-        def is_ipc_supported(self) -> bool:
-            return False
+    def profiler_stop(self) -> None:
+        pass
 
-        def cudart(self) -> Any:
-            return None
+    def ray_resource_name(self) -> str:
+        return "GPU"  # logical GPUs declared to Ray (ray_init.num_gpus): one per trainer rank
+
+    def ray_noset_envvars(self) -> list[str]:
+        return []
+
+    def is_ipc_supported(self) -> bool:
+        return False
+
+    def cudart(self) -> Any:
+        return None
