@@ -20,8 +20,8 @@ import optuna
 import pandas as pd
 
 from trainer.contracts import DEFAULT_HEADROOM, DIRECTIONS, Status
-from tuner.results.pick import Choice, NoFit, choose
 from tuner.results.memory_findings import MemoryFindings, memory_findings
+from tuner.results.pick import Choice, NoFit, choose
 from tuner.results.view import StudyView, measured_feasible, value_or_zero
 
 __all__ = [
