@@ -89,7 +89,7 @@ def running_trial_of(out: Path) -> int | None:
     result does not yet."""
     for p in processes_with(str(out / "trials")):
         cmd = " ".join(p.cmdline())
-        if "trainer.rank.run" in cmd or "trainer/run" in cmd:
+        if "trainer.rank.run" in cmd:
             part = cmd.split(str(out / "trials") + "/", 1)[1]
             return int(part.split("/", 1)[0])
     if any("trainer.rank.serve" in " ".join(p.cmdline()) for p in processes_with(str(out / "jobs"))):

@@ -1,5 +1,5 @@
 """verl itself as the trial engine (`--engine verl`): real verl 0.9.1 on CPU, in its own venv (.venv-verl,
-made by scripts/install_test_deps.sh), through the CPU shim (trainer/verl_cpu)."""
+made by scripts/install_test_deps.sh), through the CPU shim (trainer/verl_engine/cpu)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 A trial sees the initial policy's response lengths and the data's typical prompt lengths; production runs
 out of memory when a batch of long prompts meets responses at ``max_response_length`` (hours in, once the
 policy has learned to write long answers). The probe runs the config for one step with
-``ppotune.worst_case`` (trainer/config.py): every prompt ``data.max_prompt_length`` real tokens, every
+``ppotune.worst_case`` (trainer/config/schema.py): every prompt ``data.max_prompt_length`` real tokens, every
 response ``data.max_response_length`` tokens (EOS ignored), so every micro-batch holds as many tokens as
 the config's micro-batch sizes and token budgets let the trainer's own packing put in it. Its per-phase
 peaks are the config's worst case, on the memory objective's basis (GPU: NVML vs the allocator, the
