@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from trainer.datafiles import REWARD_COLUMN, missing_columns, required_columns, split_files
+
 __all__ = [
     "PromptDataset",
     "synthetic_rows",
@@ -55,16 +57,15 @@ def read_parquet_rows(paths: str, prompt_key: str = "prompt") -> list[dict]:
     import pandas as pd
 
     rows: list[dict] = []
-    for path in paths.split(","):
+    for path in split_files(paths):
         df = pd.read_parquet(path)
-        for col in (prompt_key, "reward_model"):
-            if col not in df.columns:
-                raise ValueError(
-                    f"{path}: data.train_files: missing column {col!r} (verl format needs prompt and reward_model)"
-                )
+        missing = missing_columns(df.columns, prompt_key)
+        if missing:
+            need = " and ".join(required_columns(prompt_key))
+            raise ValueError(f"{path}: data.train_files: missing column {missing[0]!r} (verl format needs {need})")
         for rec in df.to_dict("records"):
             messages = [dict(m) for m in rec[prompt_key]]
-            rows.append({**rec, "prompt": messages, "reward_model": dict(rec["reward_model"])})
+            rows.append({**rec, "prompt": messages, REWARD_COLUMN: dict(rec[REWARD_COLUMN])})
     if not rows:
         raise ValueError(f"{paths}: data.train_files: no rows")
     return rows

@@ -1,6 +1,8 @@
-"""``ppotune check``: validate a training config without launching anything (no torch, no GPU).
+"""``ppotune check``: validate a training config and its inputs without launching anything (no torch, no GPU).
 
-Prints the derived per-GPU sizes a user usually works out by hand, or the one-line error.
+Prints the derived per-GPU sizes a user usually works out by hand, or the one-line error: a refused config, or an
+input that cannot work (a data file without verl's columns, a model directory without weights or tokenizer:
+:mod:`trainer.launch.preflight`).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import sys
 
 from trainer.config import ConfigError, effective_config, load_config, world_size
 from trainer.contracts import ExitCode
+from trainer.launch.preflight import preflight
 
 __all__ = ["add_arguments", "run"]
 
@@ -26,6 +29,7 @@ def run(args) -> int:
         overrides.append(f"trainer.n_gpus_per_node={json.dumps(args.nproc)}")
     try:
         cfg = load_config(args.config, overrides)
+        preflight(cfg, source=args.config)
     except ConfigError as e:
         print(f"ppotune check: error: {e}", file=sys.stderr)
         return ExitCode.USAGE

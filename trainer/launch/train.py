@@ -1,4 +1,8 @@
-"""``ppotune train``: validate the config, start the ranks, write the result JSON.
+"""``ppotune train``: validate the config and its inputs, start the ranks, write the result JSON.
+
+The inputs that can be checked without training (the data files and their columns, the model directory, its
+tokenizer: :mod:`trainer.launch.preflight`) are checked before any rank starts: a bad one is one line naming the
+file and the key, exit 2, as a refused config is.
 
 This process never imports torch. It starts the ranks (:class:`trainer.launch.ranks.RankGroup`, no torchrun
 agent), forwards SIGTERM/SIGINT to them, and once every rank has exited it reads the per-rank status
@@ -24,6 +28,7 @@ import yaml
 from trainer.config import ConfigError, config_to_dict, load_config
 from trainer.contracts import ExitCode
 from trainer.launch.jobdir import JobDir, serve_layout, warm_refusal
+from trainer.launch.preflight import preflight, preflight_verl
 from trainer.launch.proc import write_json_atomic
 from trainer.launch.ranks import RankGroup
 from trainer.launch.result import build_result, error_result, exit_code, outcome_lines, read_rank_files
@@ -111,12 +116,15 @@ def run(args) -> int:
     if args.serve and args.engine != "ppotune":
         print("ppotune train: error: --serve runs ppotune's own trainer (--engine ppotune)", file=sys.stderr)
         return ExitCode.USAGE
+    result_path = Path(args.result) if args.result else None
     if args.engine == "verl":
         from trainer.verl_engine.adapter import run as run_verl
 
+        refused = _verl_inputs_refused(args)
+        if refused is not None:
+            return _refuse(refused, result_path)
         return run_verl(args)
     t0 = time.time()
-    result_path = Path(args.result) if args.result else None
     try:
         overrides = _overrides(args)
         if args.steps is not None and args.warmup is None:
@@ -124,11 +132,9 @@ def run(args) -> int:
             draft = load_config(args.config, overrides, validate=False)
             overrides.append(f"ppotune.warmup_steps={min(draft.ppotune.warmup_steps, max(0, args.steps - 1))}")
         cfg = load_config(args.config, overrides)
+        preflight(cfg, source=args.config)
     except ConfigError as e:
-        print(f"ppotune train: error: {e}", file=sys.stderr)
-        if result_path:
-            write_json_atomic(result_path, error_result(f"config: {e}"))
-        return ExitCode.USAGE
+        return _refuse(e, result_path)
     config = config_to_dict(cfg)
     if args.serve:
         return serve(Path(args.serve), config)
@@ -170,6 +176,30 @@ def run(args) -> int:
     for line in err:
         print(line, file=sys.stderr)
     return exit_code(result)
+
+
+def _refuse(e: ConfigError, result_path: Optional[Path]) -> int:
+    """A refused config or input: one line, the result file the tuner reads (``config:`` error), exit 2."""
+    print(f"ppotune train: error: {e}", file=sys.stderr)
+    if result_path:
+        write_json_atomic(result_path, error_result(f"config: {e}"))
+    return ExitCode.USAGE
+
+
+def _verl_inputs_refused(args) -> Optional[ConfigError]:
+    """The verl run's inputs (its data files, model and tokenizer), checked before verl starts; None when they
+    pass or when the run file itself is refused (verl's adapter says why, as before)."""
+    from trainer.verl_engine.adapter import load_run
+
+    try:
+        spec = load_run(args.config, list(args.overrides), python=args.engine_python)
+    except ConfigError:
+        return None
+    try:
+        preflight_verl(spec.get, source=spec.source)
+    except ConfigError as e:
+        return e
+    return None
 
 
 # --------------------------------------------------------------------------- a warm job (--serve)
