@@ -70,7 +70,7 @@ from tuner.trials.runners import Recorded, ReplayRunner, TrialRequest  # noqa: E
 SPACE = textwrap.dedent("""
     description: benchmark space - 2 x 3 x 2 x 2 = 24 configs; the 1024-wide model OOMs under the cap
     knobs:
-      ppotune.tiny.hidden_size: {type: categorical, choices: [64, 1024], memory: increasing}
+      ppotune.tiny.hidden_size: {type: categorical, choices: [64, 1024], memory: increasing, algorithm: true}
       actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu:
         {type: pow2, low: 1, high: 4, memory: increasing, speed: increasing}
       actor_rollout_ref.actor.strategy: {type: categorical, choices: [fsdp, fsdp2], memory: none}

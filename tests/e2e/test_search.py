@@ -37,7 +37,7 @@ HIDDEN, MICRO, FAULT = (
 )
 SPACE = f"""
 knobs:
-  {HIDDEN}: {{type: categorical, choices: [64, 1024], memory: increasing}}
+  {HIDDEN}: {{type: categorical, choices: [64, 1024], memory: increasing, algorithm: true}}
   {MICRO}: {{type: pow2, low: 1, high: 4, memory: increasing}}
   {FAULT}: {{type: categorical, choices: [none, crash, hang], memory: none}}
 """

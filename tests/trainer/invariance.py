@@ -77,6 +77,25 @@ VARIANTS_2 = {
     # one sequence per micro-batch: several micro-batches whose gradient reduce is skipped
     "no_sync": {**MICRO_1, **_both("use_no_sync_for_gradient_accumulation", True)},
     "fsdp2_no_sync": {**FSDP2, **MICRO_1, **_both("use_no_sync_for_gradient_accumulation", True)},
+    # the forward-only passes (old and ref log-probs, values) cut into other micro-batches, or token budgets
+    "forward_micro_batch_1": {
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": 1,
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": 1,
+        f"{CRITIC}.forward_micro_batch_size_per_gpu": 1,
+    },
+    "dynamic_bsz_forward_96": {
+        f"{ACTOR}.use_dynamic_bsz": True,
+        f"{ACTOR}.ppo_max_token_len_per_gpu": 300,
+        f"{CRITIC}.ppo_max_token_len_per_gpu": 300,
+        "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": 96,
+        "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": 96,
+        f"{CRITIC}.forward_max_token_len_per_gpu": 96,
+    },
+    # saved activations to host memory (CUDA: save_on_cpu; a CPU run notes it has no effect)
+    "activation_offload": {
+        "actor_rollout_ref.model.enable_activation_offload": True,
+        f"{CRITIC}.model.enable_activation_offload": True,
+    },
     # shard groups of one rank, replicated over the two (HSDP)
     "hybrid": _all_sections("fsdp_size", 1),
     "fsdp2_hybrid": {**FSDP2, **_all_sections("fsdp_size", 1)},
@@ -87,6 +106,8 @@ VARIANTS_2 = {
     "entropy_chunked": {**ENTROPY, **CHUNKED},
     "entropy_checkpointing": {**ENTROPY, **ENTROPY_CKPT},
     "entropy_chunked_checkpointing_micro_1": {**ENTROPY, **CHUNKED, **ENTROPY_CKPT, **MICRO_1},
+    # verl's default: the entropy function compiled (torch.compile)
+    "entropy_compiled": {**ENTROPY, f"{ACTOR}.use_torch_compile": True},
 }
 
 #: verl's default compute dtype (bf16, fp32 master weights and gradient reduce), 2 ranks.
@@ -158,7 +179,12 @@ class Check:
     parts: tuple[str, ...] = ("actor", "critic")
 
 
-_ENTROPY_KNOBS = ("entropy_chunked", "entropy_checkpointing", "entropy_chunked_checkpointing_micro_1")
+_ENTROPY_KNOBS = (
+    "entropy_chunked",
+    "entropy_checkpointing",
+    "entropy_chunked_checkpointing_micro_1",
+    "entropy_compiled",
+)
 _NOT_BASE = ("base", "critic_mini_4", "entropy", *_ENTROPY_KNOBS)
 
 CHECKS_FP32 = [

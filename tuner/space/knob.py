@@ -2,6 +2,10 @@
 how Optuna suggests it (``param``, ``encode``, ``suggest``: a power of two as its exponent, :mod:`tuner.space.params`)
 and its hints: ``memory`` (how memory moves as the value grows; the inferred-OOM rule) and ``speed`` (how throughput
 is expected to move; a prior for local steps).
+
+A knob is an execution knob of :mod:`tuner.space.registry` (anything else changes the algorithm and is refused, unless
+the spec says ``algorithm: true``), and its values are in that knob's range (a micro-batch >= 1, a fraction in
+(0, 1], ...): both checked here, at load.
 """
 
 from __future__ import annotations
@@ -13,18 +17,22 @@ from typing import Any, Optional
 from tuner.space.expr import Expr, ExprError
 from tuner.space.keys import CONFIG_KEYS, SpaceError
 from tuner.space.params import LOG2_PREFIX, is_pow2, pow2_exponents
+from tuner.space.registry import is_execution_knob, range_problem
 
 __all__ = ["KNOB_TYPES", "MEMORY_HINTS", "Knob", "parse_knob"]
 
 KNOB_TYPES = ("int", "pow2", "float", "categorical", "bool")
 MEMORY_HINTS = ("increasing", "decreasing", "none")
+_COMMON_SPEC_KEYS = {"type", "memory", "speed", "when", "help", "algorithm"}
 _KNOB_SPEC_KEYS = {
-    "int": {"type", "low", "high", "step", "memory", "speed", "when", "help"},
-    "pow2": {"type", "low", "high", "memory", "speed", "when", "help"},
-    "float": {"type", "low", "high", "step", "memory", "speed", "when", "help"},
-    "categorical": {"type", "choices", "order", "memory", "speed", "when", "help"},
-    "bool": {"type", "memory", "speed", "when", "help"},
+    "int": _COMMON_SPEC_KEYS | {"low", "high", "step"},
+    "pow2": _COMMON_SPEC_KEYS | {"low", "high"},
+    "float": _COMMON_SPEC_KEYS | {"low", "high", "step"},
+    "categorical": _COMMON_SPEC_KEYS | {"choices", "order"},
+    "bool": _COMMON_SPEC_KEYS,
 }
+#: how many of a knob's values the range check looks at one by one (beyond: its low and high)
+_RANGE_CHECK_VALUES = 4096
 
 
 @dataclass(frozen=True)
@@ -39,6 +47,7 @@ class Knob:
     step: Any = None
     choices: tuple = ()
     order: tuple = ()  # memory order (least hungry first) for pow2/categorical/bool
+    algorithm: bool = False  # marked on purpose: not an execution knob, the trials run different algorithms
 
     @property
     def exponents(self) -> Optional[tuple[int, int]]:
@@ -141,6 +150,8 @@ class Knob:
             text += f" (Optuna param {self.param}: {lo}..{hi})"
         if self.when is not None:
             text += f" when {self.when.text}"
+        if self.algorithm:
+            text += " [algorithm knob: the trials run different algorithms]"
         return text
 
 
@@ -172,6 +183,11 @@ def parse_knob(key: str, spec: Any, source: Optional[str]) -> Knob:
         spec = {"type": spec}
     if not isinstance(spec, dict):
         raise err(key, f"a knob must be a mapping with a type, got {spec!r}")
+    algorithm = spec.get("algorithm", False)
+    if not isinstance(algorithm, bool):
+        raise err(f"{key}.algorithm", f"must be true or false, got {algorithm!r}")
+    if not algorithm and not is_execution_knob(key):
+        raise err(key, ALGORITHM_REFUSAL)
     typ = spec.get("type")
     if typ not in KNOB_TYPES:
         raise err(f"{key}.type", f"must be one of {list(KNOB_TYPES)}, got {typ!r}")
@@ -185,9 +201,34 @@ def parse_knob(key: str, spec: Any, source: Optional[str]) -> Knob:
     if speed not in MEMORY_HINTS:
         raise err(f"{key}.speed", f"must be one of {list(MEMORY_HINTS)}, got {speed!r}")
     when = _parse_when(key, spec["when"], source) if spec.get("when") is not None else None
-    kw: dict = {"key": key, "type": typ, "memory": memory, "speed": speed, "when": when}
+    kw: dict = {"key": key, "type": typ, "memory": memory, "speed": speed, "when": when, "algorithm": algorithm}
     kw.update(_parse_domain(key, typ, spec, source))
-    return Knob(**kw)
+    knob = Knob(**kw)
+    _check_range(knob, source)
+    return knob
+
+
+#: why a key outside :mod:`tuner.space.registry` is refused (one line, after the file and the key)
+ALGORITHM_REFUSAL = (
+    "not a per-GPU execution knob: varying it changes the algorithm; set it in the base config "
+    "(the keys a space may vary: tuner/space/registry.py; `algorithm: true` on the knob compares algorithms on purpose)"
+)
+
+
+def _check_range(knob: Knob, source: Optional[str]) -> None:
+    """Every value of an execution knob in its kind's range (tuner.space.registry.range_problem)."""
+    if knob.type in ("int", "float") and knob.domain_size() > _RANGE_CHECK_VALUES:
+        values = [knob.low, knob.high]
+    else:
+        values = knob.domain()
+    for v in values:
+        why = range_problem(knob.key, v)
+        if why:
+            if knob.type not in ("int", "float", "pow2"):
+                field = "choices"
+            else:
+                field = "low" if v == knob.low else "high" if v == knob.high else "step"
+            raise SpaceError(f"{knob.key}.{field}", why, source=source)
 
 
 def _parse_when(key: str, text: Any, source: Optional[str]) -> Expr:

@@ -13,9 +13,10 @@ import yaml
 from trainer.config import config_to_dict, flatten, load_config
 from tuner.space.expr import Expr, ExprError
 from tuner.space.keys import CONFIG_KEYS, SpaceError
-from tuner.space.knob import Knob, parse_knob
+from tuner.space.knob import ALGORITHM_REFUSAL, Knob, parse_knob
 from tuner.space.model import Space
 from tuner.space.parts import Constraint, Derived
+from tuner.space.registry import is_execution_knob
 
 __all__ = ["load_space", "space_from_dict", "ADVISORY_KNOB_KEYS", "comparable_space", "base_flat_config"]
 
@@ -111,7 +112,8 @@ def _parse_knobs(knobs_raw: Any, source: Optional[str]) -> list[Knob]:
 
 
 def _parse_derived(derived_raw: Any, knob_keys: set[str], source: Optional[str]) -> list[Derived]:
-    """The ``derived`` section: key -> expression, or ``{expr: ..., when: ...}``."""
+    """The ``derived`` section: key -> expression, or ``{expr: ..., when: ...}``; a derived key varies, so it is an
+    execution knob of :mod:`tuner.space.registry` unless marked ``algorithm: true``."""
 
     def err(k: str, msg: str) -> SpaceError:
         return SpaceError(k, msg, source=source)
@@ -125,12 +127,17 @@ def _parse_derived(derived_raw: Any, knob_keys: set[str], source: Optional[str])
             raise err(key, "unknown derived key (not a key of trainer.config.PPOConfig)")
         if key in knob_keys:
             raise err(key, "a key cannot be both a knob and derived")
-        when_text = None
+        when_text, algorithm = None, False
         if isinstance(spec, dict):
-            extra = set(spec) - {"expr", "when"}
+            extra = set(spec) - {"expr", "when", "algorithm"}
             if extra or "expr" not in spec:
-                raise err(key, "a derived key is an expression or {expr: ..., when: ...}")
+                raise err(key, "a derived key is an expression or {expr: ..., when: ..., algorithm: ...}")
+            algorithm = spec.get("algorithm", False)
+            if not isinstance(algorithm, bool):
+                raise err(f"{key}.algorithm", f"must be true or false, got {algorithm!r}")
             when_text, spec = spec.get("when"), spec["expr"]
+        if not algorithm and not is_execution_knob(key):
+            raise err(key, ALGORITHM_REFUSAL)
         try:
             expr = Expr(spec)
             when = Expr(when_text) if when_text is not None else None

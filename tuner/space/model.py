@@ -19,6 +19,7 @@ from tuner.space.grid import Enumeration
 from tuner.space.keys import SpaceError
 from tuner.space.knob import Knob
 from tuner.space.parts import Candidate, Constraint, Derived
+from tuner.space.registry import EXECUTION_KNOBS, longest_sequence, range_problem
 
 __all__ = ["Space"]
 
@@ -201,10 +202,12 @@ class Space(Enumeration):
         """Check the space against a base config (flat, validated, world size applied).
 
         Raises :class:`SpaceError` (one line, naming the key) when a knob value has the
-        wrong type for its key, an expression cannot be evaluated, no configuration
-        satisfies the constraints, or the trainer config refuses every sampled config.
+        wrong type for its key, a token budget the space may run is below the longest sequence the data
+        admits, an expression cannot be evaluated, no configuration satisfies the constraints, or the
+        trainer config refuses every sampled config.
         Returns ``{"size", "sampled", "accepted", "first_refusal"}``.
         """
+        self._check_token_budgets(base_flat)
         for knob in self.knobs:
             for v in knob.domain() if knob.domain_size() <= 64 else [knob.low, knob.high]:
                 try:
@@ -259,6 +262,36 @@ class Space(Enumeration):
             "accepted": accepted,
             "first_refusal": str(first_refusal) if first_refusal else None,
         }
+
+    def _check_token_budgets(self, base_flat: dict) -> None:
+        """A token-budget knob's values below the longest sequence the data admits must be ruled out by the space
+        itself (a constraint over the knob and base-config keys only, as the shipped spaces have); else verl
+        asserts on the first long batch: refused here, naming the knob."""
+        longest = longest_sequence(base_flat)
+        if longest is None:
+            return
+        others = {k.key for k in self.knobs} | {d.key for d in self.derived}
+        for knob in self.knobs:
+            if getattr(EXECUTION_KNOBS.get(knob.key), "kind", None) != "token_budget":
+                continue
+            values = knob.domain() if knob.domain_size() <= 4096 else [knob.low]
+            numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+            for v in (v for v in numbers if v < longest):
+                eff = {**base_flat, knob.key: v}
+                alone = [c for c in self.constraints if not c.expr.names & (others - {knob.key})]
+                if not any(self._violated(c, eff) for c in alone):
+                    raise self._err(
+                        f"{knob.key}.low",
+                        f"{range_problem(knob.key, v, longest=longest)}; raise low to {longest} or more, or add the "
+                        f"constraint `{knob.key} >= data.max_prompt_length + data.max_response_length`",
+                    )
+
+    @staticmethod
+    def _violated(c: Constraint, eff: dict) -> bool:
+        try:
+            return not truthy(c.expr(Resolver(eff)), c.label)
+        except ExprError:
+            return False  # validate() names the constraint that cannot be evaluated
 
     def _why_empty(self, base_flat: dict) -> tuple[str, str]:
         """Name the constraint that is never satisfied (alone), else all of them."""
