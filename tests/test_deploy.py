@@ -126,3 +126,40 @@ def test_k8s_recipe_hangs_together():
     proxy_args = build_parser(only="storage-proxy").parse_args(proxy["command"][1:])
     assert parse_storage(proxy_args.storage).kind == "rdb"
     assert d[("Service", "ppotune-proxy")]["spec"]["ports"][0]["port"] == proxy_args.port
+
+
+def _admitted(policy: dict) -> list[dict]:
+    """The pod labels a NetworkPolicy's ingress rules admit, one dict per selector, and the ports they open."""
+    out = []
+    for rule in policy["spec"]["ingress"]:
+        for peer in rule["from"]:
+            assert set(peer) == {"podSelector"}, f"{policy['metadata']['name']}: admits more than pods: {peer}"
+            out.append(peer["podSelector"]["matchLabels"])
+    return out
+
+
+def test_the_proxy_admits_only_the_workers():
+    """The gRPC proxy has no TLS and no authentication (Optuna's client takes no credentials): its recipe listens
+    on every interface of its pod on purpose and lets only the worker pods reach it; the database alike."""
+    d = docs()
+    worker_labels = d[("Job", "ppotune-workers")]["spec"]["template"]["metadata"]["labels"]
+    proxy = d[("Deployment", "ppotune-proxy")]["spec"]["template"]
+    proxy_args = build_parser(only="storage-proxy").parse_args(proxy["spec"]["containers"][0]["command"][1:])
+    assert proxy_args.host == "0.0.0.0"  # widened explicitly: the default is loopback
+    policy = d[("NetworkPolicy", "ppotune-proxy")]
+    assert policy["spec"]["podSelector"]["matchLabels"] == proxy["metadata"]["labels"]
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    assert _admitted(policy) == [worker_labels]
+    ports = [p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]]
+    assert ports == [proxy_args.port]
+    db = d[("NetworkPolicy", "ppotune-db")]
+    assert (
+        db["spec"]["podSelector"]["matchLabels"]
+        == d[("StatefulSet", "ppotune-db")]["spec"]["template"]["metadata"]["labels"]
+    )
+    assert sorted(map(str, _admitted(db))) == sorted(map(str, [worker_labels, proxy["metadata"]["labels"]]))
+
+
+def test_the_proxy_listens_on_loopback_unless_told():
+    args = build_parser(only="storage-proxy").parse_args(["storage-proxy", "--storage", "postgresql://x@h/db"])
+    assert args.host == "127.0.0.1"

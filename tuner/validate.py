@@ -52,6 +52,7 @@ from trainer.config import (
 )
 from trainer.contracts import ExitCode, Status, StorageError
 from tuner.stages.confirm import CONFIRMATION_ATTR, Rerun, entry_of, log_interval, paired_ratios, schedule
+from tuner.study.schema import notes_summary
 from tuner.trials.launch import add_hang_flags, next_numbered_dir, stop_on_signals
 from tuner.trials.memory import nvml_available
 from tuner.trials.runners import SubprocessRunner, TrialRequest
@@ -288,6 +289,8 @@ def run(args) -> int:
         view, cfg, trial, study, warmup = _inputs(args)
     except (BadInput, StorageError, ConfigError, OSError) as e:
         return _fail(str(e))
+    for note in notes_summary(view.notes):
+        print(f"ppotune validate: note: {note}", file=sys.stderr)
     try:
         configs = _run_configs(args, view, cfg, warmup)
     except ConfigError as e:

@@ -8,7 +8,13 @@ Outputs (in ``--to``):
 - ``why.md``             the chosen trial, the runner-up, the margin to the OOM boundary.
 
 The pick never changes the algorithm: only the trial's overrides (per-GPU knobs and
-their derived keys) are applied; global settings stay as the base config has them.
+their derived keys) are applied; global settings stay as the base config has them. (A space that marked
+algorithm knobs on purpose is the exception, and why.md and the console say so first.)
+
+The study is data: what is read from it is checked (:mod:`tuner.study.schema`), every value written into a
+comment line is escaped and every argument of ``verl_command.sh`` quoted, and no interpreter named by the study
+is written where it would run: ``verl_command.sh`` and the run file use the interpreter given with
+``--engine-python`` (else ``python`` on the PATH, and the note says which one the trials ran).
 
 Which trial is :mod:`tuner.results.pick`'s decision and why.md is :mod:`tuner.results.why`'s; both are
 re-exported here (``choose``, ``Choice``, ``NoFit``, ``nearest_oom``) as the export's public surface.
@@ -21,7 +27,7 @@ import os
 import shlex
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import yaml
 
@@ -33,6 +39,7 @@ from tuner.results.view import StudyView, add_study_arguments, view_from_args
 from tuner.results.why import nearest_oom, why_md
 from tuner.stages.confirm import describe
 from tuner.study.frame import Fit, headroom_filter
+from tuner.study.schema import comment_safe, notes_summary
 from tuner.units import gb
 from tuner.world import WorldPlan, production_overrides
 
@@ -98,23 +105,38 @@ def best_config(view: StudyView, number: int) -> dict:
 
 
 # --------------------------------------------------------------------------- files
-def verl_engine_of(view: StudyView):
-    """How the study's verl trials ran (``--engine verl``), or None for ppotune's own trainer."""
+def verl_engine_of(view: StudyView, python: Optional[str] = None):
+    """How the study's verl trials ran (``--engine verl``), or None for ppotune's own trainer. ``python``: the
+    interpreter the user named (``--engine-python``); the study's own is never taken (None: ``python``)."""
     a = view.attrs
     if a.get("engine") != "verl":
         return None
     from tuner.trials.runners import VerlEngine
 
+    missing = [k for k in ("engine_overrides", "steps", "warmup") if a.get(k) is None]
+    if missing:
+        raise StorageError(f"study {view.name!r} ran --engine verl but has no usable {missing[0]} attribute")
     return VerlEngine(
-        python=a["engine_python"],
-        base_overrides=tuple(a["engine_overrides"] or ()),
+        python=python or "python",
+        base_overrides=tuple(a["engine_overrides"]),
         steps=a["steps"],
         warmup=a["warmup"],
         memory_limit_gb=a.get("memory_limit_gb"),
     )
 
 
-def _verl_command(view: StudyView, choice: Choice, lines: list[str], python: str = "python") -> str:
+def _interpreter_note(view: StudyView, python: Optional[str]) -> Optional[str]:
+    """What to say when the trials ran verl with an interpreter the user did not name here."""
+    ran = view.attrs.get("engine_python")
+    if view.attrs.get("engine") != "verl" or python is not None:
+        return None
+    where = f" (the study says its trials ran {comment_safe(ran)})" if ran else ""
+    return f"verl_command.sh runs `python` from the PATH{where}: pass --engine-python PY to name the interpreter"
+
+
+def _verl_command(
+    view: StudyView, choice: Choice, lines: list[str], python: str = "python", note: Optional[str] = None
+) -> str:
     base = {**flatten(view.attrs.get("base_config") or {}), **production_of(view)}
     assumed = [
         f"{k}={hydra_value(base[k])}"
@@ -138,12 +160,20 @@ def _verl_command(view: StudyView, choice: Choice, lines: list[str], python: str
         measured = f" {nproc} GPUs per node and" if nproc else ""
     out = [
         "#!/usr/bin/env bash",
-        f"# ppotune export: study {view.name}, trial #{choice.chosen} "
+        f"# ppotune export: study {comment_safe(view.name)}, trial #{choice.chosen} "
         f"({choice.pick}, headroom {pct(choice.headroom)}).",
-        "# The knobs below are per-GPU; they were measured with" + measured + ":",
-        "#   " + " ".join(assumed),
+    ]
+    if view.algorithm_warning:
+        out.append(f"# {comment_safe(view.algorithm_warning)}.")
+    out += [
+        "# The knobs below are per-GPU; they were measured with" + comment_safe(measured) + ":",
+        "#   " + comment_safe(" ".join(assumed)),
         "# Append your run's own settings (model path, data files, batch sizes) as arguments: "
         "./verl_command.sh data.train_files=...",
+    ]
+    if note:
+        out.append(f"# {comment_safe(note)}")
+    out += [
         "set -euo pipefail",
         f"exec {shlex.quote(python)} -m verl.trainer.main_ppo \\",
     ]
@@ -153,8 +183,9 @@ def _verl_command(view: StudyView, choice: Choice, lines: list[str], python: str
 
 
 def _study_args(view: StudyView) -> str:
-    """``--storage URL --study NAME`` for a command line that reads this study again (password masked)."""
-    return f"--storage {shlex.quote(view.storage.display)} --study {shlex.quote(view.name)}"
+    """``--storage URL --study NAME`` for a command line that reads this study again (password masked), for a
+    comment line: quoted, then escaped."""
+    return comment_safe(f"--storage {shlex.quote(view.storage.display)} --study {shlex.quote(view.name)}")
 
 
 @dataclasses.dataclass
@@ -162,6 +193,7 @@ class ExportResult:
     choice: Choice
     files: dict[str, Path]
     overrides: list[str]
+    note: Optional[str] = None  # what the user should know about the interpreter verl_command.sh runs
 
 
 def write_export(
@@ -171,20 +203,25 @@ def write_export(
     pick: str = "max-throughput",
     headroom: float = DEFAULT_HEADROOM,
     validate_verl: bool = False,
+    engine_python: Optional[str] = None,
 ) -> ExportResult:
     """Choose, validate, then write the four files. Raises :class:`NoFit`/:class:`StorageError`
-    (and verl_validate's errors with ``validate_verl``) before writing anything."""
+    (and verl_validate's errors with ``validate_verl``) before writing anything. ``engine_python``: the
+    interpreter of the user's verl environment (``--engine-python``), the only one written where it runs."""
     choice = choose(view, pick=pick, headroom=headroom)
     overrides = chosen_overrides(view, choice.chosen)
-    verl = verl_engine_of(view)
+    verl = verl_engine_of(view, engine_python)
+    note = _interpreter_note(view, engine_python)
     if verl is None:
         config = best_config(view, choice.chosen)
         lines = verl_overrides(overrides)
         run_hint = f"ppotune train best_config.yaml --nproc {view.attrs.get('nproc') or 'N'}"
     else:  # exactly what the trial ran, less what a trial adds for itself (trainer.verl_engine.adapter.run_overrides)
         config = verl.run_file(overrides)
+        if engine_python is None:
+            del config["ppotune"]["python"]  # ppotune train --engine verl then runs the --engine-python it is given
         lines = config["overrides"]
-        run_hint = f"ppotune train --engine verl best_config.yaml --engine-python {verl.python}"
+        run_hint = f"ppotune train --engine verl best_config.yaml --engine-python {shlex.quote(engine_python or 'PY')}"
     if validate_verl:
         from tuner.results.verl_validate import validate_overrides
 
@@ -199,22 +236,24 @@ def write_export(
     }
     r = trial_row(view, choice.chosen)
     header = (
-        f"# ppotune export: study {view.name}, trial #{choice.chosen} ({choice.pick}, headroom {pct(headroom)}):\n"
-        f"# {r['throughput']:.1f} tokens/s/GPU, peak {gb(r['peak_memory_gb'])} GB. See why.md.\n"
+        f"# ppotune export: study {comment_safe(view.name)}, trial #{choice.chosen} ({choice.pick}, "
+        f"headroom {pct(headroom)}):\n"
+        + (f"# {comment_safe(view.algorithm_warning)}.\n" if view.algorithm_warning else "")
+        + f"# {r['throughput']:.1f} tokens/s/GPU, peak {gb(r['peak_memory_gb'])} GB. See why.md.\n"
         + (
             f"# Confirmed: {describe(choice.confirmed)}.\n"
             if choice.confirmed is not None and choice.unconfirmed is None
             else "# Unconfirmed: the figure of one short trial (see why.md).\n"
         )
         + f"# Check it on your data: ppotune validate best_config.yaml --steps 20 {_study_args(view)}\n"
-        f"# Run it: {run_hint}\n"
+        f"# Run it: {comment_safe(run_hint)}\n"
     )
     files["best_config"].write_text(header + yaml.safe_dump(config, sort_keys=False, default_flow_style=False))
     files["verl_overrides"].write_text("".join(line + "\n" for line in lines))
-    files["verl_command"].write_text(_verl_command(view, choice, lines, python=verl.python if verl else "python"))
+    files["verl_command"].write_text(_verl_command(view, choice, lines, python=engine_python or "python", note=note))
     os.chmod(files["verl_command"], 0o755)
     files["why"].write_text(why_md(view, choice, overrides, lines))
-    return ExportResult(choice=choice, files=files, overrides=lines)
+    return ExportResult(choice=choice, files=files, overrides=lines, note=note)
 
 
 # --------------------------------------------------------------------------- CLI
@@ -236,6 +275,13 @@ def add_arguments(parser) -> None:
         ),
     )
     parser.add_argument("--to", metavar="DIR", help="where to write (default: the --out dir, else the current dir)")
+    parser.add_argument(
+        "--engine-python",
+        default=None,
+        metavar="PY",
+        help="a study of --engine verl trials: the interpreter of your verl environment, written into "
+        "verl_command.sh and the run file (never the one the study names; default: python on the PATH)",
+    )
     parser.add_argument(
         "--validate-verl",
         action="store_true",
@@ -266,12 +312,25 @@ def run(args) -> int:
     try:
         view = view_from_args(args)
         to = args.to or args.out or "."
-        result = write_export(view, to, pick=args.pick, headroom=args.memory_headroom, validate_verl=args.validate_verl)
+        for line in notes_summary(view.notes):
+            print(f"ppotune export: note: {line}", file=sys.stderr)
+        if view.algorithm_warning:
+            print(f"ppotune export: warning: {view.algorithm_warning}", file=sys.stderr)
+        result = write_export(
+            view,
+            to,
+            pick=args.pick,
+            headroom=args.memory_headroom,
+            validate_verl=args.validate_verl,
+            engine_python=args.engine_python,
+        )
     except (StorageError, VerlNotInstalled) as e:
         return _fail(str(e))
     except VerlOverrideError as e:
         return _fail(f"verl rejects an override: {e}")
     c = result.choice
+    if result.note:
+        print(f"ppotune export: note: {result.note}", file=sys.stderr)
     if c.warning:
         print(f"ppotune export: warning: {c.warning}", file=sys.stderr)
     r = trial_row(view, c.chosen)

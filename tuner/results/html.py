@@ -233,6 +233,8 @@ def _head(view: StudyView) -> list[str]:
         f"<style>{_CSS}</style></head><body>"
     ]
     parts.append(f"<h1>ppotune report: study <code>{_e(view.name)}</code></h1>")
+    if view.algorithm_warning:  # before anything else: the figures below compare different algorithms
+        parts.append(f"<p class='warn'><b>{_e(view.algorithm_warning)}.</b></p>")
     parts.append(
         f"<div class='sub'>{len(df)} trials · measured by {_e(_engine_label(attrs))}"
         f" · device {_e(device.get('name') or device.get('kind') or 'unknown')}"
@@ -248,6 +250,11 @@ def _head(view: StudyView) -> list[str]:
     if dev is None:
         parts.append(
             "<p class='warn'>Device memory unknown: no headroom line, and export applies no headroom filter.</p>"
+        )
+    if view.notes:
+        items = "".join(f"<li>{_e(n)}</li>" for n in view.notes)
+        parts.append(
+            f"<div class='warn'>Left out of this report (they do not fit the study's schema):<ul>{items}</ul></div>"
         )
     return parts
 
@@ -528,9 +535,10 @@ def summary_md(data: ReportData) -> str:
     dev, dev_label = view.device_memory
     counts = _status_counts(df)
     bvb = data.baseline_vs_best
-    out = [
-        f"# ppotune report: study `{view.name}`",
-        "",
+    out = [f"# ppotune report: study `{view.name}`", ""]
+    if view.algorithm_warning:
+        out += [f"**{view.algorithm_warning}.**", ""]
+    out += [
         f"- trials: {len(df)} ({', '.join(f'{n} {s}' for s, n in counts.items())})",
         f"- measured by: {_engine_label(view.attrs)}",
         f"- memory: {dev_label}; headroom {data.headroom:.0%}",

@@ -42,7 +42,7 @@ def memory_findings(view: StudyView, chosen: Optional[int] = None) -> MemoryFind
         typical = rec.peak_memory_gb if rec is not None else None
         out.worst_case.append({"number": int(n), "typical_gb": typical, "worst": ProbeResult.from_dict(d)})
     base = view.attrs.get("base_config") or {}
-    samples = samples_from_trials(view.study.get_trials(deepcopy=False), base)
+    samples = samples_from_trials(view.sound_trials(), base)
     out.num_samples = len(samples)
     if len(samples) < MIN_LOO_SAMPLES:
         out.why_not = (

@@ -24,6 +24,7 @@ from tuner.results.analysis import build
 from tuner.results.html import report_html, summary_md
 from tuner.results.plots import figure_png, plot_importances, plot_pareto, plot_phases
 from tuner.results.view import StudyView, add_study_arguments, load, pareto_front, view_from_args
+from tuner.study.schema import notes_summary
 
 __all__ = ["REPORT_FILES", "write_report", "write_view_report", "add_arguments", "run"]
 
@@ -98,6 +99,10 @@ def run(args) -> int:
     except StorageError as e:
         print(f"ppotune report: {e}", file=sys.stderr)
         return ExitCode.USAGE
+    for note in notes_summary(view.notes):
+        print(f"ppotune report: note: {note}", file=sys.stderr)
+    if view.algorithm_warning:
+        print(f"ppotune report: warning: {view.algorithm_warning}", file=sys.stderr)
     to = Path(args.to) if args.to else (Path(args.out) / "report" if args.out else Path("ppotune_report"))
     page = write_view_report(view, to, memory_headroom=args.memory_headroom)
     print(f"{page}  ({len(view.trials)} trials)")

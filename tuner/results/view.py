@@ -8,10 +8,15 @@ grammar (:func:`trainer.contracts.parse_storage`) and opened read-only by
 
 The table of trials, the Pareto front and the headroom filter are :mod:`tuner.study.frame`'s (re-exported
 here), shared with the search's after-search stages.
+
+What is read is data, checked before use (:mod:`tuner.study.schema`): a study whose name holds control characters
+or is absurdly long is refused (one line); an attribute that does not fit its schema is ignored, a trial that
+does not fit is left out; :attr:`StudyView.notes` says which (the commands print them).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from pathlib import Path
 from typing import Optional
@@ -19,8 +24,9 @@ from typing import Optional
 import optuna
 import pandas as pd
 
-from trainer.contracts import StorageSpec, TrialRecord
+from trainer.contracts import StorageError, StorageSpec, TrialRecord
 from tuner.space import decode_trial
+from tuner.space.registry import ALGORITHM_NOTE, algorithm_knobs
 from tuner.study.frame import (  # re-exported: the study as a table, for the report, export and the notebook
     MEM_PREFIX,
     MEMORY_FIELDS,
@@ -35,6 +41,7 @@ from tuner.study.frame import (  # re-exported: the study as a table, for the re
     trials_frame,
     value_or_zero,
 )
+from tuner.study.schema import name_problem, override_keys_of, read_study_attrs, read_trial
 from tuner.study.storage import load_study, open_storage, resolve_read_spec
 
 __all__ = [
@@ -75,7 +82,24 @@ class StudyView:
 
     @property
     def attrs(self) -> dict:
-        return self.study.user_attrs
+        """The study's attributes that fit their schema (the others are left out: :attr:`notes`)."""
+        return self._attrs
+
+    @property
+    def notes(self) -> list[str]:
+        """What was left out of the study as read: attributes ignored, trials skipped, each with the reason."""
+        return self._attr_notes + list(self.trials.attrs.get("skipped") or [])
+
+    @property
+    def algorithm_warning(self) -> Optional[str]:
+        """One line when the study's space varied algorithm knobs on purpose (``algorithm: true``), else None."""
+        knobs = algorithm_knobs(self.attrs.get("space"))
+        if not knobs:
+            return None
+        return (
+            f"{ALGORITHM_NOTE}: the space varied {', '.join(knobs)} (marked algorithm: true), so throughput and "
+            "memory compare different PPO updates, not execution knobs of one algorithm"
+        )
 
     @property
     def knobs(self) -> list[str]:
@@ -90,11 +114,32 @@ class StudyView:
         return self._by_number[number]
 
     def record(self, number: int) -> TrialRecord:
-        """Trial ``number``'s user attributes, typed."""
-        return TrialRecord.from_user_attrs(self._by_number[number].user_attrs)
+        """Trial ``number``'s user attributes, checked (:func:`tuner.study.schema.read_trial`) and typed; a trial
+        left out of the table reads as an empty record."""
+        attrs, _ = read_trial(self._by_number[number], override_keys=self._override_keys)
+        return TrialRecord.from_user_attrs(attrs or {})
 
     def __post_init__(self) -> None:
-        self._by_number = {t.number: decode_trial(t) for t in self.study.get_trials(deepcopy=False)}
+        why = name_problem(self.study.study_name, what="the study's name")
+        if why:
+            raise StorageError(f"{self.storage.display}: refused: {why}")
+        self._attrs, self._attr_notes = read_study_attrs(self.study.user_attrs)
+        self._override_keys = override_keys_of(self._attrs.get("space"))
+        self._by_number, self._sound = {}, []
+        for t in self.study.get_trials(deepcopy=False):
+            attrs, _ = read_trial(t, override_keys=self._override_keys)
+            if attrs is None:  # left out of the table: kept as stored, never decoded or read further
+                self._by_number[t.number] = t
+                continue
+            checked = decode_trial(t)
+            checked = copy.copy(t) if checked is t else checked
+            checked.user_attrs = attrs  # the checked copy (long text clipped), never the stored dict
+            self._by_number[t.number] = checked
+            self._sound.append(checked)
+
+    def sound_trials(self) -> list[optuna.trial.FrozenTrial]:
+        """The trials that fit the schema (those in :attr:`trials`), params as knob values, attributes checked."""
+        return list(self._sound)
 
 
 def load(

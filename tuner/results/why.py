@@ -60,6 +60,8 @@ def _pick_section(view: StudyView, choice: Choice) -> list[str]:
     """The title, the study, the production world, the rule that picked, and whether a confirmation backs it."""
     df = view.trials
     out = [f"# Why trial #{choice.chosen}", ""]
+    if view.algorithm_warning:  # first: every figure below compares runs of different algorithms
+        out += [f"**{view.algorithm_warning}.**", ""]
     out.append(f"Study `{view.name}` ({len(df)} trials), storage `{view.storage.display}`.")
     target = view.attrs.get("target")
     if target:

@@ -4,6 +4,10 @@ recommendation keeps (:func:`headroom_filter`).
 
 Read by the after-search stages (which configs to confirm and probe), by export and the report (through
 :mod:`tuner.results.view`) and by ``ppotune search``'s summary: the one place these rules live.
+
+Every trial is checked against the schema first (:func:`tuner.study.schema.read_trial`): one that does not fit
+(wrong types, non-finite figures, an unknown status, overrides outside the study's space) is left out of the
+table, and ``df.attrs["skipped"]`` says which and why.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import pandas as pd
 
 from trainer.contracts import DEFAULT_HEADROOM, PHASES, Status, TrialRecord
 from tuner.space import from_params
+from tuner.study.schema import override_keys_of, read_trial
 
 __all__ = [
     "MEMORY_FIELDS",
@@ -119,61 +124,77 @@ def trials_frame(study: optuna.Study) -> pd.DataFrame:
     penalized for OOM), inferred_from, confirm_of, duplicate_of, notes, error,
     datetime_start/complete, and ``params.<dotted key>`` for every knob (its value: a power-of-two
     knob's Optuna param ``log2:<key>`` is decoded, see :func:`tuner.space.from_params`).
+    A trial that does not fit the schema is left out; ``df.attrs["skipped"]`` lists them with the reason.
     """
-    rows = []
+    rows, skipped = [], []
+    keys = override_keys_of(study.user_attrs.get("space"))
     for t in study.get_trials(deepcopy=False):
-        rec = TrialRecord.from_user_attrs(t.user_attrs)
-        status = _status(t, rec)
-        values = t.values if t.values is not None and len(t.values) >= 2 else (None, None)
-        feasible = (
-            t.state == optuna.trial.TrialState.COMPLETE
-            and rec.status is not None
-            and rec.status.feasible
-            and all(c <= 0.0 for c in t.constraints.values())
-        )
-        throughput = _num(rec.throughput)
-        peak = _num(rec.peak_memory_gb)
-        if feasible:
-            throughput = throughput if throughput is not None else _num(values[0])
-            peak = peak if peak is not None else _num(values[1])
-        duration = _num(rec.duration_s)
-        launched = rec.status is None or rec.status.launched
-        if duration is None and launched and t.datetime_start and t.datetime_complete:
-            duration = (t.datetime_complete - t.datetime_start).total_seconds()
-        row = {
-            "number": t.number,
-            "state": t.state.name,
-            "status": status,
-            "baseline": bool(rec.baseline),
-            "feasible": feasible,
-            "throughput": throughput,
-            "throughput_cv": _num(rec.throughput_cv),
-            "throughput_ci_low": _num((rec.throughput_ci or [None, None])[0]),
-            "throughput_ci_high": _num((rec.throughput_ci or [None, None])[-1]),
-            "measured_steps": _num(rec.measured_steps),
-            "step_s": _num(rec.step_s),
-            "peak_memory_gb": peak,
-            "memory_source": rec.memory_source or rec.memory.get("external_source"),
-            "value_throughput": _num(values[0]),
-            "value_memory": _num(values[1]),
-            "duration_s": duration,
-            "inferred_from": rec.inferred_from,
-            "confirm_of": rec.confirm_of,
-            # the tuner records a re-sampled config without re-running it (values copied)
-            "duplicate_of": rec.duplicate_of,
-            "notes": "; ".join(str(n) for n in rec.notes),
-            "error": rec.error,
-            "datetime_start": t.datetime_start,
-            "datetime_complete": t.datetime_complete,
-        }
-        for f in MEMORY_FIELDS:
-            row[MEM_PREFIX + f] = _num(rec.memory.get(f))
-        for p in PHASES:
-            row[TIME_PREFIX + p] = _num(rec.timing_s.get(p))
-        for k, v in sorted(from_params(t.params).items()):  # knob values, not Optuna's exponents
-            row[PARAM_PREFIX + k] = v
-        rows.append(row)
+        attrs, why = read_trial(t, override_keys=keys)
+        if attrs is None:
+            skipped.append(f"trial #{t.number} skipped: {why}")
+            continue
+        rows.append(_row(t, TrialRecord.from_user_attrs(attrs)))
+    return _table(rows, skipped)
+
+
+def _row(t: optuna.trial.FrozenTrial, rec: TrialRecord) -> dict:
+    """One trial's row of :func:`trials_frame` (its user attributes already checked and typed)."""
+    status = _status(t, rec)
+    values = t.values if t.values is not None and len(t.values) >= 2 else (None, None)
+    feasible = (
+        t.state == optuna.trial.TrialState.COMPLETE
+        and rec.status is not None
+        and rec.status.feasible
+        and all(c <= 0.0 for c in t.constraints.values())
+    )
+    throughput = _num(rec.throughput)
+    peak = _num(rec.peak_memory_gb)
+    if feasible:
+        throughput = throughput if throughput is not None else _num(values[0])
+        peak = peak if peak is not None else _num(values[1])
+    duration = _num(rec.duration_s)
+    launched = rec.status is None or rec.status.launched
+    if duration is None and launched and t.datetime_start and t.datetime_complete:
+        duration = (t.datetime_complete - t.datetime_start).total_seconds()
+    row = {
+        "number": t.number,
+        "state": t.state.name,
+        "status": status,
+        "baseline": bool(rec.baseline),
+        "feasible": feasible,
+        "throughput": throughput,
+        "throughput_cv": _num(rec.throughput_cv),
+        "throughput_ci_low": _num((rec.throughput_ci or [None, None])[0]),
+        "throughput_ci_high": _num((rec.throughput_ci or [None, None])[-1]),
+        "measured_steps": _num(rec.measured_steps),
+        "step_s": _num(rec.step_s),
+        "peak_memory_gb": peak,
+        "memory_source": rec.memory_source or rec.memory.get("external_source"),
+        "value_throughput": _num(values[0]),
+        "value_memory": _num(values[1]),
+        "duration_s": duration,
+        "inferred_from": rec.inferred_from,
+        "confirm_of": rec.confirm_of,
+        # the tuner records a re-sampled config without re-running it (values copied)
+        "duplicate_of": rec.duplicate_of,
+        "notes": "; ".join(str(n) for n in rec.notes),
+        "error": rec.error,
+        "datetime_start": t.datetime_start,
+        "datetime_complete": t.datetime_complete,
+    }
+    for f in MEMORY_FIELDS:
+        row[MEM_PREFIX + f] = _num(rec.memory.get(f))
+    for p in PHASES:
+        row[TIME_PREFIX + p] = _num(rec.timing_s.get(p))
+    for k, v in sorted(from_params(t.params).items()):  # knob values, not Optuna's exponents
+        row[PARAM_PREFIX + k] = v
+    return row
+
+
+def _table(rows: list[dict], skipped: list[str]) -> pd.DataFrame:
+    """The rows as :func:`trials_frame`'s table: the Pareto column, params last, typed columns, by number."""
     df = pd.DataFrame(rows)
+    df.attrs["skipped"] = skipped
     if df.empty:
         return df
     df["pareto"] = pareto_mask(df)
@@ -186,7 +207,9 @@ def trials_frame(study: optuna.Study) -> pd.DataFrame:
     # text columns hold None when absent (pandas >= 3 would make them NaN, which is truthy)
     for c in ("memory_source", "error"):
         df[c] = df[c].astype(object).where(df[c].notna(), None)
-    return df.sort_values("number").reset_index(drop=True)
+    df = df.sort_values("number").reset_index(drop=True)
+    df.attrs["skipped"] = skipped
+    return df
 
 
 def measured_feasible(df: pd.DataFrame) -> pd.Series:

@@ -8,6 +8,13 @@ cached RDB storage as Optuna recommends). Workers, ``report`` and ``export`` the
 What the proxy does not give: a cross-process lock (workers on it keep ``--trials`` exact by
 checking their trial's rank after ``ask()``: :func:`tuner.search.decide.over_budget`) and Optuna's
 database heartbeat (workers' own heartbeats still go through it as trial attributes).
+
+Nor any security: Optuna's gRPC proxy speaks plaintext with no authentication, and its client
+(``optuna.storages.GrpcStorageProxy(host, port)``, Optuna 5.0) takes no credentials, so neither TLS nor a
+token can be added on our side without reaching into Optuna's private channel code. Whoever reaches the port
+reads the study (configs, paths, host names) and writes to it. So the proxy listens on 127.0.0.1 unless
+``--host`` widens it, and then says that the study is open to that network; on a cluster, admit only the
+workers (deploy/k8s/proxy.yaml's NetworkPolicy; docs/security.md).
 """
 
 from __future__ import annotations
@@ -22,16 +29,40 @@ from concurrent.futures import ThreadPoolExecutor
 from trainer.contracts import ExitCode, StorageError, parse_storage
 from tuner.study.storage import close_storage, open_storage
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "run", "LOOPBACK", "exposure_warning"]
+
+LOOPBACK = "127.0.0.1"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--storage", required=True, help="the database behind the proxy (postgresql://..., mysql://...)")
     p.add_argument("--port", type=int, default=13000, help="port to serve on (default 13000, Optuna's)")
     p.add_argument(
-        "--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0: every interface; 127.0.0.1: local)"
+        "--host",
+        default=LOOPBACK,
+        help=f"address to listen on (default {LOOPBACK}: this host only; 0.0.0.0: every interface, and the study is "
+        "open to whoever reaches the port: no TLS, no authentication)",
     )
     p.add_argument("--threads", type=int, default=16, help="gRPC worker threads (default 16)")
+
+
+def exposure_warning(host: str, port: int) -> str | None:
+    """What to say when ``host`` is not a loopback address: the study is open to that network (None: loopback)."""
+    import ipaddress
+
+    if host == "localhost":
+        return None
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return None
+    except ValueError:
+        pass  # a host name: it resolves to something other than this host only, as far as we know
+    where = "every network this host is on" if host in ("0.0.0.0", "::") else f"the network of {host}"
+    return (
+        f"the study is open to {where} on port {port}: Optuna's gRPC proxy has no TLS and no authentication (its "
+        "client takes no credentials), so whoever reaches the port reads the study and writes to it; admit only the "
+        "workers (a firewall, or deploy/k8s/proxy.yaml's NetworkPolicy; docs/security.md)"
+    )
 
 
 def _port_taken(host: str, port: int) -> str | None:
@@ -79,6 +110,9 @@ def run(args: argparse.Namespace) -> int:
 
     old = signal.signal(signal.SIGTERM, on_signal)
     print(f"ppotune storage-proxy: serving {spec.display} on grpc://{args.host}:{args.port}", flush=True)
+    warning = exposure_warning(args.host, args.port)
+    if warning:
+        print(f"ppotune storage-proxy: warning: {warning}", file=sys.stderr, flush=True)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)

@@ -10,6 +10,11 @@ error), TCP keepalives and a connect timeout (an unreachable server is a one-lin
 ``CONNECT_TIMEOUT_S``, not a hang), and, when writing, Optuna's own trial heartbeat
 (``heartbeat_interval``/``grace_period``). Every error is one line naming the storage with its
 password masked.
+
+A file that is not a study (random bytes, a damaged SQLite file, another program's SQLite database, a text
+file where a journal was expected) is refused before Optuna touches it (:func:`check_storage_file`): one line
+saying so, and never Optuna's tables written into someone else's database. A storage that cannot be opened
+for writing leaves nothing behind: the directories and the file the attempt created are removed again.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from trainer.contracts import StorageError, StorageSpec, parse_storage, storage_
 
 __all__ = [
     "open_storage",
+    "check_storage_file",
+    "Leftovers",
     "close_storage",
     "storage_engine",
     "network_filesystem",
@@ -83,6 +90,97 @@ def _scrub(text: str, spec: StorageSpec) -> str:
     return text.replace(spec.url, spec.display)
 
 
+_SQLITE_MAGIC = b"SQLite format 3\x00"
+#: the tables every Optuna RDB storage has (any schema version): a file holding other tables but not these is not ours
+_OPTUNA_TABLES = frozenset({"studies", "version_info"})
+
+
+def check_storage_file(spec: StorageSpec) -> None:
+    """Refuse (:class:`StorageError`, one line naming the file) a storage file that exists and is not a study:
+    not an SQLite file, a damaged one, one with other tables but not Optuna's, or a journal file whose first line
+    is not a journal record. A missing or empty file passes (a new study)."""
+    path = spec.path
+    if path is None or not path.is_file() or path.stat().st_size == 0:
+        return
+    if spec.kind == "sqlite":
+        _check_sqlite(path)
+    else:
+        _check_journal(path)
+
+
+def _check_sqlite(path: Path) -> None:
+    import sqlite3
+
+    with open(path, "rb") as f:
+        head = f.read(len(_SQLITE_MAGIC))
+    if head != _SQLITE_MAGIC:
+        raise StorageError(f"{path}: not a study database (not an SQLite file)")
+    try:
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=60)
+        try:
+            tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        finally:
+            conn.close()
+    except sqlite3.DatabaseError as e:
+        raise StorageError(f"{path}: not a study database (a damaged SQLite file: {e})") from None
+    if tables and not _OPTUNA_TABLES <= tables:
+        shown = ", ".join(sorted(tables)[:5]) + (", ..." if len(tables) > 5 else "")
+        raise StorageError(f"{path}: not a study database (an SQLite file without Optuna's tables; it holds {shown})")
+
+
+def _check_journal(path: Path) -> None:
+    import json
+
+    with open(path, "rb") as f:
+        first = f.readline(1 << 20)
+    try:
+        record = json.loads(first)
+    except ValueError:
+        record = None
+    if not isinstance(record, dict) or "op_code" not in record:
+        raise StorageError(f"{path}: not a study journal (its first line is not an Optuna journal record)")
+
+
+def _missing_dirs(path: Path) -> list[Path]:
+    """The directories above ``path`` that do not exist yet, outermost first."""
+    return [d for d in reversed(path.parents) if not d.exists()]
+
+
+class Leftovers:
+    """What a command is about to create (files, directories), noted before it starts: :meth:`undo` removes those
+    that did not exist then (a directory with all it holds), and then the parent directories it made, while empty.
+    Nothing that was there before is touched."""
+
+    def __init__(self, *paths: Optional[Path]):
+        real = [Path(p) for p in paths if p is not None]
+        self._new = [p for p in real if not p.exists()]
+        self._dirs = sorted({d for p in real for d in _missing_dirs(p)}, key=lambda d: len(d.parts), reverse=True)
+
+    def undo(self) -> None:
+        import shutil
+
+        for p in self._new:
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    p.unlink()
+        for d in self._dirs:  # deepest first
+            with contextlib.suppress(OSError):
+                d.rmdir()  # only while empty
+
+
+@contextlib.contextmanager
+def _undo_on_failure(spec: StorageSpec) -> Iterator[None]:
+    """If opening ``spec`` for writing fails, remove the file and the directories the attempt created."""
+    left = Leftovers(spec.path, spec.path.with_name(spec.path.name + "-journal") if spec.path else None)
+    try:
+        yield
+    except BaseException:
+        left.undo()
+        raise
+
+
 def open_storage(
     spec: StorageSpec,
     *,
@@ -95,8 +193,17 @@ def open_storage(
     Read-only: a SQLite file is reopened as a ``mode=ro`` URI, other RDBs skip table creation
     and migration, a journal file must exist and is only read; nothing is ever written.
     ``heartbeat_s``/``grace_s`` (writers on a database server): Optuna's trial heartbeat.
-    A gRPC storage proxy must answer within ``CONNECT_TIMEOUT_S``. Close with :func:`close_storage`.
+    A gRPC storage proxy must answer within ``CONNECT_TIMEOUT_S``. A file that is not a study is refused
+    (:func:`check_storage_file`); a failed open for writing leaves nothing behind. Close with :func:`close_storage`.
     """
+    check_storage_file(spec)
+    if read_only:
+        return _open(spec, read_only=True, heartbeat_s=None, grace_s=None)
+    with _undo_on_failure(spec):
+        return _open(spec, read_only=False, heartbeat_s=heartbeat_s, grace_s=grace_s)
+
+
+def _open(spec: StorageSpec, *, read_only: bool, heartbeat_s: Optional[float], grace_s: Optional[float]) -> BaseStorage:
     try:
         if spec.kind == "journal":
             from optuna.storages.journal import JournalFileBackend
@@ -245,17 +352,20 @@ def resolve_read_spec(*, storage: Optional[str] = None, out: Optional[str | Path
 
 def load_study(storage: BaseStorage, study_name: Optional[str], *, where: str = "the storage") -> optuna.Study:
     """Load a study; without a name, the storage must hold exactly one."""
+    from tuner.study.schema import comment_safe
+
     try:
         names = [s.study_name for s in storage.get_all_studies()]
     except Exception as e:  # noqa: BLE001
-        raise StorageError(f"cannot read studies from {where}: {e}") from None
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        raise StorageError(f"cannot read studies from {where}: {type(e).__name__}: {first}") from None
+    shown = ", ".join(comment_safe(n)[:80] for n in names[:10]) + (", ..." if len(names) > 10 else "")
     if study_name is None:
         if len(names) != 1:
-            found = ", ".join(names) if names else "none"
-            raise StorageError(f"{where} holds {len(names)} studies ({found}); name one with --study")
+            raise StorageError(f"{where} holds {len(names)} studies ({shown or 'none'}); name one with --study")
         study_name = names[0]
     elif study_name not in names:
-        raise StorageError(f"no study {study_name!r} in {where} (found: {', '.join(names) or 'none'})")
+        raise StorageError(f"no study {comment_safe(study_name)!r} in {where} (found: {shown or 'none'})")
     return optuna.load_study(study_name=study_name, storage=storage)
 
 
