@@ -48,6 +48,7 @@ def start_worker(tmp_path: Path, storage: str, trials: int, i: int, *extra) -> s
         *(TINY_BASE, "--space", space, "--storage", storage, "--study", STUDY, "--trials", trials),
         *("--nproc", 1, "--steps", 1, "--warmup", 0, "--seed", i, "--out", tmp_path / f"node{i}"),
         *("--heartbeat", HEARTBEAT_S, "--grace", GRACE_S, "--kill-grace", 3, "--trial-timeout", 240, "--confirm", 0),
+        *("--probe", 0),  # the workers' after-search stages are not what these tests are about
         *extra,
     ]
     return subprocess.Popen(

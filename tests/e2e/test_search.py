@@ -82,6 +82,8 @@ def common(d: Path, space: Path, *extra) -> list:
         3,
         "--confirm",  # the confirmation has its own test (test_confirm_reruns_...); a later --confirm wins
         0,
+        "--probe",  # the worst-case probe has its own tests (tests/e2e/test_probe.py)
+        0,
         *extra,
     ]
 

@@ -22,6 +22,8 @@ def test_vllm_knob_search_completes_and_flags_sleep_knobs_as_no_effect_on_cpu(tm
         4,
         "--confirm",
         0,
+        "--probe",  # the worst case through vLLM has its own test (tests/e2e/test_probe.py)
+        0,
         "--nproc",
         2,
         "--steps",
