@@ -131,35 +131,29 @@ def check_recovered(trials: list, number: int, killed_at: float, dead_host: str)
 
 
 # --------------------------------------------------------------------------- PostgreSQL, directly
-def test_four_workers_on_postgres_reach_exactly_the_budget(tmp_path, postgres, no_processes_left):
+def test_four_workers_on_postgres_reach_exactly_the_budget_and_recover_a_killed_ones_trial(
+    tmp_path, postgres, no_processes_left
+):
+    """Four nodes on one database; one is SIGKILLed mid-trial: its trial is recovered by another node after the
+    grace period, the total stays exact, no ask ever races past the budget (the advisory lock), the work is
+    shared, and every connection is closed (the killed worker's too)."""
     db = postgres.create_database()
     url = postgres.url(db)
     workers = [start_worker(tmp_path, url, 8, i) for i in range(4)]
-    outs = [w.communicate(timeout=900)[0] for w in workers]
-    assert [w.returncode for w in workers] == [0, 0, 0, 0], outs
+    number, killed_at = kill_mid_trial(workers[0], tmp_path / "node0")
+    outs = [w.communicate(timeout=900)[0] for w in workers[1:]]
+    assert [w.returncode for w in workers[1:]] == [0, 0, 0], outs
     trials = load_trials(url)
     cnt = check_exact(trials, 8)
+    check_recovered(trials, number, killed_at, "node0")
+    assert any("left RUNNING by a dead tuner" in o for o in outs)
     assert not [t for t in trials if rec(t).status == Status.OVER_BUDGET]  # the advisory lock: no race at all
     assert len({rec(t).owner["host"] for t in cnt}) >= 2  # the work was shared
     assert all("lock postgresql-advisory" in o for o in outs)
     assert all(postgres.password not in o for o in outs)  # masked in every line
-    assert postgres.wait_connections(db, at_most=0) == 0  # every worker closed its pool
-    assert no_processes_left(str(tmp_path), timeout=10) == []
-
-
-def test_sigkilled_worker_trial_is_recovered_after_the_grace_period(tmp_path, postgres, no_processes_left):
-    db = postgres.create_database()
-    url = postgres.url(db)
-    workers = [start_worker(tmp_path, url, 5, i) for i in range(3)]
-    number, killed_at = kill_mid_trial(workers[0], tmp_path / "node0")
-    outs = [w.communicate(timeout=900)[0] for w in workers[1:]]
-    assert [w.returncode for w in workers[1:]] == [0, 0], outs
-    trials = load_trials(url)
-    check_exact(trials, 5)
-    check_recovered(trials, number, killed_at, "node0")
-    assert any("left RUNNING by a dead tuner" in o for o in outs)
     assert no_processes_left(str(tmp_path / "node0"), timeout=10) == []  # the trial died with its worker
-    assert postgres.wait_connections(db, at_most=0) == 0  # the killed worker's connections too
+    assert postgres.wait_connections(db, at_most=0) == 0  # every worker closed its pool, the killed one's too
+    assert no_processes_left(str(tmp_path), timeout=10) == []
 
 
 # --------------------------------------------------------------------------- through the gRPC proxy
