@@ -151,7 +151,8 @@ def test_verl_search_report_and_export(cli, verl_run_file, tmp_path):
     assert study.user_attrs["engine"] == "verl"
     assert (out / "report" / "report.html").is_file()
 
-    r = cli("export", "--out", out, "--to", tmp_path / "e")
+    # the interpreter is named on export's command line: never taken from the study (docs/security.md)
+    r = cli("export", "--out", out, "--to", tmp_path / "e", "--engine-python", VERL_PY)
     assert r.returncode == 0, r.stderr
     chosen = max(ok, key=lambda n: ok[n].throughput)
     ran = json.loads(Path(ok[chosen].result_path).read_text())["config"]
@@ -163,7 +164,7 @@ def test_verl_search_report_and_export(cli, verl_run_file, tmp_path):
     assert {override_key(o) for o in added} >= {"trainer.total_training_steps", "trainer.logger"}
     assert all(f"{k}={v}" in exported for k, v in ok[chosen].overrides.items())  # the chosen knobs (none: baseline)
     script = (tmp_path / "e" / "verl_command.sh").read_text()
-    assert str(VERL_PY) in script and all(line in script for line in exported[-2:])
+    assert f"exec {VERL_PY} -m verl.trainer.main_ppo" in script and all(line in script for line in exported[-2:])
     assert wait_until(lambda: not ray_processes(), 20), ray_processes()
 
 

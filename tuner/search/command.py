@@ -9,6 +9,12 @@ observer (one line per trial, a progress bar, wandb). Objectives: maximize throu
 minimize peak memory (GB).
 
 Output: ``<out>/study.db`` (or ``--storage``), ``<out>/trials/<n>/{config.yaml,train.log,result.json}``.
+
+Fail fast: the flags, the space, the base config and its inputs (data files and their columns, the model and its
+tokenizer: :mod:`trainer.launch.preflight`) and the storage file are checked before anything is created or
+launched (exit 2, one line naming the file and the key); a storage that cannot be opened leaves nothing behind; a
+search that cannot work (:class:`tuner.search.budget.FailureRule`: the baseline failed, or the same error
+``--max-failures-in-a-row`` times) stops with the reason, exit 2 when the trainer refused the input, else 1.
 """
 
 from __future__ import annotations
@@ -29,199 +35,24 @@ import psutil
 
 from trainer.config import apply_overrides, config_from_dict, config_to_dict, flatten
 from trainer.contracts import STUDY_SCHEMA_VERSION, ExitCode, StorageError, TrialRecord, parse_storage
-from trainer.summary import MIN_MEASURED_STEPS
+from trainer.launch.preflight import preflight, preflight_verl
+from tuner.search.budget import BASELINE_FAILED, MAX_FAILURES_IN_A_ROW
 from tuner.search.decide import count_progress
+from tuner.search.flags import add_arguments
 from tuner.search.loop import Search, SearchOptions
-from tuner.search.policy import SAMPLERS, build_sampler
+from tuner.search.policy import build_sampler
 from tuner.search.progress import ConsoleObserver, Display, seed_display, summary
 from tuner.space import Space, base_flat_config, comparable_space, load_space
-from tuner.stages.confirm import DEFAULT_ROUNDS, MAX_FINALISTS
 from tuner.study import lifecycle as st
-from tuner.study.storage import close_storage, network_filesystem
-from tuner.trials.launch import add_hang_flags, positive_seconds, stop_on_signals
+from tuner.study.schema import name_problem, override_keys_of, read_study_attrs, read_trial
+from tuner.study.storage import Leftovers, check_storage_file, close_storage, network_filesystem
+from tuner.trials.launch import stop_on_signals
 from tuner.trials.memory import gpu_info, nvml_available, visible_gpus
 from tuner.trials.runners import SubprocessRunner, VerlEngine
 from tuner.trials.warm import WarmRunner
 from tuner.world import WorldPlan, plan_world, trial_overrides
 
 __all__ = ["add_arguments", "run", "options_from_args"]
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    for flags in (_study_flags, _trial_flags, _search_flags, _output_flags):
-        flags(p)
-
-
-def _study_flags(p: argparse.ArgumentParser) -> None:
-    """What the search is over and where its study lives."""
-    p.add_argument("base_config", help="base config YAML (verl keys); its values are the baseline trial")
-    p.add_argument("--space", required=True, help="search space YAML (see search_spaces/)")
-    p.add_argument(
-        "--trials",
-        type=int,
-        required=True,
-        help="stop when the study holds N counted trials (all processes together; resumes count)",
-    )
-    p.add_argument(
-        "--timeout",
-        type=positive_seconds,
-        default=None,
-        metavar="S",
-        help="start no new trial after S seconds, confirmation re-runs and worst-case probes included (the search "
-        "stops early enough to leave them their estimated time, at most half of S)",
-    )
-    p.add_argument(
-        "--storage",
-        default=None,
-        help="Optuna storage URL; journal:PATH or *.log for a journal file (default sqlite:///<out>/study.db)",
-    )
-    p.add_argument("--study", default=None, help="study name (default: <base>--<space>)")
-    p.add_argument(
-        "--heartbeat",
-        type=float,
-        default=st.HEARTBEAT_S,
-        metavar="S",
-        help=f"write a running trial's heartbeat every S seconds (default {st.HEARTBEAT_S:g})",
-    )
-    p.add_argument(
-        "--grace",
-        type=float,
-        default=st.STALE_AFTER_S,
-        metavar="S",
-        help="a trial of another host with no heartbeat for S seconds is interrupted and re-enqueued "
-        f"(default {st.STALE_AFTER_S:g})",
-    )
-    p.add_argument(
-        "--out", default="ppotune_out", help="output dir: trials/, the default storage (default ppotune_out)"
-    )
-
-
-def _trial_flags(p: argparse.ArgumentParser) -> None:
-    """How each trial runs: its world, steps, measurement, limits."""
-    p.add_argument(
-        "--nproc", type=int, default=None, help="processes (GPUs) per trial (default: the base config's per node)"
-    )
-    p.add_argument(
-        "--target-nodes",
-        type=int,
-        default=None,
-        metavar="N",
-        help="nodes of the production job the trials stand for (default: the base config's trainer.nnodes); a "
-        "trial on fewer GPUs runs the global batch sizes scaled by trial world / target world, so each GPU "
-        "runs the production's per-GPU batch",
-    )
-    p.add_argument(
-        "--target-gpus-per-node",
-        type=int,
-        default=None,
-        metavar="G",
-        help="GPUs per node of the production job (default: the base config's trainer.n_gpus_per_node)",
-    )
-    p.add_argument(
-        "--steps",
-        type=int,
-        default=8,
-        help="PPO steps per trial at most, warm-up included (default 8; fewer when the measurement is tight)",
-    )
-    p.add_argument("--warmup", type=int, default=1, help="leading steps left out of the measurement (default 1)")
-    p.add_argument(
-        "--precision",
-        type=float,
-        default=0.05,
-        metavar="P",
-        help="a trial stops measuring once its 90%% throughput interval is within +/-P of the median (after "
-        f"{MIN_MEASURED_STEPS} measured steps), or once a measured config beats it at no more memory; 0: run "
-        "every --steps step (default 0.05)",
-    )
-    p.add_argument(
-        "--trial-timeout",
-        type=positive_seconds,
-        default=None,
-        metavar="S",
-        help="kill a trial after S seconds in all and record it as a hang (default: no cap on the whole trial)",
-    )
-    add_hang_flags(p, subject="a trial")
-    p.add_argument(
-        "--memory-limit-gb",
-        type=float,
-        default=None,
-        metavar="G",
-        help="a real per-process memory cap for every trial (GPU: allocator fraction; CPU: rlimit)",
-    )
-
-
-def _search_flags(p: argparse.ArgumentParser) -> None:
-    """How the search proposes, and what runs after it."""
-    p.add_argument("--sampler", choices=list(SAMPLERS), default="tpe")
-    p.add_argument(
-        "--local-every",
-        type=int,
-        default=2,
-        metavar="N",
-        help="tpe: once its random start-up is done, every N-th launched trial is an unmeasured config one ordered "
-        "step from the fastest measured one (when there is one left); off where the storage has no cross-process lock "
-        "(the gRPC proxy, MySQL); 0: the sampler alone (default 2)",
-    )
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument(
-        "--confirm",
-        type=int,
-        default=DEFAULT_ROUNDS,
-        metavar="R",
-        help="after the search, re-run the finalists (Pareto points under the export headroom and trials within "
-        f"noise of the best, at most {MAX_FINALISTS}) interleaved with the baseline for R rounds; export ranks them "
-        f"by the median of paired throughput ratios to the baseline (default {DEFAULT_ROUNDS}; 0: off)",
-    )
-    p.add_argument(
-        "--probe",
-        type=int,
-        default=MAX_FINALISTS,
-        metavar="K",
-        help="then run the worst-case probe (one step, every prompt and response at its maximum length; "
-        "ppotune probe) of the K configs export would take first; export refuses a pick whose worst case "
-        f"breaks the headroom (default {MAX_FINALISTS}; 0: off; the ppotune engine only)",
-    )
-    p.add_argument(
-        "--no-memory-model",
-        action="store_true",
-        help="launch every candidate: no predicted_oom from the study's calibrated memory model (on by default "
-        "once 3 trials are measured: a candidate predicted over the memory limit by more than the model's "
-        "leave-one-out error is recorded, not launched)",
-    )
-
-
-def _output_flags(p: argparse.ArgumentParser) -> None:
-    """How trials start and run, and what is written."""
-    p.add_argument(
-        "--parallel",
-        type=int,
-        default=1,
-        metavar="P",
-        help="trials at once on this node, each on its own GPU slice (CPU: plain concurrency)",
-    )
-    p.add_argument(
-        "--cold",
-        action="store_true",
-        help="start every trial's processes afresh (one process group per trial); default: trials of one process "
-        "layout run in a warm job that starts once (faults still end it; vLLM-rollout trials always run cold)",
-    )
-    p.add_argument(
-        "--wandb", action="store_true", help="one wandb run per trial, grouped by study (offline without credentials)"
-    )
-    p.add_argument("--report", action="store_true", help="write the report (DIR/report/report.html) when done")
-    p.add_argument(
-        "--engine",
-        choices=["ppotune", "verl"],
-        default="ppotune",
-        help="what runs a trial: ppotune's FSDP trainer, or verl's own main_ppo (BASE_CONFIG is then a verl "
-        "run file: overrides: [key=value, ...]); default ppotune",
-    )
-    p.add_argument(
-        "--engine-python",
-        default=None,
-        metavar="PY",
-        help="--engine verl: the interpreter of your verl environment (default: this one)",
-    )
 
 
 # --------------------------------------------------------------------------- helpers
@@ -268,6 +99,7 @@ def options_from_args(args: argparse.Namespace, *, seed: Optional[int] = None) -
         local_every=getattr(args, "local_every", 2),
         heartbeat_s=args.heartbeat,
         grace_s=args.grace,
+        max_failures_in_a_row=getattr(args, "max_failures_in_a_row", MAX_FAILURES_IN_A_ROW),
     )
 
 
@@ -312,6 +144,7 @@ def _base_config(args: argparse.Namespace, space: Space) -> tuple[dict, Optional
         warmup=args.warmup,
         memory_limit_gb=args.memory_limit_gb,
     )
+    preflight_verl(run_spec.get, source=args.base_config)  # its data, model and tokenizer, before verl composes
     nested = verl_engine.decision_base(run_spec, device="cuda" if nvml_available() else "cpu")
     engine = VerlEngine(
         python=run_spec.python,
@@ -394,7 +227,10 @@ def _inputs(args: argparse.Namespace) -> _Inputs:
         "ppotune.memory_limit_gb": args.memory_limit_gb,
         "ppotune.precision": args.precision or None,
     }
-    trial_base = config_to_dict(config_from_dict(apply_overrides(base_nested, trial_extra), source=args.base_config))
+    trial_cfg = config_from_dict(apply_overrides(base_nested, trial_extra), source=args.base_config)
+    if verl is None:
+        preflight(trial_cfg, source=args.base_config)  # the data files, model and tokenizer every trial reads
+    trial_base = config_to_dict(trial_cfg)
     trial_flat = flatten(trial_base)
     if trial_flat.get("ppotune.worst_case"):
         raise ValueError(
@@ -436,17 +272,16 @@ def _runner(args: argparse.Namespace, inputs: _Inputs, device: dict, out_dir: Pa
 
 
 def run(args: argparse.Namespace) -> int:
-    """``ppotune search``: validate, open (or create) the study, search, then the summary (and the report)."""
+    """``ppotune search``: validate, open (or create) the study, search, then the summary (and the report).
+    Nothing is created before the inputs and the storage file are checked; a study that cannot be opened
+    leaves nothing behind (:class:`tuner.study.storage.Leftovers`)."""
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    out_dir = Path(args.out).resolve()
     try:
         inputs = _inputs(args)
-    except ValueError as e:  # SpaceError / ConfigError / bad option: one line naming file and key
-        return _fail(str(e))
-    out_dir = Path(args.out).resolve()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    try:
         spec = parse_storage(args.storage, default_dir=out_dir)
-    except StorageError as e:
+        check_storage_file(spec)
+    except ValueError as e:  # SpaceError / ConfigError / StorageError / bad option: one line naming file and key
         return _fail(str(e))
     _warn_if_shared(spec)
     device = _device(inputs.trial_flat)
@@ -455,22 +290,45 @@ def run(args: argparse.Namespace) -> int:
         return _fail(
             f"--parallel {parallel} x --nproc {nproc} needs {parallel * nproc} GPUs; {len(visible_gpus())} visible"
         )
+    left = Leftovers(out_dir, out_dir / "jobs", out_dir / "trials", spec.path, spec.lock_path)
+    out_dir.mkdir(parents=True, exist_ok=True)
     runner = _runner(args, inputs, device, out_dir)
+    opened: "_Opened | str" = "not opened"
     try:
-        return _search(args, inputs, device, spec, out_dir, runner)
+        opened = _open(args, inputs, device, spec)
+        if isinstance(opened, str):
+            return _fail(opened)
+        return _search(args, inputs, device, spec, out_dir, runner, opened)
     finally:
         if isinstance(runner, WarmRunner):
             runner.close()  # waits for the jobs asked to stop; ends one started ahead and never used
+        if isinstance(opened, str):
+            left.undo()  # the study could not be opened: nothing of this run stays behind
 
 
-def _search(args: argparse.Namespace, inputs: _Inputs, device: dict, spec, out_dir: Path, runner) -> int:
-    """Open the study (refusing one created for another search), run the search, say what it found."""
-    options, space = inputs.options, inputs.space
+@dataclasses.dataclass(frozen=True)
+class _Opened:
+    """The study this search runs on, opened and checked."""
+
+    study: optuna.Study
+    storage: object
+    created: bool
+    lock: st.StudyLock
+    name: str
+    penalty_gb: float
+
+
+def _open(args: argparse.Namespace, inputs: _Inputs, device: dict, spec) -> "_Opened | str":
+    """Open (or create) the study, refusing one created for another search: the study, or the one line why not."""
+    space = inputs.space
     # the memory a trial may use: the cap when there is one (on CPU it counts above the post-start level,
     # as the CPU memory objective does), else the device; the graded constraint is peak / this - 1
     penalty = args.memory_limit_gb or device["memory_total_gb"] or 80.0
     attrs = _study_attrs(args, space, inputs.base_nested, device, penalty, inputs.verl, inputs.plan)
     name = args.study or st.default_study_name(args.base_config, args.space)
+    why = name_problem(name, what="the study name (--study)")
+    if why:
+        return why
     lock = st.StudyLock(spec.lock_path)
 
     def setup(study: optuna.Study) -> None:
@@ -480,6 +338,7 @@ def _search(args: argparse.Namespace, inputs: _Inputs, device: dict, spec, out_d
         study.enqueue_trial(baseline, user_attrs=TrialRecord(baseline=True).to_user_attrs(only={"baseline"}))
         study.set_user_attr(st.SCHEMA_ATTR, STUDY_SCHEMA_VERSION)  # last: marks the study as set up
 
+    options = inputs.options
     try:
         study, storage, created = st.open_study(
             spec,
@@ -491,13 +350,55 @@ def _search(args: argparse.Namespace, inputs: _Inputs, device: dict, spec, out_d
             grace_s=options.grace_s,
         )
     except StorageError as e:
-        return _fail(str(e))
+        return str(e)
     except Exception as e:  # noqa: BLE001 - storage errors come in many types
-        return _fail(f"--storage {spec.display}: {type(e).__name__}: {e}")
-    bad = _incompatible(study, attrs)
-    foreign = space.foreign_params(study.get_trials(deepcopy=False))
+        return f"--storage {spec.display}: {type(e).__name__}: {e}"
+    bad = _unreadable(study) or _incompatible(study, attrs) or _failed_baseline(study)
+    foreign = None if bad else space.foreign_params(study.get_trials(deepcopy=False))
     if bad or foreign:
-        return _fail(bad or f"study {name!r}: {foreign}")
+        close_storage(storage)
+        return bad or f"study {name!r}: {foreign}"
+    return _Opened(study, storage, created, lock, name, penalty)
+
+
+def _failed_baseline(study: optuna.Study) -> Optional[str]:
+    """A study whose baseline trial failed (crash, refused, hang) stopped because it cannot work: resuming it would
+    run the same inputs again (FailureRule). Why not, or None."""
+    for t in study.get_trials(deepcopy=False):
+        rec = TrialRecord.from_user_attrs(t.user_attrs)
+        if rec.baseline and rec.confirm_of is None and rec.status in BASELINE_FAILED:
+            first = (str(rec.error or "").strip().splitlines() or ["no error recorded"])[0][:300]
+            return (
+                f"study {study.study_name!r}: its baseline trial #{t.number} ended {rec.status} ({first}), so a search "
+                "on it cannot work; fix the input and start another study (--study NAME)"
+            )
+    return None
+
+
+def _unreadable(study: optuna.Study) -> Optional[str]:
+    """Why a study cannot be resumed: an attribute or a trial that does not fit the schema (the study is data:
+    a resumed search would act on it), or None. Report and export still read it, leaving those out."""
+    attrs, notes = read_study_attrs(study.user_attrs)
+    keys = override_keys_of(attrs.get("space"))
+    for t in study.get_trials(deepcopy=False):
+        _, why = read_trial(t, override_keys=keys)
+        if why:
+            notes.append(f"trial #{t.number}: {why}")
+    if not notes:
+        return None
+    more = f" (and {len(notes) - 1} more)" if len(notes) > 1 else ""
+    return (
+        f"study {study.study_name!r} holds what a search cannot resume from: {notes[0]}{more}; report and export "
+        "read it without those; pass --study NAME to start another"
+    )
+
+
+def _search(
+    args: argparse.Namespace, inputs: _Inputs, device: dict, spec, out_dir: Path, runner, opened: _Opened
+) -> int:
+    """Run the search on the opened study, then say what it found."""
+    options, space = inputs.options, inputs.space
+    study, storage, created, lock, name = opened.study, opened.storage, opened.created, opened.lock, opened.name
     options = dataclasses.replace(options, seed=_process_seed(args.seed, created))
     study.sampler = build_sampler(options.sampler, seed=options.seed, n_trials=options.trials)
     trials = study.get_trials(deepcopy=False)
@@ -527,7 +428,7 @@ def _search(args: argparse.Namespace, inputs: _Inputs, device: dict, spec, out_d
         trial_base=inputs.trial_base,
         trial_flat=inputs.trial_flat,
         runner=runner,
-        penalty_gb=penalty,
+        penalty_gb=opened.penalty_gb,
         trials_dir=out_dir / "trials",
         observer=ConsoleObserver(display, tracker),
         heartbeat=st.Heartbeat(storage, interval_s=options.heartbeat_s),
@@ -547,6 +448,10 @@ def _run_search(search: Search, display: Display, spec, name: str, out_dir: Path
                 search.runner.close(wait=False)  # the jobs exit while the summary is written; waited for later
             search.heartbeat.stop()
             display.close()
+    if search.halt is not None:  # it cannot work: the reason, never "done"
+        print(f"ppotune search: stopped: {search.halt.reason} | {_counts(search.study)}", file=sys.stderr, flush=True)
+        close_storage(search.storage)
+        return search.halt.exit_code
     summary(search.study, search)
     close_storage(search.storage)  # the database connections go back to the server now, not at exit
     if got:
@@ -559,6 +464,15 @@ def _run_search(search: Search, display: Display, spec, name: str, out_dir: Path
     if report:
         _write_report(spec, name, out_dir)
     return ExitCode.OK
+
+
+def _counts(study: optuna.Study) -> str:
+    """``3 trials: crash 2, ok 1``: the study's trials by status."""
+    from tuner.study.frame import trials_frame
+
+    df = trials_frame(study)
+    counts = ", ".join(f"{k} {v}" for k, v in sorted(df["status"].value_counts().items())) if not df.empty else ""
+    return f"{len(df)} trials: {counts}" if counts else "no trials"
 
 
 def _write_report(spec, study_name: str, out_dir: Path) -> None:

@@ -7,7 +7,10 @@ collaborators that each do one job and can be used alone:
   tell, interrupt); the loop and the after-search stages both go through it;
 * :class:`tuner.search.policy.ProposalPolicy` -- which config comes next (the sampler, local steps, grid order,
   exploration);
-* :class:`tuner.search.budget.Budget` -- when to stop (``--trials`` over every worker, ``--timeout``);
+* :class:`tuner.search.budget.Budget` -- when to stop (``--trials`` over every worker, ``--timeout``), and
+  :class:`tuner.search.budget.FailureRule` -- when to stop because the search cannot work (the baseline failed, or
+  the same error ``--max-failures-in-a-row`` times): :attr:`Search.halt` says why, the trials in flight are
+  interrupted (they run again on resume) and the after-search stages do not run;
 * :class:`tuner.search.gate.MemoryGate` -- the study's memory model judging candidates before launch;
 * the after-search stages :class:`tuner.stages.confirmation.ConfirmationStage` (``--confirm``) and
   :class:`tuner.stages.worst_case.WorstCaseStage` (``--probe``).
@@ -30,10 +33,10 @@ from optuna.trial import TrialState
 
 from trainer.contracts import TrialRecord
 from tuner.search import decide
-from tuner.search.budget import Budget
+from tuner.search.budget import MAX_FAILURES_IN_A_ROW, Budget, FailureRule, Halt
 from tuner.search.gate import MemoryGate
 from tuner.search.policy import SAMPLERS, ProposalPolicy, startup_trials
-from tuner.search.session import Proposal, SearchObserver, TrialSession
+from tuner.search.session import Proposal, SearchObserver, TrialEvent, TrialSession
 from tuner.space import Space
 from tuner.stages.confirmation import ConfirmationStage
 from tuner.stages.worst_case import WorstCaseStage
@@ -61,6 +64,7 @@ class SearchOptions:
     local_every: int = 2  # after the sampler's start-up, every N-th proposal is the incumbent's nearest neighbour
     heartbeat_s: float = st.HEARTBEAT_S  # how often a RUNNING trial's heartbeat is written
     grace_s: float = st.STALE_AFTER_S  # another host's RUNNING trial with no heartbeat for this long is stale
+    max_failures_in_a_row: int = MAX_FAILURES_IN_A_ROW  # launched trials failing alike before the search stops (0: off)
 
     def __post_init__(self) -> None:
         if self.trials < 1:
@@ -77,6 +81,8 @@ class SearchOptions:
             raise ValueError("--local-every must be >= 0")
         if self.heartbeat_s <= 0 or self.grace_s <= self.heartbeat_s:
             raise ValueError("--heartbeat must be > 0 and --grace longer than --heartbeat")
+        if self.max_failures_in_a_row < 0:
+            raise ValueError("--max-failures-in-a-row must be >= 0 (0: never stop on repeated failures)")
 
 
 class _Wait:
@@ -106,9 +112,12 @@ class Search:
     heartbeat: Optional[st.Heartbeat] = None
     stop_event: threading.Event = field(default_factory=threading.Event)
     stopped_reason: Optional[str] = None
+    #: set when the search stopped because it cannot work (FailureRule): the reason and the exit code
+    halt: Optional[Halt] = None
 
     def __post_init__(self) -> None:
         o = self.options
+        self.failures = FailureRule(o.max_failures_in_a_row)
         self.session = TrialSession(
             study=self.study,
             storage=self.storage,
@@ -119,7 +128,7 @@ class Search:
             runner=self.runner,
             penalty_gb=self.penalty_gb,
             trials_dir=self.trials_dir,
-            observer=self.observer,
+            observer=_Watched(self.observer, self._watch),
             heartbeat=self.heartbeat,
             stop_event=self.stop_event,
             heartbeat_s=o.heartbeat_s,
@@ -135,6 +144,24 @@ class Search:
         )
         self.budget = Budget(trials=o.trials, timeout_s=o.timeout_s, confirm=o.confirm, probe=o.probe)
         self.gate = MemoryGate(self.study, limit_gb=self.penalty_gb, enabled=o.predict_oom)
+
+    def _watch(self, e: TrialEvent) -> None:
+        """Every trial this process finished: a search that cannot work stops now (:class:`FailureRule`)."""
+        if e.record.confirm_of is not None or self.halt is not None:
+            return
+        rec = e.record
+        launched = bool(rec.duration_s) or (rec.status is not None and rec.status.launched)
+        baseline = False
+        if launched:
+            t = self.study.get_trials(deepcopy=False)[e.number]  # numbers are list positions
+            baseline = TrialRecord.from_user_attrs(t.user_attrs).baseline
+        halt = self.failures.seen(
+            number=e.number, status=e.status, error=rec.error, launched=launched, baseline=baseline
+        )
+        if halt is not None:
+            self.halt = halt
+            self.stopped_reason = halt.reason
+            self.stop_event.set()  # no further trial; one in flight is interrupted (and runs again on resume)
 
     # ---- running
     def run(self) -> None:
@@ -242,3 +269,20 @@ class Search:
             return False
         self.session.tell_over_budget(trial, self.options.trials)
         return True
+
+
+@dataclass
+class _Watched:
+    """The search's observer (or none) with the failure watch in front of it."""
+
+    inner: Optional[SearchObserver]
+    watch: Any
+
+    def trial_done(self, event: TrialEvent) -> None:
+        if self.inner is not None:
+            self.inner.trial_done(event)
+        self.watch(event)
+
+    def message(self, text: str) -> None:
+        if self.inner is not None:
+            self.inner.message(text)

@@ -171,19 +171,20 @@ def _record(fields: Mapping[str, Check], required: tuple[str, ...] = ()) -> Chec
     return check
 
 
-def _data(v: Any, depth: int = 0) -> Optional[str]:
-    """JSON-like data: finite numbers, strings, booleans, null, lists and string-keyed mappings, 12 levels deep."""
+def _data(v: Any, depth: int = 0, *, finite: bool = True) -> Optional[str]:
+    """JSON-like data: numbers (finite unless ``finite`` is False), strings, booleans, null, lists and string-keyed
+    mappings, 12 levels deep."""
     if depth > 12:
         return "nested too deep"
     if v is None or isinstance(v, (bool, str)):
         return None
     if isinstance(v, (int, float)):
-        return None if math.isfinite(v) else f"{v!r} is not finite"
+        return None if math.isfinite(v) or not finite else f"{v!r} is not finite"
     if isinstance(v, list):
-        return next((f"[{i}]: {w}" for i, x in enumerate(v) if (w := _data(x, depth + 1))), None)
+        return next((f"[{i}]: {w}" for i, x in enumerate(v) if (w := _data(x, depth + 1, finite=finite))), None)
     if isinstance(v, dict):
         for k, x in v.items():
-            why = (None if isinstance(k, str) else f"key {_show(k)} is not text") or _data(x, depth + 1)
+            why = (None if isinstance(k, str) else f"key {_show(k)} is not text") or _data(x, depth + 1, finite=finite)
             if why:
                 return f"{comment_safe(k)[:80]}: {why}"
         return None
@@ -311,7 +312,8 @@ STUDY_ATTRS: dict[str, Check] = {
         )
     ),
     "worst_case": _opt(_dict(_PROBE, key=lambda k: None if isinstance(k, str) and k.isdigit() else "not a number")),
-    "memory_model": _opt(_data),
+    # the search's own bookkeeping, written and never read back (a leave-one-out error may be inf)
+    "memory_model": _opt(lambda v: _data(v, finite=False)),
 }
 
 
@@ -365,7 +367,7 @@ TRIAL_ATTRS: dict[str, Check] = {
     "duplicate_of": _opt(_int(0)),
     "confirm_of": _opt(_int(0)),
     "retry_of": _opt(_int(0)),
-    "owner": _opt(_record({"host": _line(MAX_NAME), "pid": _int(0), "started": _num()})),
+    "owner": _opt(_record({"host": _line(MAX_NAME), "pid": _int(0), "started": _opt(_num())})),
     "heartbeat": _opt(_num()),
 }
 _CLIPPED = ("error", "log_tail", "pruned")

@@ -1,0 +1,202 @@
+"""``ppotune search``'s flags, in four groups of the same order as its help: what the search is over and where
+its study lives, how each trial runs, how the search proposes and stops, how trials start and what is written.
+(:mod:`tuner.search.command` parses them into its options.)"""
+
+from __future__ import annotations
+
+import argparse
+
+from trainer.summary import MIN_MEASURED_STEPS
+from tuner.search.budget import MAX_FAILURES_IN_A_ROW
+from tuner.search.policy import SAMPLERS
+from tuner.stages.confirm import DEFAULT_ROUNDS, MAX_FINALISTS
+from tuner.study import lifecycle as st
+from tuner.trials.launch import add_hang_flags, positive_seconds
+
+__all__ = ["add_arguments"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    for flags in (_study_flags, _trial_flags, _search_flags, _output_flags):
+        flags(p)
+
+
+def _study_flags(p: argparse.ArgumentParser) -> None:
+    """What the search is over and where its study lives."""
+    p.add_argument("base_config", help="base config YAML (verl keys); its values are the baseline trial")
+    p.add_argument("--space", required=True, help="search space YAML (see search_spaces/)")
+    p.add_argument(
+        "--trials",
+        type=int,
+        required=True,
+        help="stop when the study holds N counted trials (all processes together; resumes count)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=positive_seconds,
+        default=None,
+        metavar="S",
+        help="start no new trial after S seconds, confirmation re-runs and worst-case probes included (the search "
+        "stops early enough to leave them their estimated time, at most half of S)",
+    )
+    p.add_argument(
+        "--storage",
+        default=None,
+        help="Optuna storage URL; journal:PATH or *.log for a journal file (default sqlite:///<out>/study.db)",
+    )
+    p.add_argument("--study", default=None, help="study name (default: <base>--<space>)")
+    p.add_argument(
+        "--heartbeat",
+        type=float,
+        default=st.HEARTBEAT_S,
+        metavar="S",
+        help=f"write a running trial's heartbeat every S seconds (default {st.HEARTBEAT_S:g})",
+    )
+    p.add_argument(
+        "--grace",
+        type=float,
+        default=st.STALE_AFTER_S,
+        metavar="S",
+        help="a trial of another host with no heartbeat for S seconds is interrupted and re-enqueued "
+        f"(default {st.STALE_AFTER_S:g})",
+    )
+    p.add_argument(
+        "--out", default="ppotune_out", help="output dir: trials/, the default storage (default ppotune_out)"
+    )
+
+
+def _trial_flags(p: argparse.ArgumentParser) -> None:
+    """How each trial runs: its world, steps, measurement, limits."""
+    p.add_argument(
+        "--nproc", type=int, default=None, help="processes (GPUs) per trial (default: the base config's per node)"
+    )
+    p.add_argument(
+        "--target-nodes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="nodes of the production job the trials stand for (default: the base config's trainer.nnodes); a "
+        "trial on fewer GPUs runs the global batch sizes scaled by trial world / target world, so each GPU "
+        "runs the production's per-GPU batch",
+    )
+    p.add_argument(
+        "--target-gpus-per-node",
+        type=int,
+        default=None,
+        metavar="G",
+        help="GPUs per node of the production job (default: the base config's trainer.n_gpus_per_node)",
+    )
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=8,
+        help="PPO steps per trial at most, warm-up included (default 8; fewer when the measurement is tight)",
+    )
+    p.add_argument("--warmup", type=int, default=1, help="leading steps left out of the measurement (default 1)")
+    p.add_argument(
+        "--precision",
+        type=float,
+        default=0.05,
+        metavar="P",
+        help="a trial stops measuring once its 90%% throughput interval is within +/-P of the median (after "
+        f"{MIN_MEASURED_STEPS} measured steps), or once a measured config beats it at no more memory; 0: run "
+        "every --steps step (default 0.05)",
+    )
+    p.add_argument(
+        "--trial-timeout",
+        type=positive_seconds,
+        default=None,
+        metavar="S",
+        help="kill a trial after S seconds in all and record it as a hang (default: no cap on the whole trial)",
+    )
+    add_hang_flags(p, subject="a trial")
+    p.add_argument(
+        "--memory-limit-gb",
+        type=float,
+        default=None,
+        metavar="G",
+        help="a real per-process memory cap for every trial (GPU: allocator fraction; CPU: rlimit)",
+    )
+
+
+def _search_flags(p: argparse.ArgumentParser) -> None:
+    """How the search proposes, and what runs after it."""
+    p.add_argument("--sampler", choices=list(SAMPLERS), default="tpe")
+    p.add_argument(
+        "--local-every",
+        type=int,
+        default=2,
+        metavar="N",
+        help="tpe: once its random start-up is done, every N-th launched trial is an unmeasured config one ordered "
+        "step from the fastest measured one (when there is one left); off where the storage has no cross-process lock "
+        "(the gRPC proxy, MySQL); 0: the sampler alone (default 2)",
+    )
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument(
+        "--confirm",
+        type=int,
+        default=DEFAULT_ROUNDS,
+        metavar="R",
+        help="after the search, re-run the finalists (Pareto points under the export headroom and trials within "
+        f"noise of the best, at most {MAX_FINALISTS}) interleaved with the baseline for R rounds; export ranks them "
+        f"by the median of paired throughput ratios to the baseline (default {DEFAULT_ROUNDS}; 0: off)",
+    )
+    p.add_argument(
+        "--probe",
+        type=int,
+        default=MAX_FINALISTS,
+        metavar="K",
+        help="then run the worst-case probe (one step, every prompt and response at its maximum length; "
+        "ppotune probe) of the K configs export would take first; export refuses a pick whose worst case "
+        f"breaks the headroom (default {MAX_FINALISTS}; 0: off; the ppotune engine only)",
+    )
+    p.add_argument(
+        "--max-failures-in-a-row",
+        type=int,
+        default=MAX_FAILURES_IN_A_ROW,
+        metavar="N",
+        help="stop the search when N launched trials in a row fail (crash, or a config the trainer refuses) with the "
+        f"same error: a search that cannot work stops, never ends 'done' (default {MAX_FAILURES_IN_A_ROW}; 0: never). "
+        "A failed baseline trial stops it at once",
+    )
+    p.add_argument(
+        "--no-memory-model",
+        action="store_true",
+        help="launch every candidate: no predicted_oom from the study's calibrated memory model (on by default "
+        "once 3 trials are measured: a candidate predicted over the memory limit by more than the model's "
+        "leave-one-out error is recorded, not launched)",
+    )
+
+
+def _output_flags(p: argparse.ArgumentParser) -> None:
+    """How trials start and run, and what is written."""
+    p.add_argument(
+        "--parallel",
+        type=int,
+        default=1,
+        metavar="P",
+        help="trials at once on this node, each on its own GPU slice (CPU: plain concurrency)",
+    )
+    p.add_argument(
+        "--cold",
+        action="store_true",
+        help="start every trial's processes afresh (one process group per trial); default: trials of one process "
+        "layout run in a warm job that starts once (faults still end it; vLLM-rollout trials always run cold)",
+    )
+    p.add_argument(
+        "--wandb", action="store_true", help="one wandb run per trial, grouped by study (offline without credentials)"
+    )
+    p.add_argument("--report", action="store_true", help="write the report (DIR/report/report.html) when done")
+    p.add_argument(
+        "--engine",
+        choices=["ppotune", "verl"],
+        default="ppotune",
+        help="what runs a trial: ppotune's FSDP trainer, or verl's own main_ppo (BASE_CONFIG is then a verl "
+        "run file: overrides: [key=value, ...]); default ppotune",
+    )
+    p.add_argument(
+        "--engine-python",
+        default=None,
+        metavar="PY",
+        help="--engine verl: the interpreter of your verl environment (default: this one)",
+    )
