@@ -68,13 +68,7 @@ def fixed_batch(cfg, tokenizer, device):
 def full_gradients(sharded: Sharded, device: torch.device) -> dict:
     """The full (unsharded) gradient of every parameter, plain HF names, on CPU; every rank must call it."""
     if sharded.strategy == "fsdp":
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-        # use_orig_params=True: inside, each original parameter's .grad is its full gradient
-        with FSDP.summon_full_params(sharded.module, writeback=False, with_grads=True):
-            return clean_state_dict(
-                {n: p.grad.clone() for n, p in sharded.module.named_parameters() if p.grad is not None}
-            )
+        return clean_state_dict(_fsdp1_gradients(sharded.module))
     from torch.distributed.tensor import DTensor
 
     grads = {}
@@ -88,6 +82,32 @@ def full_gradients(sharded: Sharded, device: torch.device) -> dict:
             g = DTensor.from_local(local, g.device_mesh, g.placements, shape=g.shape, stride=g.stride()).full_tensor()
         grads[n] = g
     return clean_state_dict(grads)
+
+
+def _fsdp1_gradients(root) -> dict:
+    """FSDP1 with flat parameters (verl's ``use_orig_params=False``): each unit's flat gradient gathered from the
+    ranks' shards (each shard padded to the same size), then cut into the original parameters it holds."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    prefixes = {id(m): name for name, m in root.named_modules()}
+    grads = {}
+    for unit in FSDP.fsdp_modules(root):
+        handle = unit._handle
+        if handle is None or handle.flat_param.grad is None:
+            continue
+        flat = handle.flat_param
+        local = flat.grad.detach()
+        if handle.uses_sharded_strategy and dist.get_world_size(handle.process_group) > 1:
+            full = local.new_empty(local.numel() * dist.get_world_size(handle.process_group))
+            dist.all_gather_into_tensor(full, local, group=handle.process_group)
+        else:
+            full = local
+        prefix = prefixes[id(unit)]
+        offset = 0
+        for fqn, shape, numel in zip(flat._fqns, flat._shapes, flat._numels):
+            grads[f"{prefix}.{fqn}" if prefix else fqn] = full[offset : offset + numel].view(shape).clone()
+            offset += numel
+    return grads
 
 
 def capture_gradients(trainee, device: torch.device, into: list) -> None:

@@ -80,7 +80,7 @@ def relocation_check(roles, log_probs) -> dict:
     """param_offload's plumbing, which a CPU->CPU move cannot exercise: move every parameter shard of the
     actor to a fresh copy (what a device move does) and check that no parameter still points at the old
     storage (a stale view would keep the GPU memory alive) and that the outputs are unchanged."""
-    from trainer.engine.parallel import _relocate_params
+    from trainer.engine.offload import _relocate_params
 
     before = log_probs()
     # detached views hold the old storages (a Parameter object would not: the move re-points its data), so no

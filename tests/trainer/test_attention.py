@@ -153,20 +153,23 @@ def test_peak_memory_grows_linearly_with_packed_tokens():
 
 
 def test_the_kernel_and_the_note_say_when_packed_attention_is_not_verls():
-    """flash-attn varlen only with flash-attn, on CUDA, in half precision; a GPU run says when it ran the
-    per-sequence path instead (fp32, or no flash-attn), and a CPU run says nothing (verl runs padded there)."""
+    """A varlen kernel (flash-attn's, else torch's own build of it) only on CUDA, in half precision; a GPU run
+    says when it ran the per-sequence path instead (fp32, or no varlen kernel), and a CPU run says nothing (verl
+    runs padded there)."""
     from trainer.config import effective_config, load_config
-    from trainer.engine.attention import FLASH_VARLEN, packed_kernel
+    from trainer.engine.attention import FLASH_VARLEN, PER_SEQUENCE_SDPA, TORCH_VARLEN, packed_kernel
     from trainer.engine.knob_notes import packed_attention_notes
 
     assert packed_kernel("cuda", torch.bfloat16, has_flash=True) == FLASH_VARLEN
     assert packed_kernel("cuda", torch.float16, has_flash=True) == FLASH_VARLEN
-    for dev, dtype, flash in (
-        ("cuda", torch.float32, True),
-        ("cuda", torch.bfloat16, False),
-        ("cpu", torch.bfloat16, True),
+    # without flash-attn, torch's own build of the varlen kernel where this torch has it: one call per row too
+    assert packed_kernel("cuda", torch.bfloat16, has_flash=False, has_torch_varlen=True) == TORCH_VARLEN
+    for dev, dtype, flash, varlen in (
+        ("cuda", torch.float32, True, True),
+        ("cuda", torch.bfloat16, False, False),
+        ("cpu", torch.bfloat16, True, True),
     ):
-        assert packed_kernel(dev, dtype, has_flash=flash) != FLASH_VARLEN
+        assert packed_kernel(dev, dtype, has_flash=flash, has_torch_varlen=varlen) == PER_SEQUENCE_SDPA
 
     def cfg(over: dict):
         return effective_config(load_config(REPO / "configs" / "tiny_cpu.yaml", over))
@@ -178,7 +181,8 @@ def test_the_kernel_and_the_note_say_when_packed_attention_is_not_verls():
     assert packed_attention_notes(cfg({**packed, **bf16}), "cuda", has_flash=True) == []
     fp32 = packed_attention_notes(on, "cuda", has_flash=True)
     assert [n.split(":")[0] for n in fp32] == list(packed) and all("fp32 compute" in n for n in fp32)
-    missing = packed_attention_notes(cfg({**packed, **bf16}), "cuda", has_flash=False)
+    missing = packed_attention_notes(cfg({**packed, **bf16}), "cuda", has_flash=False, has_torch_varlen=False)
     assert len(missing) == 2 and all("no flash-attn" in n for n in missing)
+    assert packed_attention_notes(cfg({**packed, **bf16}), "cuda", has_flash=False, has_torch_varlen=True) == []
     off = cfg({k: False for k in packed})
     assert packed_attention_notes(off, "cuda", has_flash=False) == []

@@ -7,6 +7,7 @@ the sequence boundaries travel as transformers' ``FlashAttentionKwargs`` (``cu_s
 through ``model(**packed_attention_kwargs(position_ids))`` down to every attention layer, which runs
 
 * ``flash_attn_varlen_func`` when flash-attn is installed and the tensors are half precision on CUDA;
+* else torch's own build of that kernel (``torch.nn.attention.varlen.varlen_attn``), half precision on CUDA;
 * otherwise one ``scaled_dot_product_attention(is_causal=True)`` per sequence, without a mask, which
   dispatches to a fused kernel (flash or memory-efficient): no L x L matrix is kept for backward.
 
@@ -28,7 +29,16 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 
-__all__ = ["PACKED_ATTENTION", "packed_attention_kwargs", "packed_attention_forward", "packed_kernel", "FLASH_VARLEN"]
+__all__ = [
+    "PACKED_ATTENTION",
+    "packed_attention_kwargs",
+    "varlen_kwargs",
+    "packed_attention_forward",
+    "packed_kernel",
+    "FLASH_VARLEN",
+    "TORCH_VARLEN",
+    "PER_SEQUENCE_SDPA",
+]
 
 PACKED_ATTENTION = "ppotune_packed"
 
@@ -40,16 +50,43 @@ _SEQ_LENS = "ppotune_seq_lens"
 _HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
 
 
+def _torch_varlen():
+    """torch's own varlen flash attention (``torch.nn.attention.varlen.varlen_attn``, CUDA, half precision) when
+    this torch has it with grouped kv heads and causal windows; else None."""
+    try:
+        import inspect
+
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    return varlen_attn if {"enable_gqa", "window_size", "scale"} <= params.keys() else None
+
+
+_TORCH_VARLEN = _torch_varlen()
+
 FLASH_VARLEN = "flash_attn_varlen"
+TORCH_VARLEN = "torch_varlen"
 PER_SEQUENCE_SDPA = "sdpa_per_sequence"
 
 
-def packed_kernel(device_type: str, dtype: torch.dtype, *, has_flash: bool = _HAS_FLASH_ATTN) -> str:
+def packed_kernel(
+    device_type: str,
+    dtype: torch.dtype,
+    *,
+    has_flash: bool = _HAS_FLASH_ATTN,
+    has_torch_varlen: bool = _TORCH_VARLEN is not None,
+) -> str:
     """The kernel a packed row's attention runs on ``device_type`` in ``dtype``: :data:`FLASH_VARLEN` (one call
     for the whole row: what verl runs) where flash-attn is installed and the compute is half precision on
-    CUDA, else :data:`PER_SEQUENCE_SDPA` (one fused sdpa call per sequence: the same memory, more calls)."""
-    if has_flash and device_type == "cuda" and dtype in (torch.float16, torch.bfloat16):
-        return FLASH_VARLEN
+    CUDA; else :data:`TORCH_VARLEN`, torch's own build of the same flash-attention varlen kernel, where torch has
+    it (half precision on CUDA); else :data:`PER_SEQUENCE_SDPA` (one fused sdpa call per sequence: the same
+    memory, more calls)."""
+    if device_type == "cuda" and dtype in (torch.float16, torch.bfloat16):
+        if has_flash:
+            return FLASH_VARLEN
+        if has_torch_varlen:
+            return TORCH_VARLEN
     return PER_SEQUENCE_SDPA
 
 
@@ -78,9 +115,17 @@ def packed_attention_kwargs(position_ids: torch.Tensor) -> dict:
     device, as flash-attn wants them) and ``max_length_q/k``, plus the lengths as Python ints.
     """
     assert position_ids.dim() == 2 and position_ids.shape[0] == 1, "one packed row: (1, T) position ids"
-    # The one host sync per micro-batch: the per-sequence loop and flash-attn's max_seqlen need ints.
+    # A host sync: the per-sequence loop and flash-attn's max_seqlen need ints. The trainer knows the lengths
+    # on the host already (trainer/engine/batching.py: build_layouts) and calls varlen_kwargs instead.
     (seq_lens,) = _row_seq_lens(_sequence_starts(position_ids))
     cu = torch.tensor([0, *itertools.accumulate(seq_lens)], dtype=torch.int32, device=position_ids.device)
+    return varlen_kwargs(seq_lens, cu)
+
+
+def varlen_kwargs(seq_lens: tuple[int, ...], cu_seq_lens: torch.Tensor) -> dict:
+    """:func:`packed_attention_kwargs` from lengths already on the host and their (num_seqs + 1,) int32 running
+    sums already on the device: no device read."""
+    cu = cu_seq_lens
     longest = max(seq_lens)
     return {
         "cu_seq_lens_q": cu,
@@ -171,6 +216,24 @@ def _flash_varlen(query, key, value, kwargs: dict, *, dropout: float, scaling, i
     return out.unsqueeze(0)
 
 
+def _torch_varlen_call(query, key, value, kwargs: dict, *, scaling, is_causal: bool) -> torch.Tensor:
+    """torch's varlen flash attention on the packed row: (1, H, T, D) -> (1, T, H, D). GQA is native."""
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # (T, heads, D)
+    out = _TORCH_VARLEN(
+        q,
+        k,
+        v,
+        kwargs["cu_seq_lens_q"],
+        kwargs["cu_seq_lens_k"],
+        kwargs["max_length_q"],
+        kwargs["max_length_k"],
+        scale=scaling,
+        window_size=(-1, 0) if is_causal else (-1, -1),
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+    return out.unsqueeze(0)
+
+
 def packed_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -199,8 +262,11 @@ def packed_attention_forward(
         assert sum(seq_lens) == q_length, "the varlen kwargs do not match the packed row"
         if window is not None and max(seq_lens) > window:
             raise ValueError(f"{PACKED_ATTENTION}: a packed sequence is longer than the sliding window {window}")
-        if packed_kernel(query.device.type, query.dtype) == FLASH_VARLEN:
+        kernel = packed_kernel(query.device.type, query.dtype)
+        if kernel == FLASH_VARLEN:
             return _flash_varlen(query, key, value, kwargs, dropout=dropout, scaling=scaling, is_causal=is_causal), None
+        if kernel == TORCH_VARLEN and not dropout:
+            return _torch_varlen_call(query, key, value, kwargs, scaling=scaling, is_causal=is_causal), None
         out = _per_sequence_sdpa(query, key, value, seq_lens, dropout=dropout, scaling=scaling, is_causal=is_causal)
         return out, None
     # No varlen kwargs and no mask: the mask hook dropped the mask, so the position ids are the only

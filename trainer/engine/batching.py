@@ -3,23 +3,39 @@
 Pure functions over lengths and index lists (no torch.distributed): the caller agrees on the
 number of micro-batches across ranks (all-reduce MAX) and passes it back in, because every
 FSDP rank must run the same number of forward/backward passes.
+
+A pass reads its batch's masks to the host ONCE (:func:`host_masks`, the pass's one device-to-host copy) and
+builds every micro-batch's packing indices there (:func:`build_layouts`, numpy: no kernel, no sync), moved to
+the device in one copy per pass: a micro-batch's forward and backward then never wait for the host (verl's
+dp actor builds its packing indices once per batch too). :func:`pack`, :func:`response_positions` and
+:func:`unpack_response` are the same indexing done on the device, with a sync each (boolean masks): the
+reference the layouts are tested against.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Optional
 
+import numpy as np
 import torch
 
 __all__ = [
     "rank_rows",
     "mini_batch_group",
     "pad_packed",
+    "pad_tail",
     "fixed_micro_batches",
     "min_num_micro_batches",
     "token_budget_micro_batches",
     "pack",
     "unpack_response",
+    "HostMasks",
+    "host_masks",
+    "MicroBatchLayout",
+    "build_layouts",
+    "scatter_rows",
 ]
 
 
@@ -119,12 +135,16 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: to
 
 
 def pad_packed(ids: torch.Tensor, pos: torch.Tensor, multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """verl's ``pad_to_length``: a packed (1, T) row padded at its tail to a multiple of ``multiple``.
+    """verl's ``pad_to_length``: a packed (1, T) row padded at its tail to a multiple of ``multiple``."""
+    return pad_tail(ids, pos, -ids.shape[1] % multiple)
+
+
+def pad_tail(ids: torch.Tensor, pos: torch.Tensor, extra: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A packed (1, T) row with ``extra`` tokens more at its tail.
 
     The padding is one extra sequence (positions restart at 0), so no real token attends to it; its
     outputs are never read, so its token ids do not matter (0).
     """
-    extra = -ids.shape[1] % multiple
     if extra == 0:
         return ids, pos
     tail = torch.arange(extra, dtype=pos.dtype, device=pos.device).unsqueeze(0)
@@ -151,3 +171,120 @@ def unpack_response(values: torch.Tensor, resp_mask: torch.Tensor) -> torch.Tens
     out = values.new_zeros(resp_mask.shape + values.shape[1:])
     out[resp_mask] = values
     return out
+
+
+# --------------------------------------------------------------------------- layouts built on the host
+@dataclass(frozen=True)
+class HostMasks:
+    """A batch's attention mask (B, P+R) and response mask (B, R) as host booleans, and the prompt width."""
+
+    attention: np.ndarray
+    response: np.ndarray
+    prompt_width: int
+
+    def lengths(self, rows: list[int]) -> list[int]:
+        """Valid tokens of each of ``rows`` (what a token budget packs)."""
+        return self.attention[rows].sum(-1).tolist()
+
+
+def host_masks(batch: dict) -> HostMasks:
+    """The batch's masks on the host: one device-to-host copy (on a GPU, the pass's one sync)."""
+    attn, resp = batch["attention_mask"], batch["response_mask"]
+    both = torch.cat([attn, resp], dim=1).bool().cpu().numpy()
+    width = attn.shape[1]
+    return HostMasks(both[:, :width], both[:, width:], width - resp.shape[1])
+
+
+@dataclass(frozen=True)
+class MicroBatchLayout:
+    """One micro-batch's indices, built on the host (:func:`build_layouts`), on the device.
+
+    ``rows`` (b,): the batch rows it holds (``[row]`` with ``empty`` for an agreed-on extra micro-batch of a
+    rank with no rows left: it runs with weight 0 so FSDP's collectives line up across ranks).
+    Packed (``use_remove_padding``): ``token_index`` (T,) the flat index into the (b, P+R) rows of every valid
+    token, row-major; ``seq_lens`` the valid tokens of each sequence (host ints; the tail padding of
+    ``pad_to_length`` one more sequence) and ``cu_seq_lens`` (num_seqs + 1,) int32 their running sums;
+    ``predictor`` (N,) the packed index whose logits predict each valid response token; ``response_index`` (N,)
+    the flat index into (b, R) of each valid response token, row-major; ``pad`` the tail padding's tokens;
+    ``span`` (start, stop) when the rows are consecutive (a micro-batch is then a view of the batch, no gather).
+    """
+
+    rows: torch.Tensor
+    empty: bool
+    token_index: torch.Tensor
+    seq_lens: tuple[int, ...]
+    cu_seq_lens: torch.Tensor
+    predictor: torch.Tensor
+    response_index: torch.Tensor
+    pad: int
+    span: Optional[tuple[int, int]] = None
+
+
+def _layout_arrays(masks: HostMasks, rows: list[int], pad_to_multiple: Optional[int]):
+    """-> (int64 arrays [rows, token_index, predictor, response_index], cu_seq_lens, seq_lens, pad)."""
+    attn, resp = masks.attention[rows], masks.response[rows]
+    flat = np.flatnonzero(attn)
+    pad = (-len(flat) % pad_to_multiple) if pad_to_multiple else 0
+    seq_lens = tuple(int(n) for n in attn.sum(-1) if n > 0) + ((pad,) if pad else ())
+    cu = np.concatenate([[0], np.cumsum(seq_lens, dtype=np.int64)])
+    packed_index = (np.cumsum(attn.reshape(-1)) - 1).reshape(attn.shape)
+    P, R = masks.prompt_width, resp.shape[1]
+    predictor = packed_index[:, P - 1 : P - 1 + R][resp]  # the logits one position before each response token
+    return [np.asarray(rows, dtype=np.int64), flat, predictor, np.flatnonzero(resp)], cu, seq_lens, pad
+
+
+def build_layouts(
+    masks: Optional[HostMasks], groups: list[list[int]], *, pad_to_multiple: Optional[int], device: torch.device
+) -> list[MicroBatchLayout]:
+    """Every micro-batch's :class:`MicroBatchLayout` (``groups``: row lists; ``[]`` an empty micro-batch, run on
+    row 0), from host masks: numpy on the host, then one int64 and one int32 copy to ``device`` for them all.
+    Without ``masks`` (padded rows) only the rows are filled in."""
+    longs, ints, meta = [], [], []
+    none = np.zeros(0, dtype=np.int64)
+    for group in groups:
+        rows = group or [0]
+        if masks is None:
+            arrays, cu, seq_lens, pad = [np.asarray(rows, dtype=np.int64), none, none, none], none, (), 0
+        else:
+            arrays, cu, seq_lens, pad = _layout_arrays(masks, rows, pad_to_multiple)
+        longs += arrays
+        ints.append(cu)
+        meta.append((not group, seq_lens, pad))
+    flat_longs = _to_device(np.concatenate(longs), torch.int64, device).split([len(a) for a in longs])
+    flat_ints = _to_device(np.concatenate(ints), torch.int32, device).split([len(a) for a in ints])
+    return [
+        MicroBatchLayout(
+            rows=flat_longs[4 * i],
+            empty=empty,
+            token_index=flat_longs[4 * i + 1],
+            seq_lens=seq_lens,
+            cu_seq_lens=flat_ints[i],
+            predictor=flat_longs[4 * i + 2],
+            response_index=flat_longs[4 * i + 3],
+            pad=pad,
+            span=_span(group),
+        )
+        for i, ((empty, seq_lens, pad), group) in enumerate(zip(meta, groups))
+    ]
+
+
+def _span(rows: list[int]) -> Optional[tuple[int, int]]:
+    """(start, stop) of consecutive rows, else None."""
+    if rows and rows == list(range(rows[0], rows[-1] + 1)):
+        return rows[0], rows[-1] + 1
+    return None
+
+
+def _to_device(values: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host indices to ``device``: on a GPU from pinned memory, asynchronously (no host wait)."""
+    host = torch.from_numpy(values.astype(np.int64 if dtype == torch.int64 else np.int32, copy=False))
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=device.type == "cuda")
+
+
+def scatter_rows(values: torch.Tensor, index: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """(N, ...) values of the valid response tokens -> ``shape`` (b, R) + (...) zero-padded, by a flat index into
+    (b, R) (:attr:`MicroBatchLayout.response_index`): :func:`unpack_response` without its boolean mask."""
+    out = values.new_zeros((shape[0] * shape[1],) + values.shape[1:]).index_copy(0, index, values)
+    return out.view(shape + values.shape[1:])

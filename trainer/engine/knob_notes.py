@@ -101,20 +101,23 @@ def _fp32_compute_notes(cfg) -> list[str]:
     ]
 
 
-def packed_attention_notes(cfg, device_type: str, *, has_flash: Optional[bool] = None) -> list[str]:
+def packed_attention_notes(
+    cfg, device_type: str, *, has_flash: Optional[bool] = None, has_torch_varlen: Optional[bool] = None
+) -> list[str]:
     """What a GPU run of packed rows (``use_remove_padding``) says when its attention is not verl's: verl runs
-    flash-attn varlen, one kernel per packed row; without flash-attn, or computing in fp32 (flash-attn is
-    half precision only), each sequence gets its own sdpa call. The memory is the same; on a GPU the many
-    small calls make the step slower than verl's, so the figure understates this config. On CPU neither
-    engine has a varlen kernel (verl runs padded there): nothing to say. ``cfg``: an effective config."""
+    flash-attn varlen, one kernel per packed row (so does torch's own build of that kernel, which ppotune runs
+    where flash-attn is missing); computing in fp32 (flash attention is half precision only), or with neither,
+    each sequence gets its own sdpa call. The memory is the same; on a GPU the many small calls make the step
+    slower than verl's, so the figure understates this config. On CPU neither engine has a varlen kernel (verl
+    runs padded there): nothing to say. ``cfg``: an effective config."""
     import torch
 
-    from trainer.engine.attention import FLASH_VARLEN, packed_kernel
+    from trainer.engine.attention import PER_SEQUENCE_SDPA, packed_kernel
     from trainer.engine.parallel import torch_dtype
 
     if device_type != "cuda":
         return []
-    kw = {} if has_flash is None else {"has_flash": has_flash}
+    kw = {k: v for k, v in (("has_flash", has_flash), ("has_torch_varlen", has_torch_varlen)) if v is not None}
     out = []
     arr = cfg.actor_rollout_ref
     roles = [
@@ -123,8 +126,8 @@ def packed_attention_notes(cfg, device_type: str, *, has_flash: Optional[bool] =
     ]
     for key, packed, fc in roles:
         dtype = torch_dtype(fc.mixed_precision.param_dtype)
-        if packed and packed_kernel(device_type, dtype, **kw) != FLASH_VARLEN:
-            why = "fp32 compute (flash-attn is half precision only)" if dtype == torch.float32 else "no flash-attn"
+        if packed and packed_kernel(device_type, dtype, **kw) == PER_SEQUENCE_SDPA:
+            why = "fp32 compute (flash attention is half precision only)" if dtype == torch.float32 else "no flash-attn"
             out.append(
                 f"{key}: packed attention ran one sdpa call per sequence ({why}), where verl runs one flash-attn "
                 "varlen call per row: the same memory, a slower step on a GPU (install flash-attn, compute in bf16)"

@@ -12,31 +12,46 @@ import time
 
 import torch
 
-__all__ = ["PhaseMeter", "actor_mfu", "peak_flops", "profiled", "rss_gb", "rss_now_gb", "vm_data_bytes"]
+__all__ = [
+    "PhaseMeter",
+    "actor_mfu",
+    "phase_flops",
+    "peak_flops",
+    "profiled",
+    "phase_profile",
+    "phase_table",
+    "rss_gb",
+    "rss_now_gb",
+    "vm_data_bytes",
+]
 
 GB = 1024**3
 
-# Dense bf16 peak FLOP/s per device (vendor sheets); None where unknown -> MFU is null.
+# Dense peak FLOP/s per device (vendor sheets), bf16 tensor cores and plain fp32 (TF32 off: torch's default for
+# matmuls, which verl keeps); None where unknown -> MFU is null.
 _PEAK_FLOPS = {
-    "H200": 989e12,
-    "H100": 989e12,
-    "H800": 989e12,
-    "A100": 312e12,
-    "A800": 312e12,
-    "L40S": 362e12,
-    "A10": 125e12,
-    "L4": 121e12,
-    "4090": 165e12,
-    "V100": 125e12,
+    "H200": (989e12, 67e12),
+    "H100": (989e12, 67e12),
+    "H800": (989e12, 67e12),
+    "A100": (312e12, 19.5e12),
+    "A800": (312e12, 19.5e12),
+    "L40S": (362e12, 91.6e12),
+    "A10": (125e12, 31.2e12),
+    "L4": (121e12, 30.3e12),
+    "4090": (165e12, 82.6e12),
+    "V100": (125e12, 15.7e12),
 }
+#: the phases whose FLOPs :func:`phase_flops` counts (the others move no model: reward, advantages)
+MODEL_PHASES = ("gen", "old_log_prob", "ref", "values", "update_critic", "update_actor")
 
 
-def peak_flops(device_name: str | None) -> float | None:
+def peak_flops(device_name: str | None, dtype: str = "bfloat16") -> float | None:
+    """The device's dense peak for a compute dtype: bf16 (tensor cores) or fp32 (TF32 off, torch's default)."""
     if not device_name:
         return None
-    for key, value in _PEAK_FLOPS.items():
+    for key, (bf16, fp32) in _PEAK_FLOPS.items():
         if key in device_name.upper():
-            return value
+            return fp32 if dtype in ("float32", "fp32") else bf16
     return None
 
 
@@ -59,6 +74,32 @@ def actor_mfu(
         return None
     flops = (6.0 * num_params * total_tokens + 6.0 * sum_seqlen_sq * head_dim * num_heads * num_layers) * epochs
     return flops / (seconds * world_size * peak)
+
+
+def phase_flops(
+    *,
+    num_params: int,
+    total_tokens: float,
+    sum_seqlen_sq: float,
+    head_dim: int,
+    num_heads: int,
+    num_layers: int,
+    actor_epochs: int,
+    critic_epochs: int,
+) -> dict[str, float]:
+    """The model FLOPs of each phase of a step over every rank (verl's estimate: a forward is a third of
+    forward+backward): generation counts one forward over every token (prefill and decode with a KV cache),
+    the log-prob and value passes one forward, the updates forward+backward per epoch. The critic's backbone is
+    the actor's (the head's FLOPs are negligible)."""
+    forward = 2.0 * num_params * total_tokens + 2.0 * sum_seqlen_sq * head_dim * num_heads * num_layers
+    return {
+        "gen": forward,
+        "old_log_prob": forward,
+        "ref": forward,
+        "values": forward,
+        "update_critic": 3.0 * forward * critic_epochs,
+        "update_actor": 3.0 * forward * actor_epochs,
+    }
 
 
 def _read_status(field: str) -> int | None:
@@ -97,9 +138,10 @@ def _reset_rss_peak() -> None:
 
 
 @contextlib.contextmanager
-def profiled(enabled: bool, device: torch.device, *, rows: int = 25):
-    """Run the body under torch.profiler when ``enabled``; yields a list that then holds one line: the
-    table of the operators that took the most time (self time on the device on CUDA, on the host on CPU)."""
+def profiled(enabled: bool, device: torch.device, *, rows: int = 25, meter: "PhaseMeter | None" = None):
+    """Run the body under torch.profiler when ``enabled``; yields a list that then holds the table of the
+    operators that took the most time (self time on the device on CUDA, on the host on CPU) and, with a
+    ``meter`` (whose phases are then marked in the trace), the per-phase table of :func:`phase_profile`."""
     out: list[str] = []
     if not enabled:
         yield out
@@ -108,12 +150,90 @@ def profiled(enabled: bool, device: torch.device, *, rows: int = 25):
 
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
-        yield out
+    if meter is not None:
+        meter.profiling = True
+    try:
+        with profile(activities=activities) as prof:
+            yield out
+    finally:
+        if meter is not None:
+            meter.profiling = False
     if cuda:
         torch.cuda.synchronize(device)
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
     out.append(prof.key_averages().table(sort_by=key, row_limit=rows))
+    if meter is not None:
+        meter.profile = phase_profile(prof.events())
+        out.append(phase_table(meter.profile))
+
+
+#: CUDA runtime calls that make the host wait for the device (``.item()``, a blocking copy, a synchronize)
+_SYNC_CALLS = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+_PHASE_MARK = "phase:"
+
+
+def phase_profile(events, *, top: int = 3) -> dict[str, dict]:
+    """Per phase of a profiled step (the ``phase:<name>`` ranges :class:`PhaseMeter` marks while profiling):
+    ``wall_ms``; ``device_busy_ms``, the union of the device's kernels, copies and memsets inside the phase (it
+    is synchronized at both ends, so its device work lies within); ``launches`` (kernel launch calls); ``syncs``
+    (runtime calls that wait for the device, PhaseMeter's own two included); ``top_host``, the host ranges
+    (operators, annotations) with the most self time inside the phase, in ms."""
+    import bisect
+
+    from torch.autograd import DeviceType
+
+    marks = [e for e in events if e.device_type == DeviceType.CPU and e.name.startswith(_PHASE_MARK)]
+    device = sorted(
+        (e.time_range.start, e.time_range.end) for e in events if e.device_type != DeviceType.CPU and e.name
+    )
+    host = sorted(
+        (e for e in events if e.device_type == DeviceType.CPU and not e.name.startswith(_PHASE_MARK)),
+        key=lambda e: e.time_range.start,
+    )
+    starts = [e.time_range.start for e in host]
+    device_starts = [a for a, _ in device]
+    out: dict[str, dict] = {}
+    for mark in marks:
+        start, end = mark.time_range.start, mark.time_range.end
+        inside = host[bisect.bisect_left(starts, start) : bisect.bisect_left(starts, end)]
+        self_ms: dict[str, float] = {}
+        for e in inside:
+            if not e.name.startswith(("cuda", "cu")):
+                self_ms[e.name] = self_ms.get(e.name, 0.0) + e.self_cpu_time_total / 1e3
+        phase = out.setdefault(
+            mark.name[len(_PHASE_MARK) :], {"wall_ms": 0.0, "device_busy_ms": 0.0, "launches": 0, "syncs": 0}
+        )
+        phase["wall_ms"] += (end - start) / 1e3
+        lo, hi = bisect.bisect_left(device_starts, start), bisect.bisect_left(device_starts, end)
+        phase["device_busy_ms"] += _union_ms(device[lo:hi], start, end)
+        phase["launches"] += sum(1 for e in inside if "LaunchKernel" in e.name or e.name == "cudaGraphLaunch")
+        phase["syncs"] += sum(1 for e in inside if e.name in _SYNC_CALLS)
+        phase["top_host"] = sorted(self_ms.items(), key=lambda kv: -kv[1])[:top]
+    return out
+
+
+def _union_ms(intervals: list[tuple[float, float]], start: float, end: float) -> float:
+    """Length (ms) of the union of sorted (start, end) intervals in µs, clipped to [start, end)."""
+    total, reach = 0.0, start
+    for a, b in intervals:
+        a, b = max(a, reach), min(b, end)
+        if b > a:
+            total += b - a
+            reach = b
+    return total / 1e3
+
+
+def phase_table(profile: dict[str, dict]) -> str:
+    """:func:`phase_profile` as text, one line per phase."""
+    lines = [f"{'phase':<15}{'wall ms':>10}{'busy ms':>10}{'busy %':>8}{'launches':>10}{'syncs':>7}  top host ranges"]
+    for name, p in profile.items():
+        busy = 100.0 * p["device_busy_ms"] / p["wall_ms"] if p["wall_ms"] else 0.0
+        top = ", ".join(f"{n} {ms:.1f}" for n, ms in p.get("top_host", []))
+        lines.append(
+            f"{name:<15}{p['wall_ms']:>10.1f}{p['device_busy_ms']:>10.1f}{busy:>8.1f}{p['launches']:>10}"
+            f"{p['syncs']:>7}  {top}"
+        )
+    return "\n".join(lines)
 
 
 class PhaseMeter:
@@ -130,6 +250,8 @@ class PhaseMeter:
         self.memory: dict[str, float] = {}
         self.allocated_peak = 0.0
         self.reserved_peak = 0.0
+        self.profiling = False  # set by profiled(): each phase is then a named range in the trace
+        self.profile: dict = {}  # the last profiled step's phase_profile
 
     def sample(self) -> None:
         """CUDA with ``device_wide``: count the device memory held outside torch's allocator now in the
@@ -154,8 +276,9 @@ class PhaseMeter:
         else:
             _reset_rss_peak()
         t0 = time.perf_counter()
-        yield
-        self._sync()
+        with torch.profiler.record_function(_PHASE_MARK + name) if self.profiling else contextlib.nullcontext():
+            yield
+            self._sync()
         self.timing[name] = self.timing.get(name, 0.0) + time.perf_counter() - t0
         if self.device.type == "cuda":
             alloc = torch.cuda.max_memory_allocated() / GB

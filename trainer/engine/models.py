@@ -32,13 +32,16 @@ _CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """A character-level tokenizer over printable ASCII: offline, deterministic, tiny vocab."""
+def build_tokenizer(vocab_size: int | None = None) -> PreTrainedTokenizerFast:
+    """A character-level tokenizer over printable ASCII: offline, deterministic, tiny vocab. ``vocab_size``: the
+    vocabulary filled up to that size with tokens no text encodes to (``<|x123|>``), for a model whose
+    vocabulary is a real one's (a sampled id then always decodes)."""
     from tokenizers import Tokenizer, decoders
     from tokenizers.models import BPE
 
     chars = [c for c in string.printable if c not in "\r\x0b\x0c"]
     vocab = {tok: i for i, tok in enumerate(_SPECIALS + chars)}
+    vocab.update({f"<|x{i}|>": i for i in range(len(vocab), vocab_size or 0)})
     # BPE with no merges splits text into single characters; Fuse joins them back on decode.
     core = Tokenizer(BPE(vocab=vocab, merges=[], unk_token="<|unk|>"))
     core.add_special_tokens(_SPECIALS)

@@ -5,7 +5,7 @@ activation checkpointing -> shard each transformer block -> shard the root
 Precision and offload follow verl 0.9.1's FSDP engine (``verl/workers/engine/fsdp/transformer_impl.py``):
 fp32 master weights computed in ``mixed_precision.param_dtype`` (bf16 by default), gradients reduced
 in ``reduce_dtype``; ``param_offload``/``optimizer_offload`` are moves between phases
-(:func:`move_params`, :func:`move_optimizer_state`), compute-time offload is FSDP2's
+(trainer/engine/offload.py), compute-time offload is FSDP2's
 CPUOffloadPolicy (``offload_policy``) or, for the reference model, always on.
 Knobs that cannot act on the device at hand are not faked: they are reported in ``notes``.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -28,12 +28,9 @@ __all__ = [
     "clip_grad_norm",
     "full_state_dict",
     "iter_full_params",
-    "move_params",
-    "move_optimizer_state",
     "free_memory",
     "gradient_sync",
     "compute_autocast",
-    "activation_offload_context",
     "layer_classes",
     "clean_state_dict",
     "torch_dtype",
@@ -63,6 +60,8 @@ class Sharded:
     blocks: list = field(default_factory=list)
     reshard_after_forward: bool = True
     compute_dtype: str = "float32"
+    # trainer.engine.offload.ActivationOffload, built on first use (CUDA, enable_activation_offload)
+    activation_offload: Any = None
 
 
 def layer_classes(model: nn.Module) -> set[type]:
@@ -166,7 +165,9 @@ def _shard_fsdp1(model, blocks, knobs: ShardKnobs, *, device, mesh, offload: boo
         mixed_precision=mp,
         forward_prefetch=knobs.forward_prefetch,
         backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
-        use_orig_params=True,  # needed to generate from summoned full parameters
+        # verl's default: one flat parameter per unit, so the optimizer, the offload moves and the gradient clip
+        # each touch ~one tensor per block instead of one per original parameter
+        use_orig_params=False,
         param_init_fn=init_fn,
     )
     return Sharded(wrapped, "fsdp", blocks, knobs.reshard_after_forward, knobs.param_dtype)
@@ -329,14 +330,18 @@ def clip_grad_norm(sharded: Sharded, max_norm: float, device: torch.device) -> t
     if not grads:
         return torch.zeros((), device=device)
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-    sq = torch.stack([g.detach().float().pow(2).sum().to(device) for g in local]).sum()
+    # torch's foreach norm (grouped by device and dtype: a few kernels, not a chain per parameter), as verl's
+    # fsdp2_clip_grad_norm_; the local sum of squares is then summed over the shards
+    sq = torch.nn.utils.get_total_norm(local, 2.0, foreach=True).to(device, non_blocking=True).float().pow(2)
     if isinstance(grads[0], DTensor):
         placements = [Partial() if isinstance(pl, Shard) else Replicate() for pl in grads[0].placements]
         sq = DTensor.from_local(sq, grads[0].device_mesh, placements).full_tensor()
     norm = sq.sqrt()
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    for g in local:
-        g.mul_(coef.to(g.device, g.dtype))
+    for dev in {g.device for g in local}:
+        group = [g for g in local if g.device == dev]
+        # host gradients (CPUOffloadPolicy) need the coefficient on the host now: a blocking copy, as in verl
+        torch._foreach_mul_(group, coef.to(dev, non_blocking=dev.type != "cpu"))
     return norm
 
 
@@ -374,18 +379,21 @@ def iter_full_params(sharded: Sharded, device: torch.device) -> Iterator[tuple[s
                 value = value.to(device).full_tensor()
             yield _clean_name(name), value.detach()
         return
+    from torch.distributed.fsdp import FlatParameter
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     root = sharded.module
-    names = {id(p): n for n, p in root.named_parameters()}
+    prefixes = {id(m): name for name, m in root.named_modules()}
     for unit in FSDP.fsdp_modules(root):
-        nested = {id(p) for sub in FSDP.fsdp_modules(unit) if sub is not unit for p in sub.parameters()}
-        own = [p for p in unit.parameters() if id(p) not in nested]
+        prefix = prefixes[id(unit)]
         with FSDP.summon_full_params(unit, recurse=False, writeback=False):
-            for p in own:
+            # inside, the unit's original parameters are registered again (full); nested units stay flat
+            for name, p in unit.named_parameters():
+                if isinstance(p, FlatParameter):
+                    continue
                 # a copy: the summoned view is freed when the unit reshards, and vLLM may keep a tensor
                 # until a later one completes its layer
-                yield _clean_name(names[id(p)]), p.detach().clone()
+                yield _clean_name(f"{prefix}.{name}" if prefix else name), p.detach().clone()
     for prefix, module in root.named_modules():
         for name, buf in module.named_buffers(recurse=False):
             if buf is not None and name not in module._non_persistent_buffers_set:  # as state_dict() keeps them
@@ -401,48 +409,6 @@ def clean_state_dict(sd: dict) -> dict:
     return {_clean_name(k): v.detach().cpu() for k, v in sd.items()}
 
 
-def move_params(sharded: Sharded, device: torch.device) -> None:
-    """``param_offload``: move this rank's parameter shards to ``device`` (host between phases, GPU before).
-
-    FSDP2 modules support ``.to()`` (FSDP2 re-registers its sharded parameters). FSDP1 has no public
-    API for it: like verl's offload_fsdp_model_to_cpu, the flat parameter's local shard is moved, and the
-    original parameters (use_orig_params) are re-pointed at it so no view keeps the old storage alive.
-    """
-    _relocate_params(sharded, lambda t: t.to(device))
-
-
-def _relocate_params(sharded: Sharded, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-    if sharded.strategy == "fsdp2":
-        sharded.module._apply(fn)  # FSDPModule._apply resets the sharded parameters after the move
-        return
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-    for m in sharded.module.modules():
-        handle = getattr(m, "_handle", None) if isinstance(m, FSDP) else None
-        if handle is None or handle._offload_params:  # CPUOffload already keeps it in host memory
-            continue
-        flat = handle.flat_param
-        flat.data = fn(flat.data)
-        if hasattr(flat, "_local_shard"):
-            flat._local_shard = flat.data
-        handle._use_sharded_views()
-
-
-def move_optimizer_state(optimizer: torch.optim.Optimizer, device: Optional[torch.device]) -> None:
-    """``optimizer_offload``: Adam's moments to ``device`` (host between updates); ``None`` = to the device
-    of each moment's parameter (before a step: never a CUDA moment for a CPU parameter or back)."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            state = optimizer.state.get(p)
-            if not state:
-                continue
-            target = device if device is not None else p.device
-            for k, v in state.items():
-                # Adam keeps ``step`` as a host scalar by design (capturable=False): leave it
-                if k != "step" and isinstance(v, torch.Tensor) and v.device != target:
-                    state[k] = v.to(target)
-
-
 def free_memory(sharded: Sharded, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
     """Give back the memory of a model whose run is over: the storage of every parameter, gradient, buffer,
     FSDP1 flat-parameter buffer and optimizer moment is resized to 0. The module must not be used again.
@@ -455,6 +421,8 @@ def free_memory(sharded: Sharded, optimizer: Optional[torch.optim.Optimizer] = N
     """
     from torch.distributed.tensor import DTensor
 
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()  # non-blocking offload copies into host memory land before their storage goes
     tensors: list[torch.Tensor] = []
 
     def add(t) -> None:
@@ -507,10 +475,3 @@ def compute_autocast(sharded: Sharded, device_type: str):
     if sharded.compute_dtype in ("fp32", "float32"):
         return contextlib.nullcontext()
     return torch.autocast(device_type, dtype=torch_dtype(sharded.compute_dtype))
-
-
-def activation_offload_context(enabled: bool, device: torch.device):
-    """Saved activations go to pinned host memory during backward-bearing forwards (CUDA only)."""
-    if enabled and device.type == "cuda":
-        return torch.autograd.graph.save_on_cpu(pin_memory=True)
-    return contextlib.nullcontext()

@@ -23,13 +23,12 @@ from trainer.engine import core
 from trainer.engine.batching import fixed_micro_batches, token_budget_micro_batches
 from trainer.engine.knob_notes import knob_notes
 from trainer.engine.models import load_actor, load_critic, num_params
+from trainer.engine.offload import move_optimizer_state, move_params
 from trainer.engine.parallel import (
     Sharded,
     ShardKnobs,
     free_memory,
     iter_full_params,
-    move_optimizer_state,
-    move_params,
     shard_model,
     torch_dtype,
 )
@@ -43,6 +42,7 @@ __all__ = [
     "Trainee",
     "resident",
     "make_entropy_fn",
+    "compiled_entropy",
     "ActorLoss",
     "StepSettings",
     "Plans",
@@ -115,12 +115,15 @@ def resident(trainee: Trainee, device: torch.device, *, update: bool = False):
 def make_entropy_fn(*, chunk_size: Optional[int], checkpointing: bool, compile: bool):
     """The actor's entropy function as verl builds it: chunked over tokens (lower transient peak),
     torch.compile'd, and under autograd optionally checkpointed (its (N, V) softmax recomputed in
-    backward instead of kept)."""
-    fn = core.entropy_from_logits
+    backward instead of kept).
+
+    Compiled once per process and shape family: :func:`compiled_entropy` is one graph for any token count
+    (dynamic shapes), the chunks are its calls from Python. (verl compiles its chunked loop whole, which dynamo
+    unrolls and recompiles for every new number of chunks, up to its recompile limit.) A warm job keeps it for its
+    later trials (trainer/rank/serve.py does not reset dynamo)."""
+    fn = compiled_entropy() if compile else core.entropy_from_logits
     if chunk_size is not None:
-        fn = functools.partial(core.entropy_from_logits_chunked, chunk_size=chunk_size)
-    if compile:
-        fn = torch.compile(fn, dynamic=True)
+        fn = functools.partial(_chunked, fn, chunk_size=chunk_size)
     if not checkpointing:
         return fn
 
@@ -130,6 +133,21 @@ def make_entropy_fn(*, chunk_size: Optional[int], checkpointing: bool, compile: 
         return torch.utils.checkpoint.checkpoint(fn, logits, use_reentrant=False)
 
     return checkpointed
+
+
+_COMPILED: dict[str, Callable] = {}
+
+
+def compiled_entropy() -> Callable[[torch.Tensor], torch.Tensor]:
+    """``torch.compile(entropy_from_logits, dynamic=True)``, made once per process (compiled at its first call)."""
+    if "entropy" not in _COMPILED:
+        _COMPILED["entropy"] = torch.compile(core.entropy_from_logits, dynamic=True)
+    return _COMPILED["entropy"]
+
+
+def _chunked(fn: Callable[[torch.Tensor], torch.Tensor], logits: torch.Tensor, *, chunk_size: int) -> torch.Tensor:
+    """:func:`trainer.engine.core.entropy_from_logits_chunked` with ``fn`` per chunk (the same rows, the same sums)."""
+    return torch.cat([fn(logits[i : i + chunk_size]) for i in range(0, logits.shape[0], chunk_size)])
 
 
 @dataclass(frozen=True)

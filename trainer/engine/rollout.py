@@ -1,7 +1,8 @@
 """Rollout: sample responses with HF ``generate`` from the actor's current (sharded) weights.
 
-Every rank decodes until all ranks are done (``synced_gpus=True``): a rank that stops early
-keeps joining the collectives of the others, so ranks generating different lengths never deadlock.
+With more than one rank every rank decodes until all ranks are done (``synced_gpus=True``): a rank that stops
+early keeps joining the collectives of the others, so ranks generating different lengths never deadlock. One
+rank has no one to wait for: ``synced_gpus`` would only add an all-reduce and a host read per decoded token.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from trainer.engine.parallel import Sharded, full_params
 
@@ -56,7 +58,7 @@ def generate_responses(
         do_sample=sample,
         pad_token_id=pad_id,
         eos_token_id=eos_id,
-        synced_gpus=True,
+        synced_gpus=dist.is_initialized() and dist.get_world_size() > 1,
         use_cache=True,
     )
     if sampling.ignore_eos:

@@ -1,45 +1,42 @@
-"""One PPO iteration on one rank, as numbered phases (torchtune's recipe style): :func:`ppo_step`, and the
-forward passes and updates its phases run on the roles (trainer/engine/roles.py: what a role is, and how a
-config builds them).
+"""One PPO iteration on one rank, as numbered phases (torchtune's recipe style): :func:`ppo_step`. The passes its
+phases run on the roles (forward passes, updates) are in trainer/engine/passes.py, re-exported here; the roles
+themselves, and how a config builds them, in trainer/engine/roles.py.
 
-The per-GPU knobs enter only through :class:`~trainer.engine.roles.MicroBatching`, ``rmpad`` and the sharding:
-losses are token means over the GLOBAL mini-batch (the token count is all-reduced once per
-mini-batch), so the update does not depend on how the batch is split across micro-batches or
-ranks. No ``.item()`` inside micro-batch loops: statistics stay on device and are read once per
-mini-batch.
+No device read inside a micro-batch loop: a pass reads its batch's masks once, an update its statistics once,
+and the step's own figures (rewards, statistics) are each read in one copy.
 """
 
 from __future__ import annotations
-
-from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from trainer.engine import core
-from trainer.engine.attention import packed_attention_kwargs
-from trainer.engine.batching import (
-    fixed_micro_batches,
-    min_num_micro_batches,
-    pack,
-    pad_packed,
-    response_positions,
-    token_budget_micro_batches,
-    unpack_response,
-)
 from trainer.engine.data import score_response
 from trainer.engine.metrics import PhaseMeter
-from trainer.engine.parallel import (
-    activation_offload_context,
-    clip_grad_norm,
-    compute_autocast,
-    gradient_sync,
+from trainer.engine.passes import (
+    actor_loss,
+    all_reduce_sum,
+    compute_log_probs,
+    compute_old_log_probs,
+    compute_values,
+    forward_backward,
+    forward_response,
+    optimizer_step,
+    plan_micro_batches,
+    update_actor,
+    update_critic,
 )
-from trainer.engine.roles import ActorLoss, MicroBatching, Roles, Trainee, resident
+from trainer.engine.roles import Roles
 
 __all__ = [
     "forward_response",
+    "plan_micro_batches",
+    "forward_backward",
+    "optimizer_step",
+    "actor_loss",
     "compute_log_probs",
+    "compute_old_log_probs",
     "compute_values",
     "update_actor",
     "update_critic",
@@ -48,326 +45,6 @@ __all__ = [
     "ppo_step",
     "assemble_batch",
 ]
-
-
-# --------------------------------------------------------------------------- forward passes
-def forward_response(
-    module: torch.nn.Module,
-    mb: dict,
-    *,
-    kind: str,
-    rmpad: bool,
-    prompt_width: int,
-    temperature: float = 1.0,
-    entropy_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
-    pad_to_multiple: Optional[int] = None,
-) -> dict:
-    """Per-response-token outputs of one micro-batch: ``log_prob`` (+ ``entropy`` with an ``entropy_fn``)
-    or ``values``, each (b, R).
-
-    rmpad: the valid tokens of all rows are packed into one row (no pad token enters the forward),
-    padded at the tail to a multiple of ``pad_to_multiple`` if given (verl's ``pad_to_length``).
-    padded: rows keep the [left-padded prompt | right-padded response] layout.
-    """
-    ids, attn, pos, resp = mb["input_ids"], mb["attention_mask"], mb["position_ids"], mb["responses"]
-    R = resp.shape[1]
-    if rmpad:
-        packed_ids, packed_pos, _ = pack(ids, attn, pos)
-        if pad_to_multiple:
-            packed_ids, packed_pos = pad_packed(packed_ids, packed_pos, pad_to_multiple)
-        # sequence boundaries for the attention layers: no T x T mask (trainer/engine/attention.py)
-        varlen = packed_attention_kwargs(packed_pos)
-        out = module(input_ids=packed_ids, position_ids=packed_pos, use_cache=False, **varlen).logits[0]  # (T, V or 1)
-        idx, resp_mask = response_positions(attn, mb["response_mask"], prompt_width)
-        rows = out[idx]  # (N, V or 1)
-        if kind == "critic":
-            return {"values": unpack_response(rows[:, 0].float(), resp_mask)}
-        labels = resp[resp_mask]
-        logits = rows.float() / temperature
-        result = {"log_prob": unpack_response(core.logprobs_from_logits(logits, labels), resp_mask)}
-        if entropy_fn is not None:
-            result["entropy"] = unpack_response(entropy_fn(logits), resp_mask)
-        return result
-    out = module(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False).logits
-    rows = out[:, prompt_width - 1 : prompt_width - 1 + R]  # logits that predict each response token
-    if kind == "critic":
-        return {"values": rows[..., 0].float() * mb["response_mask"]}
-    logits = rows.float() / temperature
-    result = {"log_prob": core.logprobs_from_logits(logits, resp) * mb["response_mask"]}
-    if entropy_fn is not None:
-        result["entropy"] = entropy_fn(logits) * mb["response_mask"]
-    return result
-
-
-def _select(batch: dict, idx: list[int]) -> dict:
-    index = torch.tensor(idx, dtype=torch.long, device=batch["input_ids"].device)
-    return {k: v.index_select(0, index) for k, v in batch.items()}
-
-
-def plan_micro_batches(batch: dict, idx: list[int], plan: MicroBatching) -> list[list[int]]:
-    """Micro-batches (lists of row indices) of the rows ``idx``; with a token budget the number is
-    all-reduced (MAX) so every rank runs the same number of FSDP passes (some may be empty)."""
-    if not plan.dynamic:
-        return [[idx[i] for i in chunk] for chunk in fixed_micro_batches(len(idx), plan.micro_batch_size)]
-    lengths = batch["attention_mask"][idx].sum(-1).tolist()
-    k = torch.tensor([min_num_micro_batches(lengths, plan.max_token_len)], dtype=torch.long)
-    if dist.is_initialized():
-        k = k.to(batch["input_ids"].device)
-        dist.all_reduce(k, op=dist.ReduceOp.MAX)
-    bins = token_budget_micro_batches(lengths, plan.max_token_len, int(k.item()))
-    return [[idx[i] for i in b] for b in bins]
-
-
-def _forward_only(
-    trainee: Trainee,
-    batch: dict,
-    plan: MicroBatching,
-    *,
-    kind: str,
-    prompt_width: int,
-    temperature: float,
-    device: torch.device,
-    entropy: bool = False,
-) -> dict:
-    keys = ["values"] if kind == "critic" else ["log_prob"] + (["entropy"] if entropy else [])
-    n = batch["input_ids"].shape[0]
-    out = {k: torch.zeros_like(batch["responses"], dtype=torch.float32) for k in keys}
-    module = trainee.sharded.module
-    with torch.no_grad(), resident(trainee, device), compute_autocast(trainee.sharded, device.type):
-        for mb_idx in plan_micro_batches(batch, list(range(n)), plan):
-            # an empty micro-batch still runs (on row 0) so FSDP's collectives line up across ranks
-            rows = mb_idx or [0]
-            res = forward_response(
-                module,
-                _select(batch, rows),
-                kind=kind,
-                rmpad=trainee.rmpad,
-                prompt_width=prompt_width,
-                temperature=temperature,
-                entropy_fn=trainee.entropy_fn if entropy else None,
-                pad_to_multiple=trainee.pad_to_multiple,
-            )
-            if mb_idx:
-                index = torch.tensor(mb_idx, device=device)
-                for k in keys:
-                    out[k][index] = res[k]
-    return out
-
-
-def compute_log_probs(
-    trainee: Trainee, batch: dict, plan: MicroBatching, *, prompt_width: int, temperature: float, device: torch.device
-) -> torch.Tensor:
-    """Per-token log-probs (B, R) of the responses (the reference model's, or the actor's)."""
-    return _forward_only(
-        trainee, batch, plan, kind="actor", prompt_width=prompt_width, temperature=temperature, device=device
-    )["log_prob"]
-
-
-def compute_old_log_probs(
-    trainee: Trainee, batch: dict, plan: MicroBatching, *, prompt_width: int, temperature: float, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The behaviour policy's log-probs and, without autograd, its entropy (verl's old-log-prob pass
-    computes the ``actor/entropy`` metric there, so the update need not unless entropy is in the loss)."""
-    out = _forward_only(
-        trainee,
-        batch,
-        plan,
-        kind="actor",
-        prompt_width=prompt_width,
-        temperature=temperature,
-        device=device,
-        entropy=True,
-    )
-    return out["log_prob"], out["entropy"]
-
-
-def compute_values(
-    trainee: Trainee, batch: dict, plan: MicroBatching, *, prompt_width: int, device: torch.device
-) -> torch.Tensor:
-    return _forward_only(
-        trainee, batch, plan, kind="critic", prompt_width=prompt_width, temperature=1.0, device=device
-    )["values"]
-
-
-# --------------------------------------------------------------------------- updates
-def _all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    if dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return t
-
-
-def _optimizer_step(trainee: Trainee, grad_clip: float, device: torch.device) -> torch.Tensor:
-    grad_norm = clip_grad_norm(trainee.sharded, grad_clip, device)
-    if torch.isfinite(grad_norm):  # verl skips the step on a non-finite norm
-        trainee.optimizer.step()
-    trainee.optimizer.zero_grad(set_to_none=True)
-    return grad_norm.detach()
-
-
-def _minibatch_loop(
-    trainee: Trainee,
-    batch: dict,
-    *,
-    mini_per_gpu: int,
-    epochs: int,
-    plan: MicroBatching,
-    loss_fn,
-    stat_names: list[str],
-    grad_clip: float,
-    device: torch.device,
-) -> dict:
-    """epochs x mini-batches x micro-batches, gradient accumulation; returns mean stats over mini-batches."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    n = batch["input_ids"].shape[0]
-    totals: dict[str, float] = {k: 0.0 for k in stat_names + ["grad_norm"]}
-    num_updates = 0
-    module = trainee.sharded.module
-    with resident(trainee, device, update=True):
-        for _ in range(epochs):
-            for start in range(0, n, mini_per_gpu):
-                idx = list(range(start, min(start + mini_per_gpu, n)))
-                num_tokens = _all_reduce_sum(batch["response_mask"][idx].sum().to(torch.float64))
-                global_tokens = num_tokens.clamp(min=1.0)
-                acc = torch.zeros(len(stat_names), dtype=torch.float64, device=device)
-                micro = plan_micro_batches(batch, idx, plan)
-                for i, mb_idx in enumerate(micro):
-                    weight = 1.0 if mb_idx else 0.0  # an empty micro-batch runs on row 0 with zero weight
-                    mb = _select(batch, mb_idx or [idx[0]])
-                    sync = i == len(micro) - 1 or not trainee.no_sync
-                    with gradient_sync(trainee.sharded, sync):
-                        with activation_offload_context(trainee.activation_offload, device):
-                            with compute_autocast(trainee.sharded, device.type):
-                                loss, stats = loss_fn(module, mb, global_tokens)
-                        # FSDP averages gradients over ranks; x world makes the sum of token losses / global
-                        # tokens exact.
-                        (loss * (weight * world)).backward()
-                    acc += torch.stack([stats[k].detach().to(torch.float64) for k in stat_names]) * weight
-                grad_norm = _optimizer_step(trainee, grad_clip, device)
-                acc = _all_reduce_sum(acc)
-                values = acc.tolist()  # one device sync per mini-batch, not per micro-batch
-                for k, v in zip(stat_names, values):
-                    totals[k] += v
-                totals["grad_norm"] += float(grad_norm)
-                num_updates += 1
-    return {k: v / max(num_updates, 1) for k, v in totals.items()}
-
-
-def update_actor(
-    trainee: Trainee,
-    batch: dict,
-    plan: MicroBatching,
-    loss_cfg: ActorLoss,
-    *,
-    mini_per_gpu: int,
-    epochs: int,
-    prompt_width: int,
-    temperature: float,
-    device: torch.device,
-) -> dict:
-    """PPO update of the actor. The entropy is computed under autograd only when it is in the loss
-    (``entropy_coeff`` != 0) or asked for (``calculate_entropy``), as verl does: otherwise no
-    (N, V) softmax is kept for backward; the ``actor/entropy`` metric comes from the old-log-prob pass."""
-    with_entropy = bool(loss_cfg.entropy_coeff) or loss_cfg.calculate_entropy
-
-    def loss_fn(module, mb, global_tokens):
-        out = forward_response(
-            module,
-            mb,
-            kind="actor",
-            rmpad=trainee.rmpad,
-            prompt_width=prompt_width,
-            temperature=temperature,
-            entropy_fn=trainee.entropy_fn if with_entropy else None,
-            pad_to_multiple=trainee.pad_to_multiple,
-        )
-        mask = mb["response_mask"]
-        pg = core.compute_policy_loss(
-            mb["old_log_probs"],
-            out["log_prob"],
-            mb["advantages"],
-            mask,
-            clip_ratio_low=loss_cfg.clip_ratio_low,
-            clip_ratio_high=loss_cfg.clip_ratio_high,
-            clip_ratio_c=loss_cfg.clip_ratio_c,
-            global_num_tokens=global_tokens,
-        )
-        loss = pg["pg_loss"]
-        if with_entropy:
-            entropy = core.compute_entropy_loss(out["entropy"], mask, global_num_tokens=global_tokens)
-            loss = loss - loss_cfg.entropy_coeff * entropy
-        kl = core.compute_kl_loss(
-            out["log_prob"],
-            mb["ref_log_probs"],
-            mask,
-            kl_loss_type=loss_cfg.kl_loss_type,
-            global_num_tokens=global_tokens,
-        )
-        if loss_cfg.use_kl_loss:
-            loss = loss + loss_cfg.kl_loss_coef * kl
-        stats = {
-            "pg_loss": pg["pg_loss"],
-            "pg_clipfrac": pg["pg_clipfrac"],
-            "pg_clipfrac_lower": pg["pg_clipfrac_lower"],
-            "ppo_kl": pg["ppo_kl"],
-            "kl_loss": kl,
-        }
-        if with_entropy:
-            stats["entropy_loss"] = entropy
-        return loss, stats
-
-    names = ["pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "kl_loss"] + (
-        ["entropy_loss"] if with_entropy else []
-    )
-    stats = _minibatch_loop(
-        trainee,
-        batch,
-        mini_per_gpu=mini_per_gpu,
-        epochs=epochs,
-        plan=plan,
-        loss_fn=loss_fn,
-        stat_names=names,
-        grad_clip=loss_cfg.grad_clip,
-        device=device,
-    )
-    return {f"actor/{k}": v for k, v in stats.items()}
-
-
-def update_critic(
-    trainee: Trainee,
-    batch: dict,
-    plan: MicroBatching,
-    *,
-    cliprange_value: float,
-    grad_clip: float,
-    mini_per_gpu: int,
-    epochs: int,
-    prompt_width: int,
-    device: torch.device,
-) -> dict:
-    def loss_fn(module, mb, global_tokens):
-        vpreds = forward_response(module, mb, kind="critic", rmpad=trainee.rmpad, prompt_width=prompt_width)["values"]
-        vf = core.compute_value_loss(
-            vpreds,
-            mb["returns"],
-            mb["values"],
-            mb["response_mask"],
-            cliprange_value=cliprange_value,
-            global_num_tokens=global_tokens,
-        )
-        return vf["vf_loss"], vf
-
-    stats = _minibatch_loop(
-        trainee,
-        batch,
-        mini_per_gpu=mini_per_gpu,
-        epochs=epochs,
-        plan=plan,
-        loss_fn=loss_fn,
-        stat_names=["vf_loss", "vf_clipfrac"],
-        grad_clip=grad_clip,
-        device=device,
-    )
-    return {f"critic/{k}": v for k, v in stats.items()}
 
 
 def critic_update(roles: Roles, batch: dict, *, prompt_width: int, device: torch.device) -> dict:
@@ -488,7 +165,9 @@ def _reward(batch: dict, tokenizer, ground_truths: list[str], device: torch.devi
     responses, response_mask = batch["responses"], batch["response_mask"]
     scores = torch.zeros_like(response_mask, dtype=torch.float32)
     lengths = response_mask.sum(-1)
-    texts = tokenizer.batch_decode([r[: int(n)].tolist() for r, n in zip(responses, lengths)], skip_special_tokens=True)
+    # the responses and their lengths read to the host in one copy (one per row would wait once per row)
+    host = torch.cat([responses, lengths.unsqueeze(1).to(responses.dtype)], dim=1).tolist()
+    texts = tokenizer.batch_decode([r[: r[-1]] for r in host], skip_special_tokens=True)
     seq_scores = torch.tensor(
         [score_response(t, g) for t, g in zip(texts, ground_truths)], dtype=torch.float32, device=device
     )
@@ -513,7 +192,7 @@ def _advantages(roles: Roles, batch: dict) -> dict:
             kl_coef=kl_ctrl.value,
             kl_penalty_type=s.kl_penalty,
         )
-        kl_sum = _all_reduce_sum(kl_mean.detach().to(torch.float64).reshape(1) * num_seqs)
+        kl_sum = all_reduce_sum(kl_mean.detach().to(torch.float64).reshape(1) * num_seqs)
         current_kl = float(kl_sum.item()) / (num_seqs * (dist.get_world_size() if dist.is_initialized() else 1))
         metrics["actor/reward_kl_penalty"] = current_kl
         # verl steps the controller by the number of responses in the batch (prompts x rollout.n)
@@ -522,7 +201,7 @@ def _advantages(roles: Roles, batch: dict) -> dict:
         rewards = scores
     batch["token_level_rewards"] = rewards
     adv, returns = core.compute_gae_advantage_return(rewards, batch["values"], response_mask, gamma=s.gamma, lam=s.lam)
-    moments = _all_reduce_sum(torch.stack(core.masked_moments(adv, response_mask)).to(torch.float64))
+    moments = all_reduce_sum(torch.stack(core.masked_moments(adv, response_mask)).to(torch.float64))
     mean, var = core.moments_to_mean_var(moments[0], moments[1], moments[2])
     batch["advantages"] = core.whiten(adv, response_mask, mean=mean, var=var)
     batch["returns"] = returns
@@ -546,14 +225,16 @@ def _batch_statistics(
             core.masked_sum(entropy.double(), response_mask),
         ]
     )
-    glob = _all_reduce_sum(local).tolist()
+    n = response_mask.shape[0]
+    # one host read: the global figures and this rank's prompt and response lengths
+    lengths = torch.cat([batch["attention_mask"][:, :prompt_width].sum(-1), response_mask.sum(-1)]).double()
+    values = torch.cat([all_reduce_sum(local), lengths]).tolist()
+    glob = values[: local.shape[0]]
     metrics = {"actor/entropy": glob[5] / max(glob[3], 1.0)}  # token mean over the global batch
     metrics["critic/score/mean"] = metrics["reward/mean"] = glob[0] / glob[1]
     metrics["response_length/mean"] = glob[3] / glob[1]
     metrics["perf/total_num_tokens"] = int(glob[2])
     metrics["_sum_seqlen_sq"] = glob[4]
-    metrics["_lengths"] = (
-        batch["attention_mask"][:, :prompt_width].sum(-1).tolist(),
-        response_mask.sum(-1).tolist(),
-    )
+    lens = [int(v) for v in values[local.shape[0] :]]
+    metrics["_lengths"] = (lens[:n], lens[n:])
     return metrics

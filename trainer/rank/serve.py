@@ -14,7 +14,11 @@ Between two trials it gives back what the trial held and resets what the next on
   once freed (``first_use``: kernels, caches, lazily built state, which a cold run allocates inside its
   own figure), so its figures are a cold run's (trainer.rank.trial.run_trial);
 * torch's random generators re-seeded as a fresh process has them, so a trial samples the same responses
-  warm or cold; ``torch._dynamo`` reset (a compiled function's cache would otherwise outlive its models).
+  warm or cold. ``torch._dynamo`` is NOT reset: what it caches is the compiled entropy function (a pure
+  function, no model in it: trainer.engine.roles.compiled_entropy), compiled once for every token count. A cold
+  run compiles it in its warm-up step, which is never measured; a later trial of the job, which runs no warm-up
+  step, finds it compiled, so its measured steps hold no compile either (a reset made every later trial
+  compile inside its first measured step).
 
 What a job keeps: the process, its imports, the process group and a CPU copy of the weights the last trial
 loaded (:class:`WeightCache`, rank 0 only: the other ranks build on the meta device and get their shards
@@ -110,8 +114,6 @@ def release(device) -> float:
 
     from trainer.engine.metrics import _reset_rss_peak
 
-    if "torch._dynamo" in sys.modules:
-        torch._dynamo.reset()
     gc.collect()  # FSDP's modules and hooks hold cycles
     # what outlives a trial (modules, caches, the kept weights) is not looked at again: the next trial's
     # collection walks only what that trial made (a full one takes ~0.2 s with torch and transformers loaded)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -243,13 +244,15 @@ class _Steps:
     @classmethod
     def start(cls, cfg, roles, shape_info: dict, meter, proc: RankProcess, rank: int, *, rss_start, later) -> "_Steps":
         """The loop's shared parts; ``later``: a warm job's later trial (see :func:`run_trial`)."""
-        from trainer.config import config_to_dict
+        from trainer.config import PRECISIONS, config_to_dict
         from trainer.engine.metrics import peak_flops
         from trainer.tracking import StepLogger
 
         device, world = proc.device, proc.world
         logger = StepLogger(cfg, rank=rank, config_dict=config_to_dict(cfg))
-        peak = peak_flops(proc.environment["device_name"]) if device.type == "cuda" else None
+        # MFU against the peak of the actor's compute dtype (fp32 runs: TF32 off, torch's and verl's default)
+        dtype = PRECISIONS[cfg.actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype]
+        peak = peak_flops(proc.environment["device_name"], dtype) if device.type == "cuda" else None
         warmup = cfg.ppotune.warmup_steps
         # a later warm trial: its first step measured provisionally instead of a warm-up (see run_trial)
         provisional, warmup = (True, 0) if later and warmup > 0 else (False, warmup)
@@ -278,7 +281,9 @@ class _Steps:
         _inject_fault(self.cfg.ppotune.fault, self.rank, step)
         # 4b. the PPO step, timed on this rank
         profiling = step == self.cfg.ppotune.profile_step
+        graphs = compiled_graphs()
         metrics, step_s = self.timed_ppo_step(step, prompt_ids, prompt_mask, truths, profiling=profiling)
+        self.note_compiles(step, compiled_graphs() - graphs, state, measured=step > self.warmup and not profiling)
         # 4c. the memory peaks and the step time, the max over ranks; every rank's sequence lengths
         peaks = self.peaks_across_ranks(step_s)
         sum_sq = metrics.pop("_sum_seqlen_sq")
@@ -294,6 +299,12 @@ class _Steps:
             write_json_atomic(rank_file, state)
         self.logger.log(row)
         return bool(stop)
+
+    def note_compiles(self, step: int, graphs: int, state: dict, *, measured: bool) -> None:
+        """A measured step that compiled (torch.compile met a new shape family) says so in the notes: its time
+        holds the compile (a later warm trial's first step is settled by settle_first_step)."""
+        if graphs and measured:
+            state["notes"].append(f"torch.compile: {graphs} graph(s) compiled inside measured step {step}")
 
     def draw_batch(self, data: _Data, tokenizer):
         """-> (prompt ids, prompt mask, ground truths) of this rank's rows: every rank draws the same global
@@ -317,11 +328,12 @@ class _Steps:
         device = self.device
         self.meter.reset()
         t0 = time.perf_counter()
-        with profiled(profiling, device) as table:
+        with profiled(profiling, device, meter=self.meter) as tables:
             metrics = ppo_step(self.roles, prompt_ids.to(device), prompt_mask.to(device), truths, self.meter, device)
         step_s = time.perf_counter() - t0
-        if table and self.rank == 0:
-            print(f"profile of step {step} (rank 0, {device.type}; not measured):\n{table[0]}", flush=True)
+        if tables and self.rank == 0:
+            print(f"profile of step {step} (rank 0, {device.type}; not measured):\n{tables[0]}", flush=True)
+            print(f"profile of step {step} by phase (rank 0, {device.type}):\n{tables[1]}", flush=True)
         return metrics, step_s
 
     def peaks_across_ranks(self, step_s: float) -> _Peaks:
@@ -375,6 +387,11 @@ class _Steps:
             world_size=world,
             peak=self.peak_flops,
         )
+        row.update(self.phase_mfu(metrics["perf/total_num_tokens"], sum_sq))
+        if warmup and self.meter.profile:  # the profiled step (never measured): its per-phase profile
+            for phase, p in self.meter.profile.items():
+                row.update({f"profile/{phase}/{k}": v for k, v in p.items() if k != "top_host"})
+            self.meter.profile = {}
         row.update({f"memory/{p}_gb": v for p, v in zip(PHASES, peaks.per_phase)})
         if self.device.type == "cuda":
             row["perf/max_memory_allocated_gb"], row["perf/max_memory_reserved_gb"] = peaks.allocated, peaks.reserved
@@ -385,6 +402,30 @@ class _Steps:
             row["perf/rss_start_gb"], row["perf/peak_rss_above_start_gb"] = peaks.rss_start, peaks.peak_above_start
         row.update(metrics)
         return row
+
+    def phase_mfu(self, total_tokens: float, sum_sq: float) -> dict:
+        """``perf/mfu/<phase>`` of every phase that runs a model (where the device's peak is known)."""
+        from trainer.engine.metrics import phase_flops
+
+        if not self.peak_flops:
+            return {}
+        info = self.shape_info
+        flops = phase_flops(
+            num_params=info["num_params"],
+            total_tokens=total_tokens,
+            sum_seqlen_sq=sum_sq,
+            head_dim=info["head_dim"],
+            num_heads=info["num_heads"],
+            num_layers=info["num_layers"],
+            actor_epochs=self.cfg.actor_rollout_ref.actor.ppo_epochs,
+            critic_epochs=self.cfg.critic.ppo_epochs,
+        )
+        timing = self.meter.timing
+        return {
+            f"perf/mfu/{p}": f / (timing[p] * self.world * self.peak_flops)
+            for p, f in flops.items()
+            if timing.get(p, 0.0) > 0
+        }
 
     def settle_first_step(self, state: dict) -> None:
         """A later warm trial's first step: marked warm-up after all if it proves slower than the next ones."""
@@ -415,6 +456,15 @@ class _Steps:
         if stop and step < total_steps:
             summary["stopped_early"] = f"{stop} (after step {step} of {total_steps})"
         return stop
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has compiled in this process so far (0 when dynamo was never loaded)."""
+    if "torch._dynamo" not in sys.modules:
+        return 0
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
 
 
 def _inject_fault(fault: str, rank: int, step: int) -> None:
