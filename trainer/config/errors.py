@@ -12,6 +12,7 @@ class ConfigError(ValueError):
 
     def __init__(self, key: str, message: str, *, source: Optional[str] = None):
         self.key = key
+        self.message = message
         self.source = source
         where = f"{source}: " if source else ""
         super().__init__(f"{where}{key}: {message}")

@@ -7,6 +7,7 @@ and retired keys are refused by name. :func:`effective_config` is the config a r
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import typing
 from pathlib import Path
@@ -26,7 +27,15 @@ __all__ = [
     "apply_overrides",
     "config_from_dict",
     "effective_config",
+    "COMMAND_LINE",
+    "config_keys",
+    "did_you_mean",
+    "check_override_keys",
+    "blame_command_line",
 ]
+
+#: where a ``-o KEY=VALUE`` (or positional ``key=value``) override came from, as an error names it
+COMMAND_LINE = "the command line (-o)"
 
 
 def _type_name(tp: Any) -> str:
@@ -77,7 +86,7 @@ def _build(cls: type, data: Any, prefix: str, source: Optional[str]) -> Any:
     names = {f.name for f in dataclasses.fields(cls)}
     for k in data:
         if k not in names:
-            raise ConfigError(f"{prefix}{k}", RETIRED.get(k, "unknown key"), source=source)
+            raise ConfigError(f"{prefix}{k}", RETIRED.get(k) or _unknown(f"{prefix}{k}"), source=source)
     kwargs = {}
     for f in dataclasses.fields(cls):
         if f.name not in data:
@@ -89,6 +98,54 @@ def _build(cls: type, data: Any, prefix: str, source: Optional[str]) -> Any:
         else:
             kwargs[f.name] = _coerce(key, data[f.name], tp, source)
     return cls(**kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def config_keys(cls: type = PPOConfig, prefix: str = "") -> frozenset:
+    """Every dotted key of the config: its leaves and its sections."""
+    out: set[str] = set()
+    hints = _type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        out.add(key)
+        if dataclasses.is_dataclass(hints[f.name]):
+            out |= config_keys(hints[f.name], key + ".")
+    return frozenset(out)
+
+
+def did_you_mean(word: str, choices, *, cutoff: float = 0.6) -> str:
+    """`` (did you mean X?)`` for the closest of ``choices`` to ``word``, or ``""``."""
+    match = difflib.get_close_matches(word, list(choices), n=1, cutoff=cutoff)
+    return f" (did you mean {match[0]}?)" if match else ""
+
+
+def _unknown(key: str) -> str:
+    """``unknown key``, with the closest real key: same section first, then the same name elsewhere."""
+    keys = config_keys()
+    section, _, name = key.rpartition(".")
+    near = difflib.get_close_matches(name, [k.rpartition(".")[2] for k in keys if k.rpartition(".")[0] == section], 1)
+    moved = sorted(k for k in keys if k.rpartition(".")[2] == name)
+    if near:
+        return f"unknown key (did you mean {section + '.' if section else ''}{near[0]}?)"
+    return "unknown key" + (f" (did you mean {moved[0]}?)" if moved else did_you_mean(key, keys, cutoff=0.8))
+
+
+def check_override_keys(keys, *, over: Optional[str] = None) -> None:
+    """Refuse an override whose key is no config key (a section or a leaf), naming the command line it came from
+    (and the file ``over`` it)."""
+    known = config_keys()
+    for key in keys:
+        if key not in known:
+            why = RETIRED.get(key.rpartition(".")[2]) or _unknown(key)
+            raise ConfigError(key, why, source=f"{COMMAND_LINE} over {over}" if over else COMMAND_LINE)
+
+
+def blame_command_line(e: ConfigError, keys, *, over: Optional[str] = None) -> ConfigError:
+    """``e`` naming the command line (and the file ``over`` it, when there is one) when its key, or a section
+    above it, came from an override there."""
+    hit = any(e.key == k or e.key.startswith(k + ".") for k in keys)
+    source = f"{COMMAND_LINE} over {over}" if over else COMMAND_LINE
+    return ConfigError(e.key, e.message, source=source) if hit and not (e.source or "").startswith(COMMAND_LINE) else e
 
 
 def _deep_merge(base: dict, over: dict) -> dict:
@@ -149,16 +206,25 @@ def load_config(
     *,
     validate: bool = True,
 ) -> PPOConfig:
-    """YAML file (optional) + dotted overrides -> a validated :class:`PPOConfig`."""
+    """YAML file (optional) + dotted overrides -> a validated :class:`PPOConfig`.
+
+    Overrides given as ``key=value`` text came from the command line: an error on one of their keys names the
+    command line (:data:`COMMAND_LINE`), not the file."""
     source = str(path) if path is not None else None
     data = read_yaml_mapping(path) if path is not None else {}
+    typed = []
     if overrides:
         if isinstance(overrides, dict):
             flat = dict(overrides)
         else:
             flat = dict(parse_override(o) for o in overrides)
+            typed = list(flat)
+            check_override_keys(typed, over=source)
         data = apply_overrides(data, flat)
-    return config_from_dict(data, source=source, validate=validate)
+    try:
+        return config_from_dict(data, source=source, validate=validate)
+    except ConfigError as e:
+        raise blame_command_line(e, typed, over=source) from None
 
 
 def effective_config(cfg: PPOConfig) -> PPOConfig:
