@@ -11,8 +11,23 @@ status() {  # status PART ok|"unavailable: why"
   [ "$2" = ok ] || echo "install_test_deps: $1: $2" >&2
 }
 
-# 1. verl's config files in this environment, for `ppotune export --validate-verl` (no verl imports needed).
-if pip install -q --no-deps verl==0.9.1; then status verl-configs ok; else status verl-configs "unavailable: pip install --no-deps verl==0.9.1 failed"; fi
+# 1. verl's config files and source, for `ppotune export --validate-verl` and the docs test (read, never imported):
+#    unpacked from verl's wheel into .test_deps/verl, which tests/conftest.py hands over as PPOTUNE_VERL_ROOT.
+#    Not installed into this environment: verl 0.9.1 wants transformers<5.11, Ray, tensordict and torchdata, and
+#    a --no-deps install leaves pip reporting a broken environment on every later install.
+verl_configs_ok() { [ -f .test_deps/verl/verl/trainer/config/ppo_trainer.yaml ]; }
+unpack_verl() {
+  pip download -q --no-deps verl==0.9.1 -d .test_deps/wheels && python - <<'PY'
+import glob, zipfile
+with zipfile.ZipFile(sorted(glob.glob(".test_deps/wheels/verl-0.9.1-*.whl"))[-1]) as whl:
+    whl.extractall(".test_deps/verl", [n for n in whl.namelist() if n.startswith("verl/")])
+PY
+}
+if verl_configs_ok || { unpack_verl && verl_configs_ok; }; then
+  status verl-configs ok
+else
+  status verl-configs "unavailable: pip download --no-deps verl==0.9.1 or unpacking it into .test_deps/verl failed"
+fi
 
 # 2. verl 0.9.1 in its own venv (.venv-verl) for the verl-engine tests (tests/e2e/test_verl.py run it for real):
 #    verl pins transformers<5.11, which cannot share our venv. The CPU build of torch comes from local disk.

@@ -17,6 +17,12 @@ for p in (str(REPO), str(TESTS)):  # the packages under test, and tests/support.
 
 from support import TINY_BASE, processes_with, wait_until  # noqa: E402
 
+# verl's config files and source, unpacked from its wheel by scripts/install_test_deps.sh (verl is never installed
+# into this environment): what `export --validate-verl` and the docs test read, here and in the CLI's subprocesses
+_VERL_UNPACKED = REPO / ".test_deps" / "verl" / "verl"
+if _VERL_UNPACKED.is_dir():
+    os.environ.setdefault("PPOTUNE_VERL_ROOT", str(_VERL_UNPACKED))
+
 
 def _env() -> dict:
     env = dict(os.environ)

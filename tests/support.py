@@ -14,6 +14,7 @@ from pathlib import Path
 
 import optuna
 import psutil
+import pytest
 from optuna.distributions import CategoricalDistribution
 
 from trainer.config import config_to_dict, load_config
@@ -21,6 +22,19 @@ from trainer.contracts import CONSTRAINT_KEY
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_BASE = REPO / "configs" / "tiny_cpu.yaml"
+
+
+def verl_root_or_skip() -> Path:
+    """verl's package directory (its config files and source, read, never imported: ``tuner.results.verl_validate``),
+    or skip saying why there is none (scripts/install_test_deps.sh unpacks it into .test_deps/verl)."""
+    from tuner.results.verl_validate import VERL_ROOT_ENV, verl_root
+
+    root = verl_root()
+    if root is None:
+        status = REPO / ".test_deps" / "verl-configs.status"
+        why = status.read_text().strip() if status.is_file() else "scripts/install_test_deps.sh was not run"
+        pytest.skip(f"verl's config files not found ({VERL_ROOT_ENV} unset and no verl importable here): {why}")
+    return root
 
 
 # --------------------------------------------------------------------------- processes

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from support import KNOBS, make_demo_study
+from support import KNOBS, make_demo_study, verl_root_or_skip
 from support import REPO as ROOT
 from trainer.config import flatten, load_config
 from trainer.contracts import CONSTRAINT_KEY, Status
@@ -352,10 +352,7 @@ def test_export_never_exports_ppotune_keys():
 # --------------------------------------------------------------------------- verl
 def test_validate_verl_accepts_our_overrides(demo_out, tmp_path, capsys):
     pytest.importorskip("hydra")
-    from tuner.results.verl_validate import verl_root
-
-    if verl_root() is None:
-        pytest.skip("verl is not installed (pip install --no-deps verl==0.9.1)")
+    verl_root_or_skip()
     rc, to = _export(demo_out, tmp_path, "--validate-verl")
     assert rc == 0, capsys.readouterr().err
     assert "verl accepts the 7 overrides" in capsys.readouterr().out
@@ -363,10 +360,9 @@ def test_validate_verl_accepts_our_overrides(demo_out, tmp_path, capsys):
 
 def test_validate_verl_rejects_bad_keys():
     pytest.importorskip("hydra")
-    from tuner.results.verl_validate import VerlOverrideError, validate_overrides, verl_root
+    from tuner.results.verl_validate import VerlOverrideError, validate_overrides
 
-    if verl_root() is None:
-        pytest.skip("verl is not installed (pip install --no-deps verl==0.9.1)")
+    verl_root_or_skip()
     good = [
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
         "critic.fsdp.param_offload=true",
@@ -391,10 +387,9 @@ def test_every_knob_of_the_default_space_is_a_key_verl_accepts():
     does not declare, such as fsdp_config.mixed_precision), compose into verl's own config."""
     pytest.importorskip("hydra")
     from tuner.results.export import verl_overrides
-    from tuner.results.verl_validate import validate_overrides, verl_root
+    from tuner.results.verl_validate import validate_overrides
 
-    if verl_root() is None:
-        pytest.skip("verl is not installed (pip install --no-deps verl==0.9.1)")
+    verl_root_or_skip()
     import yaml
 
     from support import REPO
@@ -415,10 +410,9 @@ def test_every_rollout_engine_key_is_a_key_verl_accepts():
     them (``+`` for enable_sleep_mode, a field of verl's RolloutConfig its YAML does not declare)."""
     pytest.importorskip("hydra")
     from tuner.results.export import verl_overrides
-    from tuner.results.verl_validate import validate_overrides, verl_root
+    from tuner.results.verl_validate import validate_overrides
 
-    if verl_root() is None:
-        pytest.skip("verl is not installed (pip install --no-deps verl==0.9.1)")
+    verl_root_or_skip()
     import dataclasses
 
     import yaml
@@ -440,10 +434,7 @@ def test_every_rollout_engine_key_is_a_key_verl_accepts():
 
 def test_validate_verl_cli_names_the_key(tmp_path, capsys):
     """A study whose trial set a key verl lacks: export --validate-verl exits 2 naming it."""
-    from tuner.results.verl_validate import verl_root
-
-    if verl_root() is None:
-        pytest.skip("verl is not installed (pip install --no-deps verl==0.9.1)")
+    verl_root_or_skip()
     # the chosen trial (#11) sets a key our config has but verl 0.9.1 does not (a knob of its space, so the study
     # reads as sound: a trial's overrides outside its space are left out, tuner/study/schema.py)
     study = make_demo_study(f"sqlite:///{tmp_path / 'study.db'}", extra_overrides={11: {"trainer.seed": 7}})
@@ -459,7 +450,7 @@ def test_validate_verl_cli_names_the_key(tmp_path, capsys):
 def test_validate_verl_without_verl(demo_out, tmp_path, capsys, monkeypatch):
     import tuner.results.verl_validate as vv
 
-    monkeypatch.setattr(vv, "verl_root", lambda: None)
+    monkeypatch.setattr(vv, "verl_root", lambda python=None: None)
     rc, _ = _export(demo_out, tmp_path, "--validate-verl")
     assert rc == 2
     assert "needs verl installed" in capsys.readouterr().err

@@ -8,7 +8,10 @@ value types are checked separately: against the field annotation of the dataclas
 node instantiates (its ``_target_``, read statically from verl's source — importing
 ``verl`` pulls in Ray), else against the type of verl's default value.
 
-No Ray, no GPU, no import of ``verl`` itself: only its config files are read.
+No Ray, no GPU, no import of ``verl`` itself: only its config files and source are read, from the first of
+``$PPOTUNE_VERL_ROOT`` (a directory of verl's package, e.g. unpacked from its wheel: scripts/install_test_deps.sh
+does that for the tests, so verl never has to be installed, without its dependencies, beside ours), the verl of an
+interpreter the user names (``export --engine-python``), or this interpreter's verl.
 """
 
 from __future__ import annotations
@@ -16,11 +19,21 @@ from __future__ import annotations
 import ast
 import functools
 import importlib.util
+import os
 import re
+import subprocess
 from pathlib import Path
 from typing import Any, Optional
 
-__all__ = ["VerlNotInstalled", "VerlOverrideError", "verl_root", "validate_overrides"]
+__all__ = ["VERL_ROOT_ENV", "VerlNotInstalled", "VerlOverrideError", "verl_root", "validate_overrides"]
+
+#: A directory holding verl's package (the one with ``trainer/config/ppo_trainer.yaml``, or its parent).
+VERL_ROOT_ENV = "PPOTUNE_VERL_ROOT"
+_CONFIG = ("trainer", "config", "ppo_trainer.yaml")
+_NO_VERL = (
+    f"verl's config files not found: set {VERL_ROOT_ENV} to verl's package directory, or pass the "
+    "interpreter of your verl environment (export --engine-python PY)"
+)
 
 
 class VerlNotInstalled(RuntimeError):
@@ -35,8 +48,18 @@ class VerlOverrideError(ValueError):
         super().__init__(f"{key}: {message}")
 
 
-def verl_root() -> Optional[Path]:
-    """verl's package directory, found without importing it (its ``__init__`` imports Ray)."""
+def verl_root(python: Optional[str] = None) -> Optional[Path]:
+    """verl's package directory, found without importing verl (its ``__init__`` imports Ray): ``$PPOTUNE_VERL_ROOT``,
+    else the verl of ``python`` (an interpreter the user passed; asked with ``find_spec``, which imports nothing),
+    else this interpreter's. None when none of them has verl's config files."""
+    env = os.environ.get(VERL_ROOT_ENV)
+    if env:
+        for d in (Path(env).resolve(), Path(env).resolve() / "verl"):  # Hydra takes absolute config dirs only
+            if d.joinpath(*_CONFIG).is_file():
+                return d
+        return None
+    if python:
+        return _root_in(python)
     try:
         spec = importlib.util.find_spec("verl")
     except (ImportError, ValueError):
@@ -46,12 +69,28 @@ def verl_root() -> Optional[Path]:
     return Path(list(spec.submodule_search_locations)[0])
 
 
-def _config_dir() -> Path:
-    root = verl_root()
-    d = root / "trainer" / "config" if root else None
-    if d is None or not (d / "ppo_trainer.yaml").is_file():
-        raise VerlNotInstalled("verl is not installed (pip install --no-deps verl hydra-core)")
-    return d
+_FIND = (
+    "import importlib.util as u; s = u.find_spec('verl'); "
+    "print(list(s.submodule_search_locations)[0] if s and s.submodule_search_locations else '')"
+)
+
+
+@functools.lru_cache(maxsize=None)
+def _root_in(python: str) -> Optional[Path]:
+    """verl's package directory in another environment (``python``'s), or None."""
+    try:
+        r = subprocess.run([python, "-c", _FIND], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    line = r.stdout.strip()
+    return Path(line) if r.returncode == 0 and line and Path(line).joinpath(*_CONFIG).is_file() else None
+
+
+def _config_dir(python: Optional[str] = None) -> Path:
+    root = verl_root(python)
+    if root is None or not root.joinpath(*_CONFIG).is_file():
+        raise VerlNotInstalled(_NO_VERL)
+    return root / "trainer" / "config"
 
 
 def _compose(config_dir: Path, overrides: list[str]):
@@ -73,18 +112,19 @@ def _split(override: str) -> tuple[str, str]:
     return key.strip().lstrip("+~"), value
 
 
-def validate_overrides(overrides: list[str]) -> dict[str, Any]:
+def validate_overrides(overrides: list[str], *, python: Optional[str] = None) -> dict[str, Any]:
     """Compose verl's ``ppo_trainer`` config with ``overrides`` (``key=value`` strings).
 
     Returns {key: the value verl would see}. Raises :class:`VerlOverrideError` naming
     the first key that verl does not have or whose value has the wrong type, and
-    :class:`VerlNotInstalled` when verl's config files are not importable.
+    :class:`VerlNotInstalled` when verl's config files are not found (:func:`verl_root`; ``python``: the
+    interpreter of the user's verl environment).
     """
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    config_dir = _config_dir()
+    config_dir = _config_dir(python)
     try:
         cfg = _compose(config_dir, overrides)
     except (HydraException, OmegaConfBaseException) as e:
@@ -99,7 +139,7 @@ def validate_overrides(overrides: list[str]) -> dict[str, Any]:
         new = OmegaConf.select(cfg, key, throw_on_missing=False)
         if OmegaConf.is_config(new):
             new = OmegaConf.to_container(new, resolve=False)
-        expected = _expected_types(base, key)
+        expected = _expected_types(base, key, config_dir.parent.parent)
         if expected is not None and not _matches(new, expected):
             names = " or ".join(sorted({"null" if t is type(None) else t.__name__ for t in expected}))
             raise VerlOverrideError(key, f"verl expects {names}, got {type(new).__name__} {raw!r}")
@@ -123,7 +163,7 @@ def _offending_key(config_dir: Path, overrides: list[str], error: Exception) -> 
 
 
 # --------------------------------------------------------------------------- types
-def _expected_types(base, key: str) -> Optional[set]:
+def _expected_types(base, key: str, root: Path) -> Optional[set]:
     """The types verl accepts at ``key``: the dataclass annotation, else its default's type."""
     from omegaconf import OmegaConf
 
@@ -133,7 +173,7 @@ def _expected_types(base, key: str) -> Optional[set]:
         return None
     target = parent.get("_target_") if "_target_" in parent else None
     if isinstance(target, str):
-        ann = _annotation(target, leaf)
+        ann = _annotation(target, leaf, root)
         if ann is not None:
             return ann
     try:
@@ -192,10 +232,9 @@ def _classes_in(package_dir: str) -> dict[str, tuple[list[str], dict[str, ast.ex
     return out
 
 
-def _annotation(target: str, field: str) -> Optional[set]:
-    root = verl_root()
+def _annotation(target: str, field: str, root: Path) -> Optional[set]:
     module, _, cls = target.rpartition(".")
-    if root is None or not module.startswith("verl."):
+    if not module.startswith("verl."):
         return None
     package = root.parent.joinpath(*module.split("."))
     classes = _classes_in(str(package))
