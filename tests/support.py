@@ -33,7 +33,7 @@ def verl_root_or_skip() -> Path:
     if root is None:
         status = REPO / ".test_deps" / "verl-configs.status"
         why = status.read_text().strip() if status.is_file() else "scripts/install_test_deps.sh was not run"
-        pytest.skip(f"verl's config files not found ({VERL_ROOT_ENV} unset and no verl importable here): {why}")
+        pytest.skip(f"verl's config files not found (${VERL_ROOT_ENV}, or verl importable here): {why}")
     return root
 
 
