@@ -39,6 +39,7 @@ from trainer.config.keys import (
 from trainer.config.keys import RETIRED as RETIRED
 from trainer.config.keys import VERL_UNDECLARED as VERL_UNDECLARED
 from trainer.config.rules import validate_config
+from trainer.config.schema import CRITIC_ESTIMATORS as CRITIC_ESTIMATORS
 from trainer.config.schema import ActorConfig as ActorConfig
 from trainer.config.schema import ActorRolloutRefConfig as ActorRolloutRefConfig
 from trainer.config.schema import AlgorithmConfig as AlgorithmConfig
@@ -50,7 +51,7 @@ from trainer.config.schema import KLCtrlConfig as KLCtrlConfig
 from trainer.config.schema import MixedPrecisionConfig as MixedPrecisionConfig
 from trainer.config.schema import ModelConfig as ModelConfig
 from trainer.config.schema import OptimConfig as OptimConfig
-from trainer.config.schema import PPOConfig, world_size
+from trainer.config.schema import PPOConfig, need_critic, need_reference_policy, world_size
 from trainer.config.schema import PPOTuneSection as PPOTuneSection
 from trainer.config.schema import RefConfig as RefConfig
 from trainer.config.schema import RolloutConfig as RolloutConfig
@@ -72,6 +73,8 @@ __all__ = [
     "flatten",
     "unflatten",
     "world_size",
+    "need_critic",
+    "need_reference_policy",
     "FOLLOWS",
     "follow",
     "resolve_follows",

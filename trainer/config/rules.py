@@ -14,19 +14,41 @@ from typing import Any, Callable, Mapping, NoReturn, Optional
 
 from trainer.config.errors import ConfigError
 from trainer.config.keys import FSDP_SECTIONS, PRECISIONS, config_to_dict, flatten, resolve_follows
-from trainer.config.schema import PPOConfig, world_size
+from trainer.config.schema import CRITIC_ESTIMATORS, PPOConfig, need_critic, world_size
 
-__all__ = ["ConfigView", "Rule", "RULES", "validate_config"]
+__all__ = ["ConfigView", "Rule", "RULES", "validate_config", "ADV_ESTIMATORS", "KL_ESTIMATORS", "LOSS_AGG_MODES"]
+
+#: verl 0.9.1's ``algorithm.adv_estimator`` names (trainer/ppo/core_algos.py's registry) that ppotune's engine
+#: runs, as verl computes them (trainer/engine/core.py). Not here: gdpo (per-dimension rewards),
+#: optimal_token_baseline and tir_optimal_token_baseline (the actor's sum of squared probabilities).
+ADV_ESTIMATORS = (
+    "gae",
+    "grpo",
+    "grpo_vectorized",
+    "grpo_passk",
+    "rloo",
+    "rloo_vectorized",
+    "opo",
+    "gpg",
+    "reinforce_plus_plus",
+    "reinforce_plus_plus_baseline",
+    "remax",
+)
+_BASE_KL = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+#: verl's kl_penalty names; a "+" suffix keeps the value and takes k2's gradient (straight through).
+KL_ESTIMATORS = _BASE_KL + tuple(k + "+" for k in _BASE_KL)
+#: verl's agg_loss modes (workers/config/actor.py's valid_loss_agg_modes).
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 #: Keys with a fixed set of spellings (``None``: the key follows another, see ``keys.FOLLOWS``).
 _CHOICES = {
     "actor_rollout_ref.actor.strategy": ("fsdp", "fsdp2"),
     "critic.strategy": (None, "fsdp", "fsdp2"),
-    "actor_rollout_ref.actor.loss_agg_mode": ("token-mean",),
-    "actor_rollout_ref.actor.kl_loss_type": ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"),
-    "algorithm.kl_penalty": ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"),
+    "actor_rollout_ref.actor.loss_agg_mode": LOSS_AGG_MODES,
+    "actor_rollout_ref.actor.kl_loss_type": KL_ESTIMATORS,
+    "algorithm.kl_penalty": KL_ESTIMATORS,
     "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
-    "algorithm.adv_estimator": ("gae",),
+    "algorithm.adv_estimator": ADV_ESTIMATORS,
     "actor_rollout_ref.rollout.name": ("hf", "vllm"),
     "actor_rollout_ref.rollout.dtype": ("bfloat16", "float16", "float32"),  # vLLM's spellings
     "data.truncation": ("error", "left", "right"),
@@ -89,6 +111,11 @@ class ConfigView:
 
     def fail(self, key: str, message: str) -> NoReturn:
         raise ConfigError(key, message, source=self.source)
+
+    @property
+    def critic(self) -> bool:
+        """Whether the run builds a critic (verl's need_critic): its keys are checked only then."""
+        return need_critic(self.cfg)
 
     @property
     def total_len(self) -> int:
@@ -182,8 +209,10 @@ def check_actor_batches(v: ConfigView) -> None:
 
 def check_critic_batches(v: ConfigView) -> None:
     """The critic's update: ``critic.ppo_mini_batch_size`` (followed), then ``critic.ppo_max_token_len_per_gpu``
-    (critic.use_dynamic_bsz, followed) or ``critic.ppo_micro_batch_size_per_gpu``."""
-    _check_ppo_batches(v, "critic")
+    (critic.use_dynamic_bsz, followed) or ``critic.ppo_micro_batch_size_per_gpu``; none without a critic (verl
+    checks a critic's keys only when it builds one)."""
+    if v.critic:
+        _check_ppo_batches(v, "critic")
 
 
 def check_log_prob_batches(v: ConfigView) -> None:
@@ -201,7 +230,9 @@ def check_log_prob_batches(v: ConfigView) -> None:
 
 def check_critic_forward_batches(v: ConfigView) -> None:
     """The critic's value pass: ``critic.forward_max_token_len_per_gpu`` (critic.use_dynamic_bsz) or
-    ``critic.forward_micro_batch_size_per_gpu`` (both followed)."""
+    ``critic.forward_micro_batch_size_per_gpu`` (both followed); none without a critic."""
+    if not v.critic:
+        return
     _budget_or_micro(
         v,
         v.eff["critic.use_dynamic_bsz"],
@@ -222,10 +253,21 @@ def check_clipping(v: ConfigView) -> None:
 
 
 def check_advantage(v: ConfigView) -> None:
-    """GAE's ``algorithm.gamma`` and ``algorithm.lam`` in [0, 1]."""
+    """GAE's ``algorithm.gamma`` and ``algorithm.lam`` in [0, 1]; an estimator that reads values
+    (``algorithm.adv_estimator`` gae) has a critic (``critic.enable`` not false); grpo_passk compares two
+    responses of a prompt (``actor_rollout_ref.rollout.n`` >= 2); ``actor_rollout_ref.actor.loss_scale_factor``
+    null or > 0."""
     for key in ("algorithm.gamma", "algorithm.lam"):
         if not 0.0 <= v.flat[key] <= 1.0:
             v.fail(key, f"must be in [0, 1], got {v.flat[key]}")
+    estimator = v.cfg.algorithm.adv_estimator
+    if estimator in CRITIC_ESTIMATORS and not need_critic(v.cfg):
+        v.fail("critic.enable", f"algorithm.adv_estimator={estimator} reads the critic's values: enable the critic")
+    if estimator == "grpo_passk" and v.cfg.actor_rollout_ref.rollout.n < 2:
+        v.fail("actor_rollout_ref.rollout.n", "grpo_passk needs at least 2 responses per prompt")
+    factor = v.cfg.actor_rollout_ref.actor.loss_scale_factor
+    if factor is not None and factor <= 0:
+        v.fail("actor_rollout_ref.actor.loss_scale_factor", f"must be > 0 or null, got {factor}")
 
 
 def check_sampling(v: ConfigView) -> None:
@@ -330,9 +372,12 @@ def check_synthetic_task(v: ConfigView) -> None:
 
 def check_fsdp_sections(v: ConfigView) -> None:
     """Each FSDP section (``keys.FSDP_SECTIONS``: the actor's and the reference model's follow the actor's
-    strategy, ``critic.fsdp`` the critic's): its precisions, offload combination and ``fsdp_size``."""
+    strategy, ``critic.fsdp`` the critic's, when there is a critic): its precisions, offload combination and
+    ``fsdp_size``."""
     ws = world_size(v.cfg)
     for section in FSDP_SECTIONS:
+        if section == "critic.fsdp" and not v.critic:
+            continue
         strategy = v.eff["critic.strategy"] if section == "critic.fsdp" else v.cfg.actor_rollout_ref.actor.strategy
         _check_precisions(v, section)
         _check_offload(v, section, strategy)
@@ -391,8 +436,9 @@ def check_data_files(v: ConfigView) -> None:
 
 
 def check_model_paths(v: ConfigView) -> None:
-    """``actor_rollout_ref.model.path`` and ``critic.model.path`` (followed): ``tiny`` or a local directory."""
-    for key in ("actor_rollout_ref.model.path", "critic.model.path"):
+    """``actor_rollout_ref.model.path`` and, with a critic, ``critic.model.path`` (followed): ``tiny`` or a local
+    directory."""
+    for key in ("actor_rollout_ref.model.path", "critic.model.path")[: 2 if v.critic else 1]:
         path = v.eff[key]
         if path != "tiny" and not Path(path).expanduser().is_dir():
             v.fail(key, f"not 'tiny' and not a local HF checkpoint directory: {path}")

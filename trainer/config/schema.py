@@ -32,6 +32,9 @@ __all__ = [
     "PPOTuneSection",
     "PPOConfig",
     "world_size",
+    "CRITIC_ESTIMATORS",
+    "need_critic",
+    "need_reference_policy",
 ]
 
 
@@ -110,8 +113,14 @@ class ActorConfig:
     clip_ratio_low: Optional[float] = None  # None -> clip_ratio
     clip_ratio_high: Optional[float] = None  # None -> clip_ratio
     clip_ratio_c: float = 3.0
+    # how a loss matrix (B, T) becomes a scalar over the global mini-batch (verl's agg_loss): token-mean |
+    # token-sum | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm (Dr. GRPO)
     loss_agg_mode: str = "token-mean"
+    # seq-mean-token-sum-norm divides by this; None -> the response width (data.max_response_length)
+    loss_scale_factor: Optional[int] = None
     entropy_coeff: float = 0.0
+    # KL to the reference model as a loss term (GRPO recipes): + kl_loss_coef x agg(kl_penalty(kl_loss_type));
+    # a "+" suffix (k1+, k3+, low_var_kl+, ...) keeps the value and takes k2's gradient (straight through)
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
@@ -192,6 +201,9 @@ class CriticModelConfig:
 class CriticConfig:
     """verl ``critic``: the value model's update and forward pass."""
 
+    # verl's need_critic: None -> a critic exactly when algorithm.adv_estimator is gae; the critic-free
+    # estimators (grpo, rloo, ...) build none, and the critic's keys below then act on nothing
+    enable: Optional[bool] = None
     strategy: Optional[str] = None  # None -> actor strategy
     ppo_mini_batch_size: Optional[int] = None  # None -> actor.ppo_mini_batch_size
     ppo_micro_batch_size_per_gpu: Optional[int] = 2
@@ -223,7 +235,13 @@ class AlgorithmConfig:
 
     gamma: float = 1.0
     lam: float = 1.0
+    # verl's core_algos registry names that ppotune's engine runs (trainer/engine/core.py ADV_ESTIMATORS):
+    # gae (needs the critic) | grpo | grpo_vectorized | grpo_passk | rloo | rloo_vectorized | opo | gpg |
+    # reinforce_plus_plus | reinforce_plus_plus_baseline | remax; the others group responses of one prompt
+    # (rollout.n > 1) into one baseline, remax takes a greedy response's reward as the baseline
     adv_estimator: str = "gae"
+    # GRPO (and grpo_passk): divide by the group's standard deviation; False = Dr. GRPO
+    norm_adv_by_std_in_grpo: bool = True
     use_kl_in_reward: bool = False
     kl_penalty: str = "kl"  # kl (k1) | abs | mse (k2) | low_var_kl (k3)
     kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
@@ -329,3 +347,20 @@ class PPOConfig:
 def world_size(cfg: PPOConfig) -> int:
     """The number of ranks: ``trainer.n_gpus_per_node x trainer.nnodes``."""
     return cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
+
+
+#: The advantage estimators that read the critic's values (verl: only GAE).
+CRITIC_ESTIMATORS = ("gae",)
+
+
+def need_critic(cfg: PPOConfig) -> bool:
+    """verl's ``need_critic``: ``critic.enable`` when set, else whether the estimator reads values (gae)."""
+    if cfg.critic.enable is not None:
+        return cfg.critic.enable
+    return cfg.algorithm.adv_estimator in CRITIC_ESTIMATORS
+
+
+def need_reference_policy(cfg: PPOConfig) -> bool:
+    """verl's ``need_reference_policy``: the reference model's log-probs are read by the KL in the reward
+    (``algorithm.use_kl_in_reward``) or the KL loss (``actor_rollout_ref.actor.use_kl_loss``)."""
+    return cfg.algorithm.use_kl_in_reward or cfg.actor_rollout_ref.actor.use_kl_loss
