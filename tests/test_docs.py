@@ -1,15 +1,17 @@
 """The docs name real code: every ppotune function docs/verl_parity.md cites exists, and so does every
 verl 0.9.1 function (checked against verl's source when it is on disk); every module, name and path
-docs/architecture.md names exists."""
+docs/architecture.md names exists; every ``ppotune`` command in a bash block of the README and docs/ parses with
+the real CLI parser; docs/cli.md's options are what the parsers say; every page is reachable from the README."""
 
 import ast
+import contextlib
 import importlib.util
+import io
 import re
+import shlex
 from pathlib import Path
 
-import pytest
-
-from support import REPO
+from support import REPO, verl_root_or_skip
 
 PARITY = REPO / "docs" / "verl_parity.md"
 # `trainer/engine/parallel.py:move_params` or `transformer_impl.py:FSDPEngine._build_fsdp_module`
@@ -66,10 +68,7 @@ def test_every_ppotune_function_named_exists():
 
 
 def test_every_verl_function_named_exists():
-    spec = importlib.util.find_spec("verl")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("verl's source is not installed (scripts/install_test_deps.sh puts it there)")
-    root = Path(next(iter(spec.submodule_search_locations)))
+    root = verl_root_or_skip()
     _, theirs = references()
     assert len(theirs) > 15
     missing = []
@@ -119,3 +118,153 @@ def test_the_architecture_page_names_real_modules_names_and_paths():
             missing.append(name)
     missing += [p for p in paths if not (REPO / p).exists()]
     assert missing == []
+
+
+# --------------------------------------------------------------------------- commands in the docs
+#: Pages whose ```bash blocks are parsed. A synopsis with placeholders goes in a ```text block instead.
+PAGES = [
+    REPO / "README.md",
+    REPO / "CONTRIBUTING.md",
+    REPO / "benchmarks" / "README.md",
+    *sorted(REPO.glob("docs/*.md")),
+]
+_ENV = re.compile(r"^[A-Za-z_]\w*=")  # FOO=bar ppotune ...
+_OPERATORS = {"&&", "||", ";", "|", "&", "(", ")"}
+
+
+def bash_commands(text: str) -> list[tuple[int, list[str]]]:
+    """(line number, argv after ``ppotune``) for every ``ppotune`` command in the page's ```bash blocks: ``\\``
+    continuations joined, comments dropped, ``&&``/``;``/``|`` chains split, leading ``VAR=value`` skipped."""
+    out, block, start = [], None, 0
+    lines = text.splitlines()
+    for i, line in enumerate(lines, 1):
+        if block is None:
+            if line.strip().startswith("```bash"):
+                block, start = [], i + 1
+            continue
+        if line.strip().startswith("```"):
+            joined = "\n".join(block).replace("\\\n", " ")
+            for k, cmd in enumerate(joined.split("\n")):
+                out += [(start + k, argv) for argv in _ppotune_argvs(cmd)]
+            block = None
+            continue
+        block.append(line)
+    return out
+
+
+def _ppotune_argvs(line: str) -> list[list[str]]:
+    lex = shlex.shlex(line, posix=True, punctuation_chars=True)
+    lex.whitespace_split, lex.commenters = True, "#"
+    tokens, segments = list(lex), [[]]
+    for t in tokens:
+        if t in _OPERATORS:
+            segments.append([])
+        else:
+            segments[-1].append(t)
+    out = []
+    for seg in segments:
+        while seg and _ENV.match(seg[0]):
+            seg = seg[1:]
+        if seg and seg[0] == "ppotune":
+            out.append(seg[1:])
+    return out
+
+
+def _parse_error(argv: list[str]) -> str | None:
+    from tuner.cli import build_parser
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            build_parser().parse_args(argv)
+        except SystemExit as e:
+            if e.code not in (0, None):  # --help exits 0
+                return err.getvalue().strip() or f"exit {e.code}"
+    return None
+
+
+def test_the_command_reader_joins_splits_and_skips():
+    text = "```bash\nA=1 ppotune x --y 2 && pip install z  # ppotune q\nppotune a \\\n  --b c | tee d\n```\n"
+    assert bash_commands(text) == [(2, ["x", "--y", "2"]), (3, ["a", "--b", "c"])]
+
+
+def test_every_ppotune_command_in_the_docs_parses():
+    found, bad = 0, []
+    for page in PAGES:
+        if not page.is_file():
+            continue
+        for line, argv in bash_commands(page.read_text()):
+            found += 1
+            err = _parse_error(argv)
+            if err:
+                bad.append(f"{page.relative_to(REPO)}:{line}: ppotune {shlex.join(argv)}\n    {err}")
+    assert found >= 20, f"only {found} ppotune commands found in the docs' bash blocks"
+    assert not bad, "\n".join(bad)
+
+
+def test_a_command_with_an_unknown_flag_fails():
+    assert _parse_error(["search", "c.yaml", "--space", "s.yaml", "--trials", "3", "--no-such-flag"])
+    assert _parse_error(["report", "--storage", "x.db"]) is None
+
+
+def test_cli_md_options_are_the_parsers():
+    """docs/cli.md's generated part is what scripts/gen_cli_docs.py writes from the parsers now."""
+    spec = importlib.util.spec_from_file_location("gen_cli_docs", REPO / "scripts" / "gen_cli_docs.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    text = gen.CLI_MD.read_text()
+    assert gen.updated(text) == text, "docs/cli.md is out of date: run python scripts/gen_cli_docs.py"
+
+
+# --------------------------------------------------------------------------- links
+_LINK = re.compile(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)")
+
+
+def _links(page: Path) -> set[Path]:
+    return {target for target, _ in _targets(page)}
+
+
+def _targets(page: Path) -> set[tuple[Path, str]]:
+    """(file, anchor) of every relative link in the page (a bare ``#anchor`` is the page itself)."""
+    return {
+        ((page.parent / target).resolve() if target else page, anchor)
+        for target, anchor in _LINK.findall(page.read_text())
+        if "://" not in target and not target.startswith("mailto:")
+    }
+
+
+def _anchors(page: Path) -> set[str]:
+    """GitHub's anchors for the page's headings: lower case, punctuation dropped, spaces as hyphens."""
+    heads = re.findall(r"^#+ (.*)$", re.sub(r"```.*?```", "", page.read_text(), flags=re.S), flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
+
+
+def test_every_relative_link_resolves():
+    broken = []
+    for page in PAGES:
+        if not page.is_file():
+            continue
+        for target, anchor in _targets(page):
+            shown = f"{page.relative_to(REPO)} -> {target.relative_to(REPO) if target.is_relative_to(REPO) else target}"
+            if not target.exists():
+                broken.append(shown)
+            elif anchor and target.suffix == ".md" and anchor not in _anchors(target):
+                broken.append(f"{shown}#{anchor}")
+    assert not broken, broken
+
+
+def test_every_docs_page_is_reachable_from_the_readme():
+    seen, todo = set(), [REPO / "README.md"]
+    while todo:
+        page = todo.pop()
+        if page in seen or page.suffix != ".md" or not page.is_file():
+            continue
+        seen.add(page)
+        todo += _links(page)
+    wanted = {
+        *REPO.glob("docs/*.md"),
+        REPO / "benchmarks" / "README.md",
+        REPO / "CHANGELOG.md",
+        REPO / "CONTRIBUTING.md",
+    }
+    assert sorted(p.relative_to(REPO) for p in wanted - seen) == []
