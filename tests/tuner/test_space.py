@@ -461,7 +461,7 @@ def test_float_knob_domain_and_sampling(tmp_path, base_flat):
 
 # --------------------------------------------------------------------------- the CLI
 def test_space_check_cli_prints_size_and_knobs(cli):
-    r = cli("space", "check", "search_spaces/tiny_cpu.yaml", "--base", "configs/tiny_cpu.yaml", "--nproc", "2")
+    r = cli("space", "check", "configs/tiny_cpu.yaml", "--space", "search_spaces/tiny_cpu.yaml", "--nproc", "2")
     assert r.returncode == 0, r.stderr
     assert "size: 52 distinct configs" in r.stdout
     assert MICRO in r.stdout and "knobs (6)" in r.stdout
@@ -483,7 +483,7 @@ def test_space_check_cli_prints_size_and_knobs(cli):
 )
 def test_space_check_cli_bad_space_exit_2_one_line(cli, tmp_path, text, key):
     path = write(tmp_path, text, "bad.yaml")
-    r = cli("space", "check", path, "--base", "configs/tiny_cpu.yaml", "--nproc", "2")
+    r = cli("space", "check", "configs/tiny_cpu.yaml", "--space", path, "--nproc", "2")
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1, r.stderr

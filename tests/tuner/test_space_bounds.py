@@ -157,7 +157,7 @@ def test_range_problem_reads_the_kind():
 def test_space_check_refuses_an_algorithm_knob_in_one_line(cli, tmp_path):
     path = tmp_path / "space.yaml"
     path.write_text("knobs:\n  data.train_batch_size: {type: pow2, low: 8, high: 32}\n")
-    r = cli("space", "check", path, "--base", "configs/tiny_cpu.yaml", "--nproc", "2")
+    r = cli("space", "check", "configs/tiny_cpu.yaml", "--space", path, "--nproc", "2")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert f"data.train_batch_size: {CHANGES}" in r.stderr
 
@@ -176,13 +176,13 @@ def algorithm_study(tmp_path):
 
 
 def test_report_and_why_say_first_that_the_trials_ran_different_algorithms(algorithm_study, tmp_path, cli):
-    r = cli("report", "--storage", algorithm_study, "--to", tmp_path / "report", timeout=300)
+    r = cli("report", "--storage", algorithm_study, "--out", tmp_path / "report", timeout=300)
     assert r.returncode == 0, r.stderr
     first = (tmp_path / "report" / "summary.md").read_text().splitlines()[:3]
     assert first[2].startswith(f"**The compared trials ran different algorithms: the space varied {MICRO}"), first
     html = (tmp_path / "report" / "report.html").read_text()
     assert html.index("The compared trials ran different algorithms") < html.index("class='sub'")
-    r = cli("export", "--storage", algorithm_study, "--to", tmp_path / "export", timeout=300)
+    r = cli("export", "--storage", algorithm_study, "--out", tmp_path / "export", timeout=300)
     assert r.returncode == 0, r.stderr
     assert "warning: The compared trials ran different algorithms" in r.stderr
     why = (tmp_path / "export" / "why.md").read_text().splitlines()
@@ -194,6 +194,6 @@ def test_report_and_why_say_first_that_the_trials_ran_different_algorithms(algor
 def test_a_study_of_execution_knobs_says_nothing_of_the_kind(tmp_path, cli):
     storage = f"sqlite:///{tmp_path / 'study.db'}"
     make_demo_study(storage)
-    r = cli("export", "--storage", storage, "--to", tmp_path / "export", timeout=300)
+    r = cli("export", "--storage", storage, "--out", tmp_path / "export", timeout=300)
     assert r.returncode == 0, r.stderr
     assert "different algorithms" not in (tmp_path / "export" / "why.md").read_text() + r.stderr

@@ -12,6 +12,7 @@ import sys
 
 from trainer.config import ConfigError, effective_config, load_config, world_size
 from trainer.contracts import ExitCode
+from trainer.launch.cliflags import add_override_flag, overrides_of
 from trainer.launch.preflight import preflight
 
 __all__ = ["add_arguments", "run"]
@@ -19,12 +20,17 @@ __all__ = ["add_arguments", "run"]
 
 def add_arguments(p) -> None:
     p.add_argument("config", help="training config YAML (verl key names)")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides")
-    p.add_argument("--nproc", type=int, default=None, help="processes (GPUs) per node; sets trainer.n_gpus_per_node")
+    add_override_flag(p, positional=True)
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="processes (GPUs) per node; sets trainer.n_gpus_per_node (default: the config's)",
+    )
 
 
 def run(args) -> int:
-    overrides = list(args.overrides)
+    overrides = overrides_of(args)
     if args.nproc is not None:
         overrides.append(f"trainer.n_gpus_per_node={json.dumps(args.nproc)}")
     try:

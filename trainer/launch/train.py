@@ -12,6 +12,7 @@ with a signal's code, so the files, not the exit codes, say what happened.
 
 from __future__ import annotations
 
+import argparse
 import collections
 import json
 import shutil
@@ -27,6 +28,7 @@ import yaml
 
 from trainer.config import ConfigError, config_to_dict, load_config
 from trainer.contracts import ExitCode
+from trainer.launch.cliflags import add_override_flag, overrides_of
 from trainer.launch.jobdir import JobDir, serve_layout, warm_refusal
 from trainer.launch.preflight import preflight, preflight_verl
 from trainer.launch.proc import write_json_atomic
@@ -40,34 +42,55 @@ _TAIL_LINES = 60
 
 def add_arguments(p) -> None:
     p.add_argument("config", help="training config YAML (verl key names)")
+    add_override_flag(p, positional=True)
     p.add_argument(
-        "overrides",
-        nargs="*",
-        metavar="key=value",
-        help="dotted overrides, e.g. actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+        "--nproc",
+        type=int,
+        default=None,
+        help="processes (GPUs) on this node; sets trainer.n_gpus_per_node (default: the config's)",
     )
     p.add_argument(
-        "--nproc", type=int, default=None, help="processes (GPUs) on this node; sets trainer.n_gpus_per_node"
+        "--steps",
+        type=int,
+        default=None,
+        help="PPO steps to run; sets trainer.total_training_steps (default: the config's)",
     )
-    p.add_argument("--steps", type=int, default=None, help="PPO steps to run; sets trainer.total_training_steps")
     p.add_argument(
-        "--warmup", type=int, default=None, help="leading steps left out of the summary; sets ppotune.warmup_steps"
+        "--warmup",
+        type=int,
+        default=None,
+        help="leading steps left out of the summary; sets ppotune.warmup_steps (default: the config's, at most "
+        "--steps - 1)",
     )
     p.add_argument(
         "--profile-step",
         type=int,
         default=None,
         metavar="N",
-        help="profile step N (torch.profiler): rank 0 prints its top operators; the step is not measured",
+        help="profile step N (torch.profiler): rank 0 prints its top operators; the step is not measured "
+        "(default: none)",
     )
-    p.add_argument("--result", default=None, help="write the result JSON here")
+    p.add_argument(
+        "--out",
+        default=None,
+        metavar="DIR",
+        help="where this run's files go: DIR/result.json (default: none written, the summary is printed)",
+    )
+    p.add_argument(
+        "--result",
+        default=None,
+        metavar="FILE",
+        help="write the result JSON to exactly FILE (what a trial uses; default: DIR/result.json with --out)",
+    )
     p.add_argument(
         "--memory-limit-gb",
         type=float,
         default=None,
-        help="a real per-process memory cap (GPU: allocator fraction; CPU: rlimit)",
+        help="a real per-process memory cap (GPU: allocator fraction; CPU: rlimit; default: the config's)",
     )
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None, help="sets ppotune.device")
+    p.add_argument(
+        "--device", choices=["auto", "cpu", "cuda"], default=None, help="sets ppotune.device (default: the config's)"
+    )
     p.add_argument(
         "--save",
         default=None,
@@ -91,13 +114,13 @@ def add_arguments(p) -> None:
         "--serve",
         default=None,
         metavar="JOBDIR",
-        help="a warm job: start CONFIG's processes once and run, one after another, the trials requested in "
-        "JOBDIR (what ppotune search does unless --cold; see trainer/rank/serve.py)",
+        help=argparse.SUPPRESS,  # internal: a warm job (CONFIG's processes start once and run, one after another,
+        # the trials requested in JOBDIR: what ppotune search does unless --cold; see trainer/rank/serve.py)
     )
 
 
 def _overrides(args) -> list[str]:
-    out = list(args.overrides)
+    out = overrides_of(args)
     flags = {
         "trainer.n_gpus_per_node": args.nproc,
         "trainer.total_training_steps": args.steps,
@@ -116,7 +139,9 @@ def run(args) -> int:
     if args.serve and args.engine != "ppotune":
         print("ppotune train: error: --serve runs ppotune's own trainer (--engine ppotune)", file=sys.stderr)
         return ExitCode.USAGE
-    result_path = Path(args.result) if args.result else None
+    args.overrides = overrides_of(args)  # positional key=value and -o, in order (the verl adapter reads them here)
+    args.override = []
+    result_path = Path(args.result) if args.result else (Path(args.out) / "result.json" if args.out else None)
     if args.engine == "verl":
         from trainer.verl_engine.adapter import run as run_verl
 

@@ -16,12 +16,14 @@ The preset is what the verl engine's tests (and a user trying the engine) point 
 
 from __future__ import annotations
 
+import argparse
 import inspect
 import sys
 from pathlib import Path
 
 from trainer.config import DataConfig, SyntheticDataConfig, TinyModelConfig
 from trainer.contracts import ExitCode
+from trainer.launch.cliflags import deprecated
 
 __all__ = [
     "PRESETS",
@@ -253,7 +255,10 @@ def make_verl_preset(
 def add_arguments(p) -> None:
     tiny, syn = TinyModelConfig(), SyntheticDataConfig()
     p.add_argument("preset", choices=PRESETS, help="which engine the preset is for")
-    p.add_argument("dir", metavar="DIR", help="output directory (created; must be empty unless --force)")
+    p.add_argument("dir", metavar="DIR", nargs="?", default=None, help=argparse.SUPPRESS)  # deprecated: --out DIR
+    p.add_argument(
+        "--out", metavar="DIR", help="output directory (created; must be empty unless --force; no default: required)"
+    )
     p.add_argument("--hidden-size", type=int, default=tiny.hidden_size, help="model hidden size")
     p.add_argument("--layers", type=int, default=tiny.num_hidden_layers, help="decoder layers")
     p.add_argument("--heads", type=int, default=tiny.num_attention_heads, help="attention heads")
@@ -272,6 +277,13 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    if args.dir is not None and args.out is None:
+        deprecated("make-preset", f"make-preset {args.preset} DIR", f"make-preset {args.preset} --out DIR")
+        args.out = args.dir
+    if args.out is None:
+        print("ppotune make-preset: error: the following arguments are required: --out", file=sys.stderr)
+        return ExitCode.USAGE
+    args.dir = args.out
     tiny = TinyModelConfig(
         hidden_size=args.hidden_size,
         num_hidden_layers=args.layers,

@@ -1,4 +1,6 @@
-"""``ppotune space check FILE [--base CONFIG] [--nproc N]``: validate a search space, print its size.
+"""``ppotune space check [BASE] --space FILE [-o KEY=VALUE] [--nproc N]``: validate a search space against a base
+config, print its size. (The argument order is ``ppotune search``'s; the old ``space check FILE --base BASE`` still
+works for one release, with a note.)
 
 Exit 0 when the space is usable; exit 2 with one line naming the file and the key
 otherwise (malformed YAML, a knob that is not a config key, an empty space, a bad
@@ -10,7 +12,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from trainer.contracts import ExitCode, short_knob
+from trainer.config import ConfigError, parse_override
+from trainer.config.io import blame_command_line, check_override_keys
+from trainer.contracts import short_knob
+from trainer.launch.cliflags import add_override_flag, deprecated, fail
 from tuner.space.grid import GRID_LIMIT
 from tuner.space.load import base_flat_config, load_space
 
@@ -20,8 +25,10 @@ __all__ = ["add_arguments", "run", "check"]
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="space_command", metavar="ACTION", required=True, parser_class=type(parser))
     p = sub.add_parser("check", help="validate a space against a base config and print its size and knobs")
-    p.add_argument("file", help="search space YAML (e.g. search_spaces/default.yaml)")
-    p.add_argument("--base", default=None, help="base config YAML (default: the embedded defaults)")
+    p.add_argument("base_config", nargs="?", default=None, help="base config YAML (default: the embedded defaults)")
+    p.add_argument("--space", default=None, help="search space YAML (e.g. search_spaces/default.yaml)")
+    add_override_flag(p, what="the base config")
+    p.add_argument("--base", default=None, help=argparse.SUPPRESS)  # deprecated: the positional BASE
     p.add_argument(
         "--nproc",
         type=int,
@@ -30,20 +37,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def check(file: str, base: str | None = None, nproc: int | None = None) -> tuple[object, dict, dict]:
-    """Load + validate; raises SpaceError / ConfigError (both one-line ValueErrors)."""
+def check(
+    file: str, base: str | None = None, nproc: int | None = None, overrides: dict | None = None
+) -> tuple[object, dict, dict]:
+    """Load + validate; raises SpaceError / ConfigError (both one-line ValueErrors). ``overrides``: the command
+    line's ``-o`` on the base config (an error on one of their keys names the command line)."""
     space = load_space(file)
-    _, flat = base_flat_config(base, nproc=nproc, extra=space.fixed)
+    over = dict(overrides or {})
+    check_override_keys(over, over=base)
+    try:
+        _, flat = base_flat_config(base, nproc=nproc, extra={**over, **space.fixed})
+    except ConfigError as e:
+        raise blame_command_line(e, over, over=base) from None
     report = space.validate(flat)
     return space, flat, report
 
 
+def _files(args: argparse.Namespace) -> tuple[str, str | None]:
+    """(the space, the base config): ``BASE --space SPACE``, or the old ``SPACE --base BASE`` with its note."""
+    if args.space is not None:
+        if args.base is not None:
+            raise ValueError("give the base config once: ppotune space check BASE --space SPACE")
+        return args.space, args.base_config
+    if args.base_config is None:
+        raise ValueError("the following arguments are required: --space")
+    old = "space check SPACE" + (" --base BASE" if args.base is not None else "")
+    new = "space check " + ("BASE " if args.base is not None else "") + "--space SPACE"
+    deprecated("space check", old, new)
+    return args.base_config, args.base
+
+
 def run(args: argparse.Namespace) -> int:
     try:
-        space, flat, report = check(args.file, args.base, args.nproc)
+        args.file, args.base = _files(args)
+        over = dict(parse_override(o) for o in args.override)
+        space, flat, report = check(args.file, args.base, args.nproc, over)
     except ValueError as e:  # SpaceError, trainer.config.ConfigError
-        print(f"ppotune space check: {e}", file=sys.stderr)
-        return ExitCode.USAGE
+        return fail("space check", str(e))
     size = report["size"]
     size_text = f">{GRID_LIMIT:,}" if size > GRID_LIMIT else f"{size:,}"
     print(f"{args.file}: OK" + (f" - {space.description}" if space.description else ""))

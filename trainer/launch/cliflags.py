@@ -1,0 +1,51 @@
+"""What every ``ppotune`` command spells the same way: ``-o KEY=VALUE`` overrides, the one error line, the
+one-line note on a deprecated spelling. (Torch-free: the trainer's commands and the tuner's use it.)"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from trainer.contracts import ExitCode
+
+__all__ = ["add_override_flag", "overrides_of", "fail", "deprecated"]
+
+
+def add_override_flag(p: argparse.ArgumentParser, *, positional: bool = False, what: str = "the config") -> None:
+    """``-o/--override KEY=VALUE`` (repeatable) on ``what``; with ``positional`` also trailing ``key=value``
+    words (train and check took them first: both spellings stay)."""
+    if positional:
+        p.add_argument(
+            "overrides",
+            nargs="*",
+            metavar="key=value",
+            help="dotted overrides, as -o (kept for train and check)",
+        )
+    p.add_argument(
+        "-o",
+        "--override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help=f"a dotted override of {what} (repeatable), e.g. -o data.max_response_length=4096 (default: none)",
+    )
+
+
+def overrides_of(args: argparse.Namespace) -> list[str]:
+    """The command line's ``key=value`` overrides in order: positional ones first, then ``-o``."""
+    return [*(getattr(args, "overrides", None) or []), *(getattr(args, "override", None) or [])]
+
+
+def fail(command: str, message: str, code: int = ExitCode.USAGE) -> int:
+    """``ppotune COMMAND: error: MESSAGE`` on stderr (one line); returns ``code`` (2: bad input)."""
+    print(f"ppotune {command}: error: {message}", file=sys.stderr, flush=True)
+    return code
+
+
+def deprecated(command: str, old: str, new: str) -> None:
+    """The one-line note an old spelling gets for one release: ``ppotune CMD: note: OLD is deprecated ...``."""
+    print(
+        f"ppotune {command}: note: {old} is deprecated and goes in the next release; use {new}",
+        file=sys.stderr,
+        flush=True,
+    )
