@@ -230,18 +230,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="a dotted override (repeatable), e.g. -o data.max_response_length=4096",
+        help="a dotted override (repeatable), e.g. -o data.max_response_length=4096 (default: none)",
     )
     p.add_argument(
-        "--nproc", type=int, default=None, help="processes (GPUs) on this node; sets trainer.n_gpus_per_node"
+        "--nproc",
+        type=int,
+        default=None,
+        help="processes (GPUs) on this node; sets trainer.n_gpus_per_node (default: the config's)",
     )
     p.add_argument(
         "--memory-limit-gb",
         type=float,
         default=None,
-        help="a real per-process memory cap (GPU: allocator fraction; CPU: RLIMIT_DATA); sets ppotune.memory_limit_gb",
+        help="a real per-process memory cap (GPU: allocator fraction; CPU: RLIMIT_DATA); sets ppotune.memory_limit_gb "
+        "(default: the config's)",
     )
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None, help="sets ppotune.device")
+    p.add_argument(
+        "--device", choices=["auto", "cpu", "cuda"], default=None, help="sets ppotune.device (default: the config's)"
+    )
     p.add_argument(
         "--out",
         default=None,
