@@ -42,6 +42,8 @@ __all__ = [
     "oom_kind",
     "parse_storage",
     "storage_in_out_dir",
+    "DEFAULT_OUT_DIR",
+    "search_dir_of",
     "mask_url",
     "short_knob",
 ]
@@ -287,6 +289,8 @@ _SQLITE_SUFFIXES = (".db", ".sqlite", ".sqlite3")
 _JOURNAL_SUFFIXES = (".log", ".journal")
 #: the files ``ppotune search --out DIR`` may leave, in the order a reader looks for them
 OUT_DIR_FILES = ("study.db", "study.log")
+#: ``ppotune search``'s ``--out``, and where report, export and validate look for a study when not told
+DEFAULT_OUT_DIR = "ppotune_out"
 
 
 @dataclass(frozen=True)
@@ -385,6 +389,11 @@ def storage_in_out_dir(out_dir: Path) -> StorageSpec:
         if (out_dir / name).is_file():
             return _file_spec("sqlite" if name.endswith(".db") else "journal", out_dir / name)
     raise StorageError(f"{out_dir}: neither {' nor '.join(OUT_DIR_FILES)} found")
+
+
+def search_dir_of(spec: StorageSpec) -> Optional[Path]:
+    """The ``ppotune search`` output dir a study file lives in (``DIR/study.db`` or ``DIR/study.log``), or None."""
+    return spec.path.parent if spec.path is not None and spec.path.name in OUT_DIR_FILES else None
 
 
 _PASSWORD = re.compile(r"^([A-Za-z][\w+.-]*://[^:/@]*):([^@]*)@")

@@ -86,7 +86,7 @@ def confirmed_out(tmp_path_factory) -> Path:
 
 def _export(demo_out, tmp_path, *args) -> tuple[int, Path]:
     to = tmp_path / "exp"
-    return main(["export", "--out", str(demo_out), "--to", str(to), *args]), to
+    return main(["export", "--storage", str(demo_out), "--out", str(to), *args]), to
 
 
 def _chosen(to: Path) -> int:
@@ -143,12 +143,12 @@ def test_a_confirmed_peak_over_the_limit_or_a_failed_rerun_is_no_pick(tmp_path):
     reruns = {**RERUNS, 3: [(2200.0, 61.0), (2050.0, 73.0), (2150.0, 61.1)]}  # one re-run peaked over 72 GB
     make = make_demo_study(f"sqlite:///{tmp_path / 'a.db'}")
     add_confirmation(make, reruns)
-    assert main(["export", "--storage", f"sqlite:///{tmp_path / 'a.db'}", "--to", str(tmp_path / "a")]) == 0
+    assert main(["export", "--storage", f"sqlite:///{tmp_path / 'a.db'}", "--out", str(tmp_path / "a")]) == 0
     assert _chosen(tmp_path / "a") == 11
     assert "#3 not eligible: its re-runs peaked at 73.00 GB" in (tmp_path / "a" / "why.md").read_text()
     reruns = {**RERUNS, 3: [(2200.0, 61.0), (None, 80.5), (2150.0, 61.1)]}  # one re-run ran out of memory
     add_confirmation(make_demo_study(f"sqlite:///{tmp_path / 'b.db'}"), reruns)
-    assert main(["export", "--storage", f"sqlite:///{tmp_path / 'b.db'}", "--to", str(tmp_path / "b")]) == 0
+    assert main(["export", "--storage", f"sqlite:///{tmp_path / 'b.db'}", "--out", str(tmp_path / "b")]) == 0
     assert _chosen(tmp_path / "b") == 11
     assert "#3 not eligible: 1 of its re-runs did not end ok (oom)" in (tmp_path / "b" / "why.md").read_text()
 
@@ -172,7 +172,7 @@ def test_a_pick_whose_worst_case_breaks_the_headroom_is_refused_and_the_next_tak
     study = make_demo_study(f"sqlite:///{tmp_path / 'w.db'}")
     add_confirmation(study)
     _probed(study, {3: ("ok", 75.0, None), 11: ("oom", None, "update_actor"), 10: ("ok", 60.5, None)})
-    assert main(["export", "--storage", f"sqlite:///{tmp_path / 'w.db'}", "--to", str(tmp_path / "w")]) == 0
+    assert main(["export", "--storage", f"sqlite:///{tmp_path / 'w.db'}", "--out", str(tmp_path / "w")]) == 0
     assert _chosen(tmp_path / "w") == 10
     why = (tmp_path / "w" / "why.md").read_text()
     assert "#3 not eligible: worst case peak 75 GB > 72 GB" in why
@@ -180,7 +180,7 @@ def test_a_pick_whose_worst_case_breaks_the_headroom_is_refused_and_the_next_tak
     assert "Typical peak 47 GB (the trial's own batches); worst case peak 60.5 GB" in why
     # every config under the limit breaks it in its worst case: no pick, one line, exit 1
     _probed(study, {n: ("oom", None, "gen") for n in (0, 3, 5, 10, 11)})
-    assert main(["export", "--storage", f"sqlite:///{tmp_path / 'w.db'}", "--to", str(tmp_path / "x")]) != 0
+    assert main(["export", "--storage", f"sqlite:///{tmp_path / 'w.db'}", "--out", str(tmp_path / "x")]) != 0
 
 
 def test_an_unprobed_pick_says_so(demo_out, tmp_path):
@@ -199,7 +199,7 @@ def test_export_writes_the_production_world_not_the_trials(tmp_path):
                   "actor_rollout_ref.actor.ppo_mini_batch_size": 64}  # fmt: skip
     plan = plan_world(production, trial_world=base["trainer.n_gpus_per_node"])
     study.set_user_attr("target", plan.to_dict())
-    assert main(["export", "--storage", f"sqlite:///{tmp_path / 'p.db'}", "--to", str(tmp_path / "p")]) == 0
+    assert main(["export", "--storage", f"sqlite:///{tmp_path / 'p.db'}", "--out", str(tmp_path / "p")]) == 0
     got = flatten(yaml.safe_load((tmp_path / "p" / "best_config.yaml").read_text()))
     assert (got["trainer.nnodes"], got["trainer.n_gpus_per_node"]) == (2, 8)
     assert got["data.train_batch_size"] == 128 and got["actor_rollout_ref.actor.ppo_mini_batch_size"] == 64
@@ -238,17 +238,17 @@ def test_nothing_fits(demo_out, tmp_path, capsys):
     rc, to = _export(demo_out, tmp_path, "--memory-headroom", "0.65")
     assert rc == 2
     err = capsys.readouterr().err.strip()
-    assert err == "ppotune export: no feasible trial keeps 65% of 80.0 GB free (smallest peak: 31.0 GB)"
+    assert err == "ppotune export: error: no feasible trial keeps 65% of 80.0 GB free (smallest peak: 31.0 GB)"
     assert not to.exists()
 
 
 def test_memory_cap_is_the_device(tmp_path, capsys):
     """A study run under --memory-limit-gb is judged against the cap, not the card."""
     make_demo_study(f"sqlite:///{tmp_path / 'study.db'}", memory_limit_gb=60.0)
-    assert main(["export", "--out", str(tmp_path), "--to", str(tmp_path / "e")]) == 0
+    assert main(["export", "--storage", str(tmp_path), "--out", str(tmp_path / "e")]) == 0
     assert _chosen(tmp_path / "e") == 10  # limit 54 GB
     make_demo_study(f"sqlite:///{tmp_path / 'nodev.db'}", device_gb=None)
-    assert main(["export", "--storage", f"sqlite:///{tmp_path / 'nodev.db'}", "--to", str(tmp_path / "n")]) == 0
+    assert main(["export", "--storage", f"sqlite:///{tmp_path / 'nodev.db'}", "--out", str(tmp_path / "n")]) == 0
     assert _chosen(tmp_path / "n") == 4  # no filter: the fastest
     assert "warning: device memory unknown" in capsys.readouterr().err
 
@@ -440,10 +440,10 @@ def test_validate_verl_cli_names_the_key(tmp_path, capsys):
     study = make_demo_study(f"sqlite:///{tmp_path / 'study.db'}", extra_overrides={11: {"trainer.seed": 7}})
     space = study.user_attrs["space"]
     study.set_user_attr("space", {**space, "knobs": {**space["knobs"], "trainer.seed": {"choices": [1, 7]}}})
-    rc = main(["export", "--out", str(tmp_path), "--to", str(tmp_path / "e"), "--validate-verl"])
+    rc = main(["export", "--storage", str(tmp_path), "--out", str(tmp_path / "e"), "--validate-verl"])
     err = capsys.readouterr().err.strip()
     assert rc == 2
-    assert err.startswith("ppotune export: verl rejects an override: trainer.seed:")
+    assert err.startswith("ppotune export: error: verl rejects an override: trainer.seed:")
     assert not (tmp_path / "e").exists()
 
 
@@ -468,7 +468,7 @@ def test_exported_config_trains(real_search, tmp_path):
         pytest.skip("`ppotune train` is not available yet")
     to = tmp_path / "exp"
     r = subprocess.run(
-        [sys.executable, "-m", "tuner.cli", "export", "--out", str(real_search), "--to", str(to)],
+        [sys.executable, "-m", "tuner.cli", "export", "--storage", str(real_search), "--out", str(to)],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -135,7 +135,7 @@ def _no_injection(root: Path) -> None:
 
 
 def test_report_leaves_the_bad_trials_out_with_a_note(hostile, tmp_path, cli):
-    r = cli("report", "--storage", hostile / "study.db", "--study", "demo", "--to", tmp_path / "report", timeout=300)
+    r = cli("report", "--storage", hostile / "study.db", "--study", "demo", "--out", tmp_path / "report", timeout=300)
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
     notes = [ln for ln in r.stderr.splitlines() if ln.startswith("ppotune report: note:")]
     assert any("study attribute nproc ignored: '8; rm -rf ~' is not an integer" in n for n in notes), notes
@@ -149,7 +149,7 @@ def test_report_leaves_the_bad_trials_out_with_a_note(hostile, tmp_path, cli):
 
 
 def test_export_picks_among_the_sound_trials_only(hostile, tmp_path, cli):
-    r = cli("export", "--storage", hostile / "study.db", "--study", "demo", "--to", tmp_path / "x", timeout=300)
+    r = cli("export", "--storage", hostile / "study.db", "--study", "demo", "--out", tmp_path / "x", timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     config = yaml.safe_load((tmp_path / "x" / "best_config.yaml").read_text())
     assert config["trainer"]["default_local_dir"] is None  # the override outside the space never reached it
@@ -160,7 +160,7 @@ def test_export_picks_among_the_sound_trials_only(hostile, tmp_path, cli):
 
 
 def test_export_never_writes_the_interpreter_the_study_names(hostile, tmp_path, cli):
-    r = cli("export", "--storage", hostile / "study.db", "--study", "verl", "--to", tmp_path / "a", timeout=300)
+    r = cli("export", "--storage", hostile / "study.db", "--study", "verl", "--out", tmp_path / "a", timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     script = (tmp_path / "a" / "verl_command.sh").read_text().splitlines()
     code = [ln for ln in script if not ln.startswith("#")]
@@ -170,7 +170,7 @@ def test_export_never_writes_the_interpreter_the_study_names(hostile, tmp_path, 
     assert "python" not in run_file["ppotune"]
     assert "--engine-python" in r.stderr
     r = cli(
-        "export", "--storage", hostile / "study.db", "--study", "verl", "--to", tmp_path / "b",
+        "export", "--storage", hostile / "study.db", "--study", "verl", "--out", tmp_path / "b",
         "--engine-python", "/opt/verl env/bin/python", timeout=300,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
@@ -187,8 +187,8 @@ def test_export_never_writes_the_interpreter_the_study_names(hostile, tmp_path, 
 @pytest.mark.parametrize("command", ["report", "export", "validate"])
 def test_a_study_named_with_a_command_is_refused_in_one_line(hostile, tmp_path, cli, command):
     extra = {
-        "report": ["--to", tmp_path / "r"],
-        "export": ["--to", tmp_path / "e"],
+        "report": ["--out", tmp_path / "r"],
+        "export": ["--out", tmp_path / "e"],
         "validate": [TINY_BASE, "--steps", 2],
     }
     r = cli(command, *extra[command], "--storage", hostile / "study.db", "--study", EVIL_NAME, timeout=300)
@@ -210,7 +210,7 @@ def test_a_resumed_search_refuses_the_study_in_one_line(hostile, tmp_path, cli):
     )  # fmt: skip
     assert r.returncode == 2
     line = _one_line(r, "search")
-    assert line.startswith("ppotune search: study 'demo' holds what a search cannot resume from: study attribute")
+    assert line.startswith("ppotune search: error: study 'demo' holds what a search cannot resume from: study attribute")
     assert not (tmp_path / "out").exists()
 
 

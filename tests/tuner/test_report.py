@@ -119,7 +119,7 @@ def test_report_on_journal_storage(tmp_path):
     size = log.stat().st_size
     from tuner.cli import main
 
-    assert main(["report", "--out", str(tmp_path), "--to", str(tmp_path / "r")]) == 0
+    assert main(["report", "--storage", str(tmp_path), "--out", str(tmp_path / "r")]) == 0
     check_report_dir(tmp_path / "r", len(DEMO_TRIALS), demo_statuses())
     assert log.stat().st_size == size
 
@@ -166,7 +166,7 @@ def test_report_few_trials_and_unknown_device(tmp_path):
                 f"sqlite:///{tmp_path / 'study.db'}",
                 "--study",
                 "small",
-                "--to",
+                "--out",
                 str(tmp_path / "r"),
             ]
         )
@@ -188,7 +188,7 @@ def test_report_shows_the_confirmation_intervals_and_lengths(tmp_path):
     from tuner.cli import main
 
     add_confirmation(make_demo_study(f"sqlite:///{tmp_path / 'study.db'}"))
-    assert main(["report", "--out", str(tmp_path), "--to", str(tmp_path / "r")]) == 0
+    assert main(["report", "--storage", str(tmp_path), "--out", str(tmp_path / "r")]) == 0
     text = (tmp_path / "r" / "report.html").read_text()
     # the card and the section: #3's paired ratios 1.467, 1.464, 1.483 (the single trials said 1.40x)
     assert "best vs baseline, confirmed" in text and ">1.47x<" in text
@@ -217,7 +217,7 @@ def test_report_without_confirmation_says_unconfirmed(demo_report):
 def test_report_errors_are_one_line(tmp_path, capsys):
     from tuner.cli import main
 
-    assert main(["report", "--out", str(tmp_path)]) == 2
+    assert main(["report", "--storage", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("ppotune report:") and "\n" not in err
     make_demo_study(f"sqlite:///{tmp_path / 'two.db'}", "a")
@@ -267,7 +267,7 @@ def test_report_on_real_search(real_search, tmp_path):
     statuses = {int(r["number"]): r["status"] for _, r in view.trials.iterrows()}
     assert len(statuses) >= 4
     r = subprocess.run(
-        [sys.executable, "-m", "tuner.cli", "report", "--out", str(real_search), "--to", str(tmp_path)],
+        [sys.executable, "-m", "tuner.cli", "report", "--storage", str(real_search), "--out", str(tmp_path)],
         cwd=ROOT,
         capture_output=True,
         text=True,

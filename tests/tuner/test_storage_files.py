@@ -72,7 +72,7 @@ def test_the_commands_say_it_in_one_line(tmp_path, cli):
     files = _not_studies(tmp_path)
     for kind in ("random", "foreign", "journal"):
         path, says = files[kind]
-        for command in (["report", "--storage", path], ["export", "--storage", path, "--to", tmp_path / "x"]):
+        for command in (["report", "--storage", path], ["export", "--storage", path, "--out", tmp_path / "x"]):
             r = cli(*command)
             assert r.returncode == 2, r.stderr
             assert r.stderr.strip().startswith(f"ppotune {command[0]}: {path}: {says}"), r.stderr
@@ -85,7 +85,7 @@ def test_a_search_on_a_file_that_is_not_a_study_creates_nothing(tmp_path, cli):
     before = _sha(path)
     out = tmp_path / "new" / "out"
     r = cli(*_search(out), "--storage", path, timeout=120)
-    assert r.returncode == 2 and r.stderr.strip() == f"ppotune search: {path}: {says}", r.stderr
+    assert r.returncode == 2 and r.stderr.strip() == f"ppotune search: error: {path}: {says}", r.stderr
     assert not (tmp_path / "new").exists() and _sha(path) == before
 
 
@@ -103,7 +103,7 @@ def test_a_storage_that_cannot_be_opened_leaves_nothing_behind(tmp_path, cli, no
     r = cli(*_search(out), "--storage", "postgresql://nobody@127.0.0.1:1/none", timeout=180)
     assert r.returncode == 2, r.stderr
     (line,) = r.stderr.strip().splitlines()
-    assert line.startswith("ppotune search: cannot open storage postgresql://nobody@127.0.0.1:1/none:"), line
+    assert line.startswith("ppotune search: error: cannot open storage postgresql://nobody@127.0.0.1:1/none:"), line
     assert not (tmp_path / "a").exists(), sorted(p.name for p in tmp_path.rglob("*"))
     assert no_processes_left(str(out)) == []
 

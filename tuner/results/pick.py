@@ -18,10 +18,9 @@ from tuner.results.view import StudyView
 from tuner.stages.confirm import CONFIRMATION_ATTR, entry_of, rank_confirmed
 from tuner.stages.probe import WORST_CASE_ATTR, ProbeResult
 from tuner.study.frame import Fit, headroom_filter, measured_feasible, pareto_mask
+from tuner.study.selection import PICKS, rank_trials
 
 __all__ = ["PICKS", "Choice", "NoFit", "choose", "pct", "trial_row", "worst_case_text"]
-
-PICKS = ("max-throughput", "min-memory", "knee")
 
 
 class NoFit(StorageError):
@@ -78,7 +77,7 @@ def choose(view: StudyView, *, pick: str = "max-throughput", headroom: float = D
     front_mask = pareto_mask(df, among=fit.mask)
     confirmation = view.attrs.get(CONFIRMATION_ATTR) or None
     ranking, unconfirmed, left_out = _by_confirmation(
-        confirmation, pick, _rank_trials(df, fit.mask, front_mask, pick), fit.limit_gb
+        confirmation, pick, rank_trials(df, fit.mask, front_mask, pick), fit.limit_gb
     )
     probes = {int(k): ProbeResult.from_dict(v) for k, v in (view.attrs.get(WORST_CASE_ATTR) or {}).items()}
     ranking, left_out = _without_broken_worst_cases(ranking, probes, fit.limit_gb, left_out)
@@ -126,25 +125,6 @@ def _fit(view: StudyView, headroom: float) -> Fit:
             f"no feasible trial keeps {pct(headroom)} of {fit.device_gb:.1f} GB free (smallest peak: {smallest:.1f} GB)"
         )
     return fit
-
-
-def _rank_trials(df: pd.DataFrame, under: pd.Series, front_mask: pd.Series, pick: str) -> list[int]:
-    """The single trials under the limit, best first by ``pick``."""
-    cand = df.loc[under, ["number", "throughput", "peak_memory_gb"]].copy()
-    if pick == "max-throughput":
-        cand = cand.sort_values(["throughput", "peak_memory_gb", "number"], ascending=[False, True, True])
-    elif pick == "min-memory":
-        cand = cand.sort_values(["peak_memory_gb", "throughput", "number"], ascending=[True, False, True])
-    else:
-        front = df.loc[front_mask]
-        t_lo, t_hi = front["throughput"].min(), front["throughput"].max()
-        m_lo, m_hi = front["peak_memory_gb"].min(), front["peak_memory_gb"].max()
-        t_span, m_span = (t_hi - t_lo) or 1.0, (m_hi - m_lo) or 1.0
-        # height above the chord joining the front's two ends, both objectives scaled to [0, 1]:
-        # the knee buys the most throughput per GB relative to the straight trade-off
-        cand["score"] = (cand["throughput"] - t_lo) / t_span - (cand["peak_memory_gb"] - m_lo) / m_span
-        cand = cand.sort_values(["score", "throughput", "number"], ascending=[False, False, True])
-    return [int(n) for n in cand["number"]]
 
 
 def _by_confirmation(

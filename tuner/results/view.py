@@ -24,7 +24,15 @@ from typing import Optional
 import optuna
 import pandas as pd
 
-from trainer.contracts import StorageError, StorageSpec, TrialRecord
+from trainer.contracts import (
+    DEFAULT_OUT_DIR,
+    OUT_DIR_FILES,
+    StorageError,
+    StorageSpec,
+    TrialRecord,
+    parse_storage,
+    storage_in_out_dir,
+)
 from tuner.space import decode_trial
 from tuner.space.registry import ALGORITHM_NOTE, algorithm_knobs
 from tuner.study.frame import (  # re-exported: the study as a table, for the report, export and the notebook
@@ -60,6 +68,7 @@ __all__ = [
     "missing",
     "value_or_zero",
     "add_study_arguments",
+    "study_spec",
     "view_from_args",
 ]
 
@@ -162,17 +171,35 @@ def load(
 
 # --------------------------------------------------------------------------- CLI plumbing
 def add_study_arguments(parser) -> None:
-    """``--storage URL --study NAME`` or ``--out DIR`` (a ``ppotune search`` output dir)."""
+    """``--storage URL|DIR --study NAME``: the study a reader (report, export, validate) reads. Its ``--out``
+    (where it writes) is its own."""
     g = parser.add_argument_group("which study")
     g.add_argument(
         "--storage",
         metavar="URL",
-        help="Optuna storage: sqlite:///study.db, journal:PATH, a .db/.log file, postgresql://..., "
-        "or a search output dir",
+        help="the study to read: an Optuna storage (sqlite:///study.db, journal:PATH, a .db/.log file, "
+        "postgresql://...) or a `ppotune search` output dir (default: the --out dir when it holds a study, else "
+        f"./{DEFAULT_OUT_DIR})",
     )
     g.add_argument("--study", metavar="NAME", help="study name (default: the only study in the storage)")
-    g.add_argument("--out", metavar="DIR", help="a `ppotune search` output dir (DIR/study.db or DIR/study.log)")
+
+
+def _holds_study(d: Optional[str | Path]) -> bool:
+    return d is not None and any((Path(d) / n).is_file() for n in OUT_DIR_FILES)
+
+
+def study_spec(args) -> StorageSpec:
+    """The study ``args`` name: ``--storage``, else the ``--out`` dir when a search left a study there (what
+    ``--out`` meant to report, export and validate before), else ``./ppotune_out``. StorageError when none."""
+    if getattr(args, "storage", None):
+        return parse_storage(args.storage)
+    for d in (getattr(args, "out", None), DEFAULT_OUT_DIR):
+        if _holds_study(d):
+            return storage_in_out_dir(Path(d))
+    raise StorageError(
+        f"no study to read: pass --storage URL or a `ppotune search` output dir (./{DEFAULT_OUT_DIR} holds none)"
+    )
 
 
 def view_from_args(args) -> StudyView:
-    return load(storage=args.storage, study_name=args.study, out=args.out)
+    return load(storage=study_spec(args), study_name=args.study)

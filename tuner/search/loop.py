@@ -41,6 +41,7 @@ from tuner.space import Space
 from tuner.stages.confirmation import ConfirmationStage
 from tuner.stages.worst_case import WorstCaseStage
 from tuner.study import lifecycle as st
+from tuner.study.selection import Selection
 from tuner.trials.runners import TrialRunner
 
 __all__ = ["SearchOptions", "Search", "WAIT"]
@@ -65,6 +66,7 @@ class SearchOptions:
     heartbeat_s: float = st.HEARTBEAT_S  # how often a RUNNING trial's heartbeat is written
     grace_s: float = st.STALE_AFTER_S  # another host's RUNNING trial with no heartbeat for this long is stale
     max_failures_in_a_row: int = MAX_FAILURES_IN_A_ROW  # launched trials failing alike before the search stops (0: off)
+    selection: Selection = field(default_factory=Selection)  # the pick and headroom the stages confirm and probe for
 
     def __post_init__(self) -> None:
         if self.trials < 1:
@@ -194,9 +196,11 @@ class Search:
         if errors:
             raise errors[0]
         if self.options.confirm and not self.stop_event.is_set():
-            ConfirmationStage(self.session, budget=self.budget).run(self.options.confirm)
+            ConfirmationStage(self.session, budget=self.budget, selection=self.options.selection).run(
+                self.options.confirm
+            )
         if self.options.probe and not self.stop_event.is_set():
-            WorstCaseStage(self.session, budget=self.budget).run(self.options.probe)
+            WorstCaseStage(self.session, budget=self.budget, selection=self.options.selection).run(self.options.probe)
 
     def worker(self, slot: int) -> None:
         while not self.stop_event.is_set():

@@ -11,22 +11,27 @@ from typing import Optional
 
 from optuna.trial import TrialState
 
-from trainer.contracts import DEFAULT_HEADROOM, Status, TrialRecord
+from trainer.contracts import Status, TrialRecord
 from tuner.search import decide
 from tuner.search.budget import Budget
 from tuner.search.session import Proposal, TrialSession
 from tuner.stages import confirm as rules
 from tuner.study.frame import headroom_filter, measured_feasible, missing, pareto_mask, trials_frame
+from tuner.study.selection import Selection, rank_trials
 
 __all__ = ["ConfirmationStage"]
 
 
 class ConfirmationStage:
-    """Re-run the finalists interleaved with the baseline for ``rounds`` rounds (``budget``: ``--timeout``)."""
+    """Re-run the finalists interleaved with the baseline for ``rounds`` rounds (``budget``: ``--timeout``;
+    ``selection``: the headroom the finalists keep, and the pick whose first choice is always one of them)."""
 
-    def __init__(self, session: TrialSession, *, budget: Optional[Budget] = None):
+    def __init__(
+        self, session: TrialSession, *, budget: Optional[Budget] = None, selection: Optional[Selection] = None
+    ):
         self.session = session
         self.budget = budget
+        self.selection = selection or Selection()
 
     def run(self, rounds: int) -> None:
         """Confirm the finalists side by side, then store the aggregate in the study attribute ``confirmation``.
@@ -64,13 +69,13 @@ class ConfirmationStage:
     def plan(self, rounds: int) -> Optional[tuple[list[int], Optional[int], list[list[int]]]]:
         """(finalists, baseline number or None, the interleaved schedule), or None: nothing to confirm.
 
-        Finalists come from the search's own trials (re-runs left out), under export's headroom filter,
-        so a resumed search finds the same ones."""
+        Finalists come from the search's own trials (re-runs left out), under the selection's headroom filter
+        (export's), so a resumed search finds the same ones; the pick's first choice is always among them."""
         study = self.session.study
         df = trials_frame(study)
         if df.empty:
             return None
-        fit = headroom_filter(df, study.user_attrs, DEFAULT_HEADROOM)
+        fit = headroom_filter(df, study.user_attrs, self.selection.headroom)
         front = pareto_mask(df, among=fit.mask)
         cands = [
             rules.Candidate(
@@ -86,6 +91,9 @@ class ConfirmationStage:
         base = df.loc[df["baseline"] & measured_feasible(df), "number"]
         baseline = int(base.iloc[0]) if len(base) else None
         finalists = rules.pick_finalists(cands, exclude=[baseline] if baseline is not None else [])
+        top = rank_trials(df, fit.mask, front, self.selection.pick)[:1]
+        if top and top[0] != baseline and top[0] not in finalists:  # min-memory, knee: what export takes first
+            finalists = top + finalists[: rules.MAX_FINALISTS - 1]
         if not finalists:
             self.session.say("confirm: no finalist besides the baseline fits the memory limit; nothing to do")
             return None
@@ -123,7 +131,7 @@ class ConfirmationStage:
         study.set_user_attr(
             rules.CONFIRMATION_ATTR,
             rules.aggregate(
-                baseline=baseline, finalists=finalists, rounds=rounds, headroom=DEFAULT_HEADROOM, runs=runs
+                baseline=baseline, finalists=finalists, rounds=rounds, headroom=self.selection.headroom, runs=runs
             ),
         )
 

@@ -13,12 +13,13 @@ from pathlib import Path
 from typing import Optional
 
 from trainer.config import apply_overrides, config_from_dict, config_to_dict
-from trainer.contracts import DEFAULT_HEADROOM, Status, TrialRecord
+from trainer.contracts import Status, TrialRecord
 from tuner.search.budget import Budget
 from tuner.search.session import TrialSession
 from tuner.stages import confirm as rules
 from tuner.stages.probe import WORST_CASE_ATTR, ProbeResult, probe
-from tuner.study.frame import headroom_filter, trials_frame
+from tuner.study.frame import headroom_filter, pareto_mask, trials_frame
+from tuner.study.selection import Selection, rank_trials
 
 __all__ = ["WorstCaseStage"]
 
@@ -26,9 +27,12 @@ __all__ = ["WorstCaseStage"]
 class WorstCaseStage:
     """Probe the worst case of the ``count`` configs export would take first (``budget``: ``--timeout``)."""
 
-    def __init__(self, session: TrialSession, *, budget: Optional[Budget] = None):
+    def __init__(
+        self, session: TrialSession, *, budget: Optional[Budget] = None, selection: Optional[Selection] = None
+    ):
         self.session = session
         self.budget = budget
+        self.selection = selection or Selection()  # the headroom and pick export takes them by
 
     def run(self, count: int) -> None:
         """A config already probed is not run again (a resumed search, another worker)."""
@@ -60,16 +64,19 @@ class WorstCaseStage:
         except ValueError as e:  # the trial ran this config, so it validated; say so if it no longer does
             return ProbeResult(Status.INVALID, error=f"config: {e}")
         trial_dir = (s.trials_dir or Path("trials")) / f"probe-{n}"
-        return probe(config, runner=s.runner, trial_dir=trial_dir, number=n, stop=s.stop_event)
+        return probe(config, runner=s.runner, trial_dir=trial_dir, number=n, stop=s.stop_event, overrides=over)
 
     def plan(self, count: int) -> list[int]:
-        """The configs export would take first: the confirmed finalists ranked by their confirmed ratio under
-        the headroom, then the fastest measured feasible trials under it (re-runs and duplicates left out)."""
+        """The configs export would take first under the selection's headroom: for ``max-throughput`` the
+        confirmed finalists ranked by their confirmed ratio, then the fastest measured feasible trials (re-runs and
+        duplicates left out); for another pick its order of the single trials (as export ranks them)."""
         study = self.session.study
         df = trials_frame(study)
         if df.empty:
             return []
-        fit = headroom_filter(df, study.user_attrs, DEFAULT_HEADROOM)
+        fit = headroom_filter(df, study.user_attrs, self.selection.headroom)
+        if self.selection.pick != "max-throughput":
+            return rank_trials(df, fit.mask, pareto_mask(df, among=fit.mask), self.selection.pick)[:count]
         fastest = df.loc[fit.mask].sort_values(["throughput", "number"], ascending=[False, True])["number"]
         eligible = [int(n) for n in fastest]
         conf = study.user_attrs.get(rules.CONFIRMATION_ATTR)

@@ -23,6 +23,7 @@ import re
 from typing import Any, Callable, Iterable, Mapping, Optional
 
 from trainer.contracts import Status
+from tuner.study.selection import PICKS
 
 __all__ = [
     "MAX_NAME",
@@ -310,6 +311,10 @@ STUDY_ATTRS: dict[str, Check] = {
                 "baseline_result": _opt(_CONFIRMED),
             }
         )
+    ),
+    # what the search confirmed and probed for (ppotune search --pick --memory-headroom), export's defaults
+    "selection": _opt(
+        _record({"pick": _one_of(*PICKS), "memory_headroom": _num(0, 1)}, required=("pick", "memory_headroom"))
     ),
     "worst_case": _opt(_dict(_PROBE, key=lambda k: None if isinstance(k, str) and k.isdigit() else "not a number")),
     # the search's own bookkeeping, written and never read back (a leave-one-out error may be inf)
