@@ -25,8 +25,11 @@ demo) a ±5% band alone fails a sound config on ordinary noise, and the interval
 difference is within it. Wide intervals make a weak PASS: the output prints them, and more
 ``--rounds`` narrow them. A run of CONFIG that fails (OOM, crash, hang) is a FAIL.
 
-Runs go to ``<out>/validate/<k>/`` (``--out DIR``, else the directory holding CONFIG); the study is
-only read. Exit codes: 0 PASS, 1 FAIL, 2 bad input (one line naming the file or the key), 130 Ctrl-C.
+CONFIG defaults to ``best_config.yaml`` where a bare ``ppotune export`` writes it (the study's search output dir,
+else the current dir). Runs go to ``<out>/validate/<k>/`` (``--out DIR``, else the directory holding CONFIG); the
+study (``--storage``/``--study``, default ``./ppotune_out``) is only read. ``-o KEY=VALUE`` overrides both CONFIG
+and the baseline (your data files, say). Exit codes: 0 PASS, 1 FAIL, 2 bad input (one line naming the file or the
+key), 130 Ctrl-C.
 """
 
 from __future__ import annotations
@@ -47,10 +50,13 @@ from trainer.config import (
     config_from_dict,
     config_to_dict,
     flatten,
+    parse_override,
     read_yaml_mapping,
     resolve_follows,
 )
+from trainer.config.io import blame_command_line, check_override_keys
 from trainer.contracts import ExitCode, Status, StorageError
+from trainer.launch.cliflags import add_override_flag, fail, overrides_of
 from tuner.stages.confirm import CONFIRMATION_ATTR, Rerun, entry_of, log_interval, paired_ratios, schedule
 from tuner.study.schema import notes_summary
 from tuner.trials.launch import add_hang_flags, next_numbered_dir, stop_on_signals
@@ -239,19 +245,39 @@ def study_figures(view, trial: int) -> StudyFigures:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from tuner.results.view import add_study_arguments
 
-    p.add_argument("config", help="the exported config (ppotune export's best_config.yaml)")
+    p.add_argument(
+        "config",
+        nargs="?",
+        default=None,
+        help="the exported config (default: best_config.yaml in the study's search output dir, where a bare "
+        "ppotune export writes it, else ./best_config.yaml)",
+    )
     p.add_argument("--steps", type=int, required=True, help="PPO steps per run, warm-up included")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of config + baseline (default 3)")
     p.add_argument(
         "--warmup", type=int, default=None, help="leading steps left out of each run's figures (default: the study's)"
+    )
+    add_override_flag(p, what="the config and the baseline alike")
+    p.add_argument(
+        "--out", metavar="DIR", help="the runs go to DIR/validate/<k>/ (default: the directory holding CONFIG)"
     )
     add_study_arguments(p)
     add_hang_flags(p, subject="a run")
 
 
 def _fail(msg: str) -> int:
-    print(f"ppotune validate: {msg}", file=sys.stderr)
-    return ExitCode.USAGE
+    return fail("validate", msg)
+
+
+def _default_config(view) -> str:
+    """Where a bare ``ppotune export`` of this study wrote best_config.yaml."""
+    from trainer.contracts import search_dir_of
+
+    home = search_dir_of(view.storage)
+    path = (home if home is not None else Path(".")) / "best_config.yaml"
+    if not path.is_file():
+        raise BadInput(f"{path}: not found; run ppotune export first, or name the config: ppotune validate CONFIG")
+    return str(path)
 
 
 def _inputs(args) -> tuple:
@@ -260,9 +286,11 @@ def _inputs(args) -> tuple:
 
     if args.rounds < 1:
         raise BadInput(f"--rounds must be >= 1, got {args.rounds}")
+    view = view_from_args(args)
+    if args.config is None:
+        args.config = _default_config(view)
     raw = read_yaml_mapping(args.config, what="the config to validate")
     cfg = config_to_dict(config_from_dict(raw, source=args.config))
-    view = view_from_args(args)
     if view.attrs.get("engine") == "verl":
         raise BadInput(f"study {view.name!r} ran --engine verl trials: validate runs ppotune's trainer only (for now)")
     if not isinstance(view.attrs.get("base_config"), dict):
@@ -315,13 +343,18 @@ def run(args) -> int:
 def _run_configs(args, view, cfg: dict, warmup: int) -> dict[str, dict]:
     """CONFIG and the study's base config, each with this run's length (ConfigError)."""
     limit = view.attrs.get("memory_limit_gb")
-    run_keys = _run_keys(args.steps, warmup, limit)
-    return {
-        "config": config_to_dict(config_from_dict(apply_overrides(cfg, run_keys), source=args.config)),
-        "baseline": config_to_dict(
-            config_from_dict(apply_overrides(view.attrs["base_config"], run_keys), source="the study's base_config")
-        ),
-    }
+    over = dict(parse_override(o) for o in overrides_of(args))
+    check_override_keys(over, over=args.config)
+    run_keys = {**over, **_run_keys(args.steps, warmup, limit)}
+    try:
+        return {
+            "config": config_to_dict(config_from_dict(apply_overrides(cfg, run_keys), source=args.config)),
+            "baseline": config_to_dict(
+                config_from_dict(apply_overrides(view.attrs["base_config"], run_keys), source="the study's base_config")
+            ),
+        }
+    except ConfigError as e:
+        raise blame_command_line(e, over, over=e.source) from None
 
 
 def _runner(args, config: dict) -> tuple[SubprocessRunner, str, int]:

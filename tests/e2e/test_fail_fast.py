@@ -122,7 +122,7 @@ def test_a_search_on_it_stops_before_anything_is_created(preset, tmp_path, cli, 
         extra = ["--space", "search_spaces/tiny_cpu.yaml", "--nproc", 2]
     r = cli("search", base, *extra, "--trials", 2, "--out", out, timeout=300)
     assert r.returncode == 2, r.stdout[-2000:] + r.stderr
-    assert r.stderr.strip().startswith(f"ppotune search: {_missing(broken)}"), r.stderr
+    assert r.stderr.strip().startswith(f"ppotune search: error: {_missing(broken)}"), r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and not out.exists()
 
 

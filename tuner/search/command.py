@@ -33,9 +33,11 @@ from typing import Optional
 import optuna
 import psutil
 
-from trainer.config import apply_overrides, config_from_dict, config_to_dict, flatten
+from trainer.config import ConfigError, apply_overrides, config_from_dict, config_to_dict, flatten, parse_override
+from trainer.config.io import COMMAND_LINE, blame_command_line, check_override_keys
 from trainer.contracts import STUDY_SCHEMA_VERSION, ExitCode, StorageError, TrialRecord, parse_storage
-from trainer.launch.preflight import preflight, preflight_verl
+from trainer.launch.cliflags import fail, overrides_of
+from trainer.launch.preflight import preflight
 from tuner.search.budget import BASELINE_FAILED, MAX_FAILURES_IN_A_ROW
 from tuner.search.decide import count_progress
 from tuner.search.flags import add_arguments
@@ -45,7 +47,8 @@ from tuner.search.progress import ConsoleObserver, Display, seed_display, summar
 from tuner.space import Space, base_flat_config, comparable_space, load_space
 from tuner.study import lifecycle as st
 from tuner.study.schema import name_problem, override_keys_of, read_study_attrs, read_trial
-from tuner.study.storage import Leftovers, check_storage_file, close_storage, network_filesystem
+from tuner.study.selection import SELECTION_ATTR, Selection, selection_of
+from tuner.study.storage import Leftovers, check_storage_file, close_storage, network_filesystem, open_storage
 from tuner.trials.launch import stop_on_signals
 from tuner.trials.memory import gpu_info, nvml_available, visible_gpus
 from tuner.trials.runners import SubprocessRunner, VerlEngine
@@ -93,20 +96,38 @@ def options_from_args(args: argparse.Namespace, *, seed: Optional[int] = None) -
         timeout_s=args.timeout,
         parallel=args.parallel,
         confirm=args.confirm,
-        # verl has no worst-case mode: the probe runs ppotune's own trainer
-        probe=0 if getattr(args, "engine", "ppotune") == "verl" else getattr(args, "probe", 0),
+        probe=getattr(args, "probe", 0),
         predict_oom=not getattr(args, "no_memory_model", False),
         local_every=getattr(args, "local_every", 2),
         heartbeat_s=args.heartbeat,
         grace_s=args.grace,
         max_failures_in_a_row=getattr(args, "max_failures_in_a_row", MAX_FAILURES_IN_A_ROW),
+        selection=selection_from_args(args),
     )
+
+
+def selection_from_args(args: argparse.Namespace) -> Selection:
+    """``--pick``/``--memory-headroom`` (ValueError: out of range)."""
+    return Selection(
+        pick=getattr(args, "pick", None) or Selection.pick,
+        headroom=Selection.headroom if getattr(args, "memory_headroom", None) is None else args.memory_headroom,
+    )
+
+
+def cli_overrides(args: argparse.Namespace, space: Space) -> dict:
+    """``-o KEY=VALUE`` on the base config, checked: a config key (ConfigError naming the command line), and not
+    one the space fixes (the space's value would win unseen)."""
+    flat = dict(parse_override(o) for o in overrides_of(args))
+    check_override_keys(flat, over=args.base_config)
+    clash = sorted(set(flat) & set(space.fixed))
+    if clash:
+        raise ConfigError(clash[0], f"fixed by the space {args.space}: set it there", source=COMMAND_LINE)
+    return flat
 
 
 # --------------------------------------------------------------------------- entry
 def _fail(msg: str) -> int:
-    print(f"ppotune search: {msg}", file=sys.stderr)
-    return ExitCode.USAGE
+    return fail("search", msg)
 
 
 def _base_config(args: argparse.Namespace, space: Space) -> tuple[dict, Optional[VerlEngine], WorldPlan]:
@@ -117,7 +138,11 @@ def _base_config(args: argparse.Namespace, space: Space) -> tuple[dict, Optional
     verl: the base is verl's own config (composed by Hydra in the user's verl environment, with the
     overrides a trial on this device adds) read into ppotune's typed config for every key both have."""
     if args.engine == "ppotune":
-        production = base_flat_config(args.base_config, extra=space.fixed)[1]
+        over = cli_overrides(args, space)
+        try:
+            production = base_flat_config(args.base_config, extra={**over, **space.fixed})[1]
+        except ConfigError as e:
+            raise blame_command_line(e, over, over=args.base_config) from None
         plan = plan_world(
             production,
             trial_world=args.nproc or production["trainer.n_gpus_per_node"],
@@ -125,36 +150,26 @@ def _base_config(args: argparse.Namespace, space: Space) -> tuple[dict, Optional
             target_gpus_per_node=args.target_gpus_per_node,
             source=args.base_config,
         )
-        nested = base_flat_config(args.base_config, extra={**space.fixed, **trial_overrides(plan)})[0]
+        nested = base_flat_config(args.base_config, extra={**over, **space.fixed, **trial_overrides(plan)})[0]
         return nested, None, plan
-    if args.target_nodes is not None or args.target_gpus_per_node is not None:
-        raise ValueError("--target-nodes/--target-gpus-per-node: not with --engine verl (its world is its own)")
     if space.fixed:
         raise ValueError(
             f"{args.space}: fixed: --engine verl takes its settings from the verl base config; "
             f"put {', '.join(space.fixed)} there"
         )
-    from trainer.verl_engine import adapter as verl_engine
+    from tuner.trials.verl import verl_search
 
-    run_spec = verl_engine.load_run(
+    return verl_search(
         args.base_config,
-        python=args.engine_python or sys.executable,
+        python=args.engine_python,
         nproc=args.nproc,
         steps=args.steps,
         warmup=args.warmup,
         memory_limit_gb=args.memory_limit_gb,
+        target_nodes=args.target_nodes,
+        target_gpus_per_node=args.target_gpus_per_node,
+        device="cuda" if nvml_available() else "cpu",
     )
-    preflight_verl(run_spec.get, source=args.base_config)  # its data, model and tokenizer, before verl composes
-    nested = verl_engine.decision_base(run_spec, device="cuda" if nvml_available() else "cpu")
-    engine = VerlEngine(
-        python=run_spec.python,
-        base_overrides=tuple(run_spec.overrides),
-        steps=args.steps,
-        warmup=args.warmup,
-        memory_limit_gb=args.memory_limit_gb,
-    )
-    world = nested["trainer"]["n_gpus_per_node"] * (nested["trainer"].get("nnodes") or 1)
-    return nested, engine, WorldPlan(target_nodes=1, target_gpus_per_node=world, trial_world=world)
 
 
 def _study_attrs(
@@ -184,6 +199,7 @@ def _study_attrs(
         "penalty_memory_gb": penalty_gb,
         "sampler": args.sampler,
         "seed": args.seed,
+        SELECTION_ATTR: selection_from_args(args).to_attr(),
     }
 
 
@@ -290,6 +306,8 @@ def run(args: argparse.Namespace) -> int:
         return _fail(
             f"--parallel {parallel} x --nproc {nproc} needs {parallel * nproc} GPUs; {len(visible_gpus())} visible"
         )
+    if args.dry_run:
+        return _dry_run(args, inputs, device, spec)
     left = Leftovers(out_dir, out_dir / "jobs", out_dir / "trials", spec.path, spec.lock_path)
     out_dir.mkdir(parents=True, exist_ok=True)
     runner = _runner(args, inputs, device, out_dir)
@@ -304,6 +322,48 @@ def run(args: argparse.Namespace) -> int:
             runner.close()  # waits for the jobs asked to stop; ends one started ahead and never used
         if isinstance(opened, str):
             left.undo()  # the study could not be opened: nothing of this run stays behind
+
+
+def _existing(args: argparse.Namespace, inputs: _Inputs, device: dict, spec) -> tuple[list, str]:
+    """The study this search would resume, read-only (nothing written): (its trials, "new"/"resumed"); or
+    ``ValueError`` with the one line a real search would refuse it with."""
+    name = args.study or st.default_study_name(args.base_config, args.space)
+    why = name_problem(name, what="the study name (--study)")
+    if why:
+        raise ValueError(why)
+    if spec.path is not None and not spec.path.is_file():
+        return [], "new"
+    storage = open_storage(spec, read_only=True)
+    try:
+        if name not in [s.study_name for s in storage.get_all_studies()]:
+            return [], "new"
+        study = optuna.load_study(study_name=name, storage=storage)
+        penalty = args.memory_limit_gb or device["memory_total_gb"] or 80.0
+        attrs = _study_attrs(args, inputs.space, inputs.base_nested, device, penalty, inputs.verl, inputs.plan)
+        bad = _unreadable(study) or _incompatible(study, attrs) or _failed_baseline(study)
+        if bad:
+            raise ValueError(bad)
+        return study.get_trials(deepcopy=False), "resumed"
+    finally:
+        close_storage(storage)
+
+
+def _dry_run(args: argparse.Namespace, inputs: _Inputs, device: dict, spec) -> int:
+    """``--dry-run``: everything checked as a search checks it, then the plan and its cost; nothing launched,
+    nothing written (the study, if there is one, is only read)."""
+    from tuner.search import plan
+
+    try:
+        trials, state = _existing(args, inputs, device, spec)
+    except (ValueError, StorageError) as e:
+        return _fail(str(e))
+    name = args.study or st.default_study_name(args.base_config, args.space)
+    lines = plan.plan_lines(
+        args, inputs.options, inputs.space, inputs.trial_flat, device["kind"], trials, state, name, spec
+    )
+    for line in lines:
+        print(f"ppotune search: {line}", flush=True)
+    return ExitCode.OK
 
 
 @dataclasses.dataclass(frozen=True)
@@ -358,7 +418,20 @@ def _open(args: argparse.Namespace, inputs: _Inputs, device: dict, spec) -> "_Op
     if bad or foreign:
         close_storage(storage)
         return bad or f"study {name!r}: {foreign}"
+    if not created:
+        _reselect(study, selection_from_args(args))
     return _Opened(study, storage, created, lock, name, penalty)
+
+
+def _reselect(study: optuna.Study, asked: Selection) -> None:
+    """A resumed study confirms and probes for this run's ``--pick``/``--memory-headroom``: recorded as the study's
+    selection (export's default from now on), said when it changes."""
+    had = selection_of(read_study_attrs(study.user_attrs)[0])
+    if had.recorded and had.same(asked):
+        return
+    study.set_user_attr(SELECTION_ATTR, asked.to_attr())
+    if had.recorded:
+        print(f"ppotune search: the study now recommends by {asked.flags()} (it had {had.flags()})", flush=True)
 
 
 def _failed_baseline(study: optuna.Study) -> Optional[str]:
@@ -412,6 +485,10 @@ def _search(
     )
     if inputs.plan.scaled:
         print(f"ppotune search: {inputs.plan.describe()}", flush=True)
+    if inputs.verl is not None and options.predict_oom:
+        from tuner.trials.verl import MEMORY_MODEL_NOTE
+
+        print(f"ppotune search: note: {MEMORY_MODEL_NOTE}", flush=True)
     display = Display(options.trials, done=min(done, options.trials), parallel=options.parallel)
     seed_display(display, trials)
     tracker = None
@@ -433,7 +510,13 @@ def _search(
         observer=ConsoleObserver(display, tracker),
         heartbeat=st.Heartbeat(storage, interval_s=options.heartbeat_s),
     )
-    return _run_search(search, display, spec, name, out_dir, report=args.report)
+    code = _run_search(search, display, spec, name, out_dir, report=args.report)
+    if code == ExitCode.OK:
+        from tuner.search.plan import next_steps
+
+        for line in next_steps(args, spec, out_dir):
+            print(f"ppotune search: {line}", flush=True)
+    return code
 
 
 def _run_search(search: Search, display: Display, spec, name: str, out_dir: Path, *, report: bool) -> int:

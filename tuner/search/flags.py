@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import argparse
 
+from trainer.contracts import DEFAULT_HEADROOM, DEFAULT_OUT_DIR
+from trainer.launch.cliflags import add_override_flag
 from trainer.summary import MIN_MEASURED_STEPS
 from tuner.search.budget import MAX_FAILURES_IN_A_ROW
 from tuner.search.policy import SAMPLERS
 from tuner.stages.confirm import DEFAULT_ROUNDS, MAX_FINALISTS
 from tuner.study import lifecycle as st
+from tuner.study.selection import DEFAULT_PICK, PICKS
 from tuner.trials.launch import add_hang_flags, positive_seconds
 
 __all__ = ["add_arguments"]
@@ -25,6 +28,7 @@ def _study_flags(p: argparse.ArgumentParser) -> None:
     """What the search is over and where its study lives."""
     p.add_argument("base_config", help="base config YAML (verl keys); its values are the baseline trial")
     p.add_argument("--space", required=True, help="search space YAML (see search_spaces/)")
+    add_override_flag(p, what="the base config (the baseline too)")
     p.add_argument(
         "--trials",
         type=int,
@@ -37,12 +41,12 @@ def _study_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="S",
         help="start no new trial after S seconds, confirmation re-runs and worst-case probes included (the search "
-        "stops early enough to leave them their estimated time, at most half of S)",
+        "stops early enough to leave them their estimated time, at most half of S; default: none)",
     )
     p.add_argument(
         "--storage",
         default=None,
-        help="Optuna storage URL; journal:PATH or *.log for a journal file (default sqlite:///<out>/study.db)",
+        help="Optuna storage URL; journal:PATH or *.log for a journal file (default: sqlite:///<out>/study.db)",
     )
     p.add_argument("--study", default=None, help="study name (default: <base>--<space>)")
     p.add_argument(
@@ -61,7 +65,17 @@ def _study_flags(p: argparse.ArgumentParser) -> None:
         f"(default {st.STALE_AFTER_S:g})",
     )
     p.add_argument(
-        "--out", default="ppotune_out", help="output dir: trials/, the default storage (default ppotune_out)"
+        "--out",
+        default=DEFAULT_OUT_DIR,
+        metavar="DIR",
+        help=f"output dir: trials/, the default storage, report/ (default: {DEFAULT_OUT_DIR}; report, export and "
+        "validate read ./ppotune_out when not told)",
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check everything a search checks, print the plan (space size, fixed keys, runs: trials + "
+        "confirmation re-runs + probes) and an estimate of its wall time; launch nothing, write nothing",
     )
 
 
@@ -115,13 +129,19 @@ def _trial_flags(p: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         metavar="G",
-        help="a real per-process memory cap for every trial (GPU: allocator fraction; CPU: rlimit)",
+        help="a real per-process memory cap for every trial (GPU: allocator fraction; CPU: rlimit; default: none)",
     )
 
 
 def _search_flags(p: argparse.ArgumentParser) -> None:
     """How the search proposes, and what runs after it."""
-    p.add_argument("--sampler", choices=list(SAMPLERS), default="tpe")
+    p.add_argument(
+        "--sampler",
+        choices=list(SAMPLERS),
+        default="tpe",
+        help="Optuna's sampler: tpe (multi-objective TPE with local steps), nsga2, random, or grid (every config "
+        "of a small space, in order) (default: tpe)",
+    )
     p.add_argument(
         "--local-every",
         type=int,
@@ -131,13 +151,20 @@ def _search_flags(p: argparse.ArgumentParser) -> None:
         "step from the fastest measured one (when there is one left); off where the storage has no cross-process lock "
         "(the gRPC proxy, MySQL); 0: the sampler alone (default 2)",
     )
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="the sampler's seed, for a reproducible search (a second worker or a resume derives its own; "
+        "default: random)",
+    )
     p.add_argument(
         "--confirm",
         type=int,
         default=DEFAULT_ROUNDS,
         metavar="R",
-        help="after the search, re-run the finalists (Pareto points under the export headroom and trials within "
+        help="after the search, re-run the finalists (Pareto points under --memory-headroom, the --pick's first "
+        "choice, and trials within "
         f"noise of the best, at most {MAX_FINALISTS}) interleaved with the baseline for R rounds; export ranks them "
         f"by the median of paired throughput ratios to the baseline (default {DEFAULT_ROUNDS}; 0: off)",
     )
@@ -147,8 +174,25 @@ def _search_flags(p: argparse.ArgumentParser) -> None:
         default=MAX_FINALISTS,
         metavar="K",
         help="then run the worst-case probe (one step, every prompt and response at its maximum length; "
-        "ppotune probe) of the K configs export would take first; export refuses a pick whose worst case "
+        "ppotune probe) of the K configs export would take first (by --pick under --memory-headroom); export "
+        "refuses a pick whose worst case "
         f"breaks the headroom (default {MAX_FINALISTS}; 0: off; the ppotune engine only)",
+    )
+    p.add_argument(
+        "--pick",
+        choices=PICKS,
+        default=DEFAULT_PICK,
+        help="which config the search recommends: the fastest, the smallest, or the knee of the Pareto front; what "
+        f"it confirms and probes, recorded in the study as export's default (default: {DEFAULT_PICK})",
+    )
+    p.add_argument(
+        "--memory-headroom",
+        type=float,
+        default=DEFAULT_HEADROOM,
+        metavar="F",
+        help="the fraction of device memory a recommended config keeps free (peak <= (1-F) x device memory): "
+        "what is confirmed and probed, recorded in the study as report's and export's default "
+        f"(default: {DEFAULT_HEADROOM:g})",
     )
     p.add_argument(
         "--max-failures-in-a-row",

@@ -1,0 +1,162 @@
+"""``ppotune search --dry-run``: what a search would run and about how long, said before anything runs.
+
+The runs: the trials still to run (``--trials`` less the study's counted ones when resuming), the confirmation's
+re-runs (``--confirm R`` rounds of at most :data:`tuner.stages.confirm.MAX_FINALISTS` finalists and the
+baseline: an upper bound) and the worst-case probes (``--probe K``). The time: from the study's own measured
+trials when it has some (their median wall time each), else a stated guess (start-up plus the trial's steps at a
+per-step guess per device kind), labelled as such. Pure: the command gathers the inputs and prints the lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shlex
+import statistics
+from pathlib import Path
+from typing import Iterable, Optional
+
+from trainer.contracts import DEFAULT_OUT_DIR, TrialRecord
+from tuner.search.decide import count_progress
+from tuner.space.grid import GRID_LIMIT
+from tuner.stages.confirm import MAX_FINALISTS
+
+__all__ = [
+    "duration",
+    "STARTUP_GUESS_S",
+    "STEP_GUESS_S",
+    "Runs",
+    "Estimate",
+    "runs_of",
+    "estimate",
+    "measured_durations",
+    "plan_lines",
+    "next_steps",
+]
+
+#: a guess at one cold trial's start-up (process start, imports, model build) per device kind, in seconds
+STARTUP_GUESS_S = {"cpu": 15.0, "cuda": 60.0}
+#: a guess at one PPO step of a short trial per device kind, in seconds
+STEP_GUESS_S = {"cpu": 3.0, "cuda": 5.0}
+
+
+def duration(seconds: float) -> str:
+    """``45 s``, ``12 min``, ``3.5 h``."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+@dataclasses.dataclass(frozen=True)
+class Runs:
+    """The runs a search would launch at most."""
+
+    trials: int  # search trials still to run
+    done: int  # counted trials the study holds already
+    reruns: int  # confirmation re-runs, at most
+    probes: int  # worst-case probes, at most
+
+    @property
+    def total(self) -> int:
+        return self.trials + self.reruns + self.probes
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """The wall time of those runs, and how it was reckoned (``measured``: from the study's own trials)."""
+
+    seconds: float
+    per_run_s: float
+    measured: bool
+    basis: str
+
+    def line(self) -> str:
+        kind = "from this study's measured trials" if self.measured else "a guess, not measured"
+        return f"estimated wall time: about {duration(self.seconds)} ({kind}: {self.basis})"
+
+
+def runs_of(*, trials: int, done: int, confirm: int, probe: int) -> Runs:
+    """``--trials`` less the ``done`` ones, ``--confirm`` rounds of every finalist and the baseline, ``--probe``."""
+    return Runs(
+        trials=max(0, trials - done),
+        done=done,
+        reruns=confirm * (MAX_FINALISTS + 1) if confirm else 0,
+        probes=max(0, probe),
+    )
+
+
+def measured_durations(trials: Iterable) -> list[float]:
+    """The wall times (s) of the study's launched, finished trials (re-runs included; free ones left out)."""
+    out = []
+    for t in trials:
+        rec = TrialRecord.from_user_attrs(t.user_attrs)
+        if t.state.is_finished() and rec.duration_s and rec.duration_s > 0:
+            out.append(float(rec.duration_s))
+    return out
+
+
+def estimate(runs: Runs, *, parallel: int, device: str, steps: int, durations: Optional[list] = None) -> Estimate:
+    """The wall time of ``runs``: the search's trials ``parallel`` at a time, the re-runs and probes one at a time
+    (the confirmation interleaves them; a probe counted as one trial)."""
+    if durations:
+        per, measured = statistics.median(durations), True
+        basis = f"median {per:.0f} s per run over {len(durations)} runs"
+    else:
+        start, step = STARTUP_GUESS_S.get(device, 60.0), STEP_GUESS_S.get(device, 5.0)
+        per, measured = start + steps * step, False
+        basis = (
+            f"~{start:g} s start-up + {steps} steps x ~{step:g} s per run on {device}; warm trials start faster, "
+            "real models step slower; --dry-run on the study after a few trials measures it"
+        )
+    seconds = per * (-(-runs.trials // max(1, parallel)) + runs.reruns + runs.probes)
+    return Estimate(seconds=seconds, per_run_s=per, measured=measured, basis=basis)
+
+
+def done_of(trials: Iterable) -> int:
+    """The counted trials a study holds (what ``--trials`` counts)."""
+    return count_progress(trials)
+
+
+def plan_lines(args, options, space, flat: dict, device: str, trials: list, state: str, name: str, spec) -> list[str]:
+    """``--dry-run``'s lines: the study, the space, the trials, the runs and the estimate."""
+    o = options
+    runs = runs_of(trials=o.trials, done=done_of(trials), confirm=o.confirm, probe=o.probe)
+    est = estimate(runs, parallel=o.parallel, device=device, steps=args.steps, durations=measured_durations(trials))
+    size = space.size(flat)
+    fixed = ", ".join(f"{k}={v!r}" for k, v in space.fixed.items()) or "none"
+    lines = [
+        "dry run: everything checked; nothing launched, nothing written",
+        f"study {name!r} in {spec.display} ({state}, {runs.done}/{o.trials} trials done)",
+        f"space {args.space}: {f'>{GRID_LIMIT:,}' if size > GRID_LIMIT else f'{size:,}'} configs after conditions "
+        f"and constraints, {len(space.knobs)} knobs; fixed: {fixed}",
+        f"trials: {device} x{flat['trainer.n_gpus_per_node']}, up to {args.steps} steps "
+        f"({args.warmup} warm-up), {o.parallel} at a time; sampler {o.sampler}; "
+        f"recommends {o.selection.flags()}",
+        f"runs: {runs.trials} trials + {runs.reruns} confirmation re-runs (at most: --confirm {o.confirm} rounds x "
+        f"up to {MAX_FINALISTS} finalists and the baseline) + {runs.probes} worst-case probes "
+        f"= {runs.total} runs at most",
+        est.line(),
+    ]
+    if args.timeout is not None:
+        lines.append(f"--timeout {args.timeout:g} s caps it: no new run starts after that")
+    return lines
+
+
+def next_steps(args: argparse.Namespace, spec, out_dir: Path) -> list[str]:
+    """The exact commands to run next: the report (where it is, or how to write it), export, validate."""
+    where = []
+    if args.storage is not None or out_dir != Path(DEFAULT_OUT_DIR).resolve():
+        where += ["--storage", str(out_dir) if args.storage is None else spec.display]
+    if args.study is not None:
+        where += ["--study", args.study]
+    flags = " ".join(shlex.quote(w) for w in where)
+    flags = f" {flags}" if flags else ""
+    report = out_dir / "report" / "report.html"
+    steps = [f"report: {report}" if args.report and report.is_file() else f"report: ppotune report{flags}"]
+    steps += [
+        f"next: ppotune export{flags}   (best_config.yaml, verl_overrides.txt, verl_command.sh, why.md)",
+        f"then: ppotune validate --steps 20{flags}   (the pick against the baseline, interleaved, longer)",
+    ]
+    return steps
