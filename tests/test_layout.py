@@ -26,7 +26,13 @@ HEAVY = frozenset({"torch", "transformers", "vllm", "verl", "ray", "flash_attn"}
 #: (``ppotune train``, the rank group, the warm job's files); the verl adapter runs verl as a subprocess.
 TORCH_FREE_TRAINER_PACKAGES = ("trainer.config", "trainer.launch")
 TORCH_FREE_TRAINER_MODULES = frozenset(
-    {"trainer.verl_engine", "trainer.verl_engine.adapter", "trainer.verl_engine.overrides"}
+    {
+        "trainer.verl_engine",
+        "trainer.verl_engine.adapter",
+        "trainer.verl_engine.metrics",
+        "trainer.verl_engine.overrides",
+        "trainer.verl_engine.worst_case",
+    }
 )
 #: code that launches trials: it never reads a study through results/ (the report's view of a finished study);
 #: the commands (``tuner.search.command``, ``tuner.validate``) compose the two

@@ -25,6 +25,11 @@ demo) a ±5% band alone fails a sound config on ordinary noise, and the interval
 difference is within it. Wide intervals make a weak PASS: the output prints them, and more
 ``--rounds`` narrow them. A run of CONFIG that fails (OOM, crash, hang) is a FAIL.
 
+A study of ``--engine verl`` trials: CONFIG is the verl run file export wrote (its ``best_config.yaml``:
+``overrides:`` + ``ppotune:``); each run is verl's own ``main_ppo`` with the interpreter ``--engine-python`` names
+(or CONFIG's ``ppotune.python``; never the study's), the baseline the study's base overrides; a study that tuned
+for a larger world (``--target-nodes``) runs at its trials' world and scaled global sizes (:mod:`tuner.world`).
+
 CONFIG defaults to ``best_config.yaml`` where a bare ``ppotune export`` writes it (the study's search output dir,
 else the current dir). Runs go to ``<out>/validate/<k>/`` (``--out DIR``, else the directory holding CONFIG); the
 study (``--storage``/``--study``, default ``./ppotune_out``) is only read. ``-o KEY=VALUE`` overrides both CONFIG
@@ -257,6 +262,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--warmup", type=int, default=None, help="leading steps left out of each run's figures (default: the study's)"
     )
+    p.add_argument(
+        "--engine-python",
+        metavar="PY",
+        default=None,
+        help="a study of --engine verl trials: the interpreter of your verl environment (default: CONFIG's "
+        "ppotune.python; the study's is never run)",
+    )
     add_override_flag(p, what="the config and the baseline alike")
     p.add_argument(
         "--out", metavar="DIR", help="the runs go to DIR/validate/<k>/ (default: the directory holding CONFIG)"
@@ -290,16 +302,16 @@ def _inputs(args) -> tuple:
     if args.config is None:
         args.config = _default_config(view)
     raw = read_yaml_mapping(args.config, what="the config to validate")
-    cfg = config_to_dict(config_from_dict(raw, source=args.config))
-    if view.attrs.get("engine") == "verl":
-        raise BadInput(f"study {view.name!r} ran --engine verl trials: validate runs ppotune's trainer only (for now)")
+    verl = view.attrs.get("engine") == "verl"
+    cfg = verl_run_file(raw, args.config) if verl else config_to_dict(config_from_dict(raw, source=args.config))
     if not isinstance(view.attrs.get("base_config"), dict):
         raise BadInput(f"study {view.name!r} has no base_config user attribute (docs/contracts.md section 3)")
     warmup = args.warmup if args.warmup is not None else int(view.attrs.get("warmup") or 0)
     if not 0 <= warmup < args.steps:
         raise BadInput(f"--steps {args.steps} must be more than the warm-up steps ({warmup}): nothing measured")
     m = _HEADER_TRIAL.match(Path(args.config).read_text().splitlines()[0] if Path(args.config).stat().st_size else "")
-    trial = _match_trial(view, flatten(cfg), int(m.group(1)) if m else None)
+    header = int(m.group(1)) if m else None
+    trial = _match_verl_trial(view, cfg, header) if verl else _match_trial(view, flatten(cfg), header)
     if trial is None:
         raise BadInput(
             f"{args.config}: its knobs match no measured trial of study {view.name!r} (validate what "
@@ -312,6 +324,17 @@ def _session_dir(args) -> Path:
     return next_numbered_dir((Path(args.out) if args.out else Path(args.config).resolve().parent) / "validate")
 
 
+@dataclass
+class _Job:
+    """What the rounds run: per label (config, baseline) its runner and its request's config."""
+
+    runners: dict
+    configs: dict
+    device: str
+    nproc: int
+    note: Optional[str] = None  # said before the rounds (a verl study run at its trials' world)
+
+
 def run(args) -> int:
     try:
         view, cfg, trial, study, warmup = _inputs(args)
@@ -320,24 +343,34 @@ def run(args) -> int:
     for note in notes_summary(view.notes):
         print(f"ppotune validate: note: {note}", file=sys.stderr)
     try:
-        configs = _run_configs(args, view, cfg, warmup)
-    except ConfigError as e:
+        job = (
+            _verl_job(args, view, cfg, warmup) if view.attrs.get("engine") == "verl" else _job(args, view, cfg, warmup)
+        )
+    except (BadInput, ConfigError) as e:
         return _fail(str(e))
-    runner, device, nproc = _runner(args, configs["config"])
     out = _session_dir(args)
     plan = schedule(["config"], "baseline", args.rounds)
     print(
         f"ppotune validate: {args.config} = trial #{trial} of study {view.name!r}; {args.rounds} interleaved "
         f"round(s) of {args.steps} steps ({warmup} warm-up) against the baseline #{study.baseline}, "
-        f"{device} x{nproc}; runs in {out}",
+        f"{job.device} x{job.nproc}; runs in {out}",
         flush=True,
     )
-    runs, records, got = _run_rounds(runner, configs, plan, out)
+    if job.note:
+        print(f"ppotune validate: {job.note}", flush=True)
+    runs, records, got = _run_rounds(job.runners, job.configs, plan, out)
     if got:
         print(f"ppotune validate: stopped by {signal.Signals(got[0]).name}; nothing decided", flush=True)
         return ExitCode.INTERRUPTED if got[0] == signal.SIGINT else 128 + got[0]
     passed = _conclude(args, view, trial, study, warmup, runs, records, out)
     return ExitCode.OK if passed else ExitCode.ERROR
+
+
+def _job(args, view, cfg: dict, warmup: int) -> _Job:
+    """ppotune's trainer: CONFIG and the study's base config, each with this run's length, on one runner."""
+    configs = _run_configs(args, view, cfg, warmup)
+    runner, device, nproc = _runner(args, configs["config"])
+    return _Job({"config": runner, "baseline": runner}, configs, device, nproc)
 
 
 def _run_configs(args, view, cfg: dict, warmup: int) -> dict[str, dict]:
@@ -372,9 +405,75 @@ def _runner(args, config: dict) -> tuple[SubprocessRunner, str, int]:
     return runner, device, nproc
 
 
-def _run_rounds(runner: SubprocessRunner, configs: dict[str, dict], plan: list, out: Path) -> tuple[dict, dict, list]:
-    """Every run of ``plan`` in order, one line each: ({label: [Rerun]}, {label: [TrialRecord]}, the signals
-    that stopped it). A stop or an interrupted run ends the round."""
+# --------------------------------------------------------------------------- a study of verl trials
+def verl_run_file(raw: dict, source: str) -> dict:
+    """CONFIG of a verl study: a verl run file (``overrides: [key=value, ...]``, ``ppotune: {...}``); BadInput."""
+    over = raw.get("overrides")
+    if not isinstance(over, list) or not all(isinstance(o, str) and "=" in o for o in over):
+        raise BadInput(
+            f"{source}: not a verl run file (overrides: [key=value, ...]): validate what `ppotune export` wrote "
+            "for this --engine verl study"
+        )
+    if not isinstance(raw.get("ppotune") or {}, dict):
+        raise BadInput(f"{source}: ppotune: must be a mapping")
+    return {"overrides": list(over), "ppotune": dict(raw.get("ppotune") or {})}
+
+
+def _match_verl_trial(view, run_file: dict, header_trial: Optional[int]) -> Optional[int]:
+    """The study's search trial whose exported run file has CONFIG's overrides."""
+    from tuner.results.export import chosen_overrides, verl_engine_of
+
+    engine = verl_engine_of(view)
+    df = view.trials
+    ok = df.loc[(df["status"] == Status.OK) & df["confirm_of"].isna() & df["duplicate_of"].isna(), "number"]
+    numbers = [int(n) for n in ok]
+    if header_trial in numbers:
+        numbers = [header_trial] + [n for n in numbers if n != header_trial]
+    for n in numbers:
+        if engine.run_file(chosen_overrides(view, n))["overrides"] == run_file["overrides"]:
+            return n
+    return None
+
+
+def _verl_job(args, view, run_file: dict, warmup: int) -> _Job:
+    """verl's main_ppo for CONFIG's overrides and the study's base overrides, at the study's trial world."""
+    from tuner.results.export import verl_engine_of
+    from tuner.trials.runners import VerlEngine
+    from tuner.trials.verl import world_overrides
+    from tuner.world import WorldPlan, trial_overrides
+
+    python = args.engine_python or run_file["ppotune"].get("python")
+    if not python:
+        raise BadInput(
+            "--engine-python PY: the interpreter of your verl environment (CONFIG names none; the study's is never run)"
+        )
+    target = view.attrs.get("target")
+    plan = WorldPlan.from_dict(target) if isinstance(target, dict) else None
+    world = tuple(world_overrides(trial_overrides(plan))) if plan is not None and plan.scaled else ()
+    device = "cuda" if nvml_available() else "cpu"
+    study = verl_engine_of(view, python)
+    limit = view.attrs.get("memory_limit_gb")
+
+    def runner(base: tuple) -> SubprocessRunner:
+        engine = VerlEngine(python, base, steps=args.steps, warmup=warmup, memory_limit_gb=limit, world=world)
+        return SubprocessRunner(
+            device_kind=device,
+            nproc=plan.trial_world if plan is not None else int(view.attrs.get("nproc") or 1),
+            grace_s=args.kill_grace,
+            verl=engine,
+            startup_timeout_s=args.startup_timeout,
+            step_timeout_s=args.step_timeout,
+        )
+
+    extra = tuple(overrides_of(args))  # -o KEY=VALUE: Hydra overrides of both runs, after their own
+    runners = {"config": runner((*run_file["overrides"], *extra)), "baseline": runner((*study.base_overrides, *extra))}
+    note = f"at the trials' world: {plan.describe()}" if world else None
+    return _Job(runners, {"config": None, "baseline": None}, device, runners["config"].nproc, note)
+
+
+def _run_rounds(runners: dict, configs: dict, plan: list, out: Path) -> tuple[dict, dict, list]:
+    """Every run of ``plan`` in order (each label with its runner), one line each: ({label: [Rerun]}, {label:
+    [TrialRecord]}, the signals that stopped it). A stop or an interrupted run ends the round."""
     total = sum(len(r) for r in plan)
     stop = threading.Event()
     runs: dict[str, list] = {"config": [], "baseline": []}
@@ -386,7 +485,7 @@ def _run_rounds(runner: SubprocessRunner, configs: dict[str, dict], plan: list, 
                 if stop.is_set():
                     break
                 k += 1
-                outcome = runner.run(
+                outcome = runners[label].run(
                     TrialRequest(
                         number=k,
                         config=configs[label],

@@ -111,10 +111,23 @@ def test_one_verl_trial_is_measured_from_verls_own_metrics(cli, verl_run_file, t
     assert wait_until(lambda: not ray_processes(), 20), ray_processes()
 
 
-def test_verl_search_report_and_export(cli, verl_run_file, tmp_path):
-    space = tmp_path / "space.yaml"
-    space.write_text(f"knobs:\n  {MICRO}: {{type: pow2, low: 1, high: 4, memory: increasing}}\n")
-    out = tmp_path / "out"
+#: a trial of the 2-node search below runs one node of 1 GPU: the global sizes halved (tuner.world)
+TRIAL_WORLD = [
+    "trainer.nnodes=1",
+    "data.train_batch_size=4",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+    "critic.ppo_mini_batch_size=2",
+]
+
+
+@pytest.fixture(scope="module")
+def verl_study(cli, verl_run_file, tmp_path_factory) -> Path:
+    """One small verl search that every feature's test reads: 2 trials of 1 GPU for a 2-node job
+    (--target-nodes 2), adaptive measurement (--precision), the worst-case probe of the pick (--probe 1), a report."""
+    tmp = tmp_path_factory.mktemp("verl_study")
+    space = tmp / "space.yaml"
+    space.write_text(f"knobs:\n  {MICRO}: {{type: pow2, low: 1, high: 2, memory: increasing}}\n")
+    out = tmp / "out"
     r = cli(
         "search",
         verl_run_file,
@@ -125,46 +138,105 @@ def test_verl_search_report_and_export(cli, verl_run_file, tmp_path):
         "--space",
         space,
         "--trials",
-        3,
+        2,
         "--confirm",
         0,
         "--sampler",
         "grid",
         "--steps",
-        2,
+        5,
         "--warmup",
         1,
+        "--precision",
+        0.95,
         "--nproc",
+        1,
+        "--target-nodes",
+        2,
+        "--probe",
         1,
         "--out",
         out,
         "--report",
         "--trial-timeout",
         300,
-        timeout=1200,
+        timeout=1500,
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert "trials run 1 GPUs for a 2 x 1 = 2-GPU job" in r.stdout and "no memory model for verl trials" in r.stdout
+    assert wait_until(lambda: not ray_processes(), 20), ray_processes()
+    return out
+
+
+def _ok_trials(out: Path) -> tuple[optuna.Study, dict]:
     study = optuna.load_study(study_name="run--space", storage=f"sqlite:///{out / 'study.db'}")
     recs = {t.number: TrialRecord.from_user_attrs(t.user_attrs) for t in study.get_trials()}
-    ok = {n: rec for n, rec in recs.items() if rec.status == Status.OK}
-    assert len(ok) == 3 and all(rec.engine == "verl" and rec.throughput > 0 for rec in ok.values())
-    assert study.user_attrs["engine"] == "verl"
-    assert (out / "report" / "report.html").is_file()
+    return study, {n: rec for n, rec in recs.items() if rec.status == Status.OK}
 
+
+def test_verl_search_runs_the_trial_world_and_stops_once_measured(verl_study):
+    study, ok = _ok_trials(verl_study)
+    assert len(ok) == 2 and all(rec.engine == "verl" and rec.throughput > 0 for rec in ok.values())
+    assert study.user_attrs["engine"] == "verl" and (verl_study / "report" / "report.html").is_file()
+    assert study.user_attrs["target"]["world"] == 2 and study.user_attrs["target"]["trial_world"] == 1
+    for rec in ok.values():
+        ran = json.loads(Path(rec.result_path).read_text())
+        assert all(o in ran["config"]["overrides"] for o in TRIAL_WORLD)  # production's per-GPU batch on 1 GPU
+        # --precision: verl is ended once the 90% interval is tight (after 3 measured steps, not the 4 asked)
+        assert rec.measured_steps == 3 and len(ran["steps"]) == 4, (rec.measured_steps, rec.notes)
+        assert ran["summary"]["stopped_early"].startswith("tight") and ran["status"] == "ok"
+
+
+def test_verl_worst_case_probe(verl_study):
+    """The pick's worst case through verl: generated prompts at data.max_prompt_length, EOS ignored."""
+    study, ok = _ok_trials(verl_study)
+    ((number, got),) = study.user_attrs["worst_case"].items()
+    assert int(number) in ok and got["status"] == "ok", got
+    assert (got["prompt_length"], got["response_length"]) == (72, 32)
+    # every prompt and every response at its maximum (verl's own min == max), so the figure is the worst case
+    assert got["lengths"]["prompt"]["min"] == got["lengths"]["prompt"]["max"] == 72, got["lengths"]
+    assert got["lengths"]["response"]["min"] == got["lengths"]["response"]["max"] == 32, got["lengths"]
+    assert not any("NOT reached" in n for n in got["notes"]) and got["peak_memory_gb"] > 0
+    ran = json.loads(Path(got["result_path"]).read_text())
+    cmd = ran["config"]["command"]
+    assert "++actor_rollout_ref.rollout.ignore_eos=True" in cmd and "++trainer.total_training_steps=1" in cmd
+    assert all(o in cmd for o in TRIAL_WORLD) and len(ran["steps"]) == 1
+
+
+def test_verl_export_writes_production_and_validate_runs_it(cli, verl_study, tmp_path):
+    study, ok = _ok_trials(verl_study)
     # the interpreter is named on export's command line: never taken from the study (docs/security.md)
-    r = cli("export", "--out", out, "--to", tmp_path / "e", "--engine-python", VERL_PY)
+    r = cli("export", "--out", verl_study, "--to", tmp_path / "e", "--engine-python", VERL_PY)
     assert r.returncode == 0, r.stderr
     chosen = max(ok, key=lambda n: ok[n].throughput)
     ran = json.loads(Path(ok[chosen].result_path).read_text())["config"]
     exported = (tmp_path / "e" / "verl_overrides.txt").read_text().splitlines()
-    # the exported verl command is what the winning trial ran, less what a trial adds for itself
-    assert exported == ran["overrides"]
-    added = ran["command"][3 + len(exported) :]
-    assert ran["command"][3 : 3 + len(exported)] == exported and all(o.startswith("++") for o in added)
+    # the exported verl command is what the winning trial ran, less its world (production's: 2 nodes, the
+    # global sizes as written) and less what a trial adds for itself
+    knobs = [f"{k}={v}" for k, v in ok[chosen].overrides.items()]  # the chosen knobs (none: baseline)
+    assert exported[len(exported) - len(knobs) - 1] == "trainer.nnodes=2"
+    assert "data.train_batch_size=8" in exported and "data.train_batch_size=4" not in exported
+    base = exported[: len(exported) - len(knobs)]
+    assert ran["overrides"] == base + TRIAL_WORLD + knobs
+    added = ran["command"][3 + len(ran["overrides"]) :]
+    assert ran["command"][3 : 3 + len(ran["overrides"])] == ran["overrides"] and all(o.startswith("++") for o in added)
     assert {override_key(o) for o in added} >= {"trainer.total_training_steps", "trainer.logger"}
-    assert all(f"{k}={v}" in exported for k, v in ok[chosen].overrides.items())  # the chosen knobs (none: baseline)
     script = (tmp_path / "e" / "verl_command.sh").read_text()
     assert f"exec {VERL_PY} -m verl.trainer.main_ppo" in script and all(line in script for line in exported[-2:])
+
+    # validate: the export against the study's baseline, verl both, at the trials' world (1 round of 2 steps)
+    cfg = tmp_path / "e" / "best_config.yaml"
+    args = ("validate", cfg, "--steps", 2, "--rounds", 1, "--storage", verl_study, "--out", tmp_path / "v")
+    r = cli(*args, "--engine-python", VERL_PY, timeout=900)
+    assert r.returncode in (0, 1), r.stdout[-3000:] + r.stderr[-2000:]  # PASS or FAIL: both a verdict
+    assert f"= trial #{chosen} of study" in r.stdout and "at the trials' world" in r.stdout
+    (found,) = (tmp_path / "v").rglob("validate.json")
+    summary = json.loads(found.read_text())
+    runs = summary["measured"]["runs"]
+    assert [x["status"] for x in runs["config"] + runs["baseline"]] == ["ok", "ok"] and summary["trial"] == chosen
+    results = list(found.parent.rglob("result.json"))
+    assert len(results) == 2
+    assert all(all(o in json.loads(f.read_text())["config"]["overrides"] for o in TRIAL_WORLD) for f in results)
     assert wait_until(lambda: not ray_processes(), 20), ray_processes()
 
 

@@ -19,7 +19,9 @@ from trainer.verl_engine.adapter import (
     steps_from_jsonl,
     verl_env,
 )
+from trainer.verl_engine.metrics import Enough, lengths_of
 from trainer.verl_engine.overrides import override_key
+from trainer.verl_engine.worst_case import WORST_CASE_KEYS, worst_case_overrides
 
 
 def _run_file(tmp_path: Path, body: str) -> Path:
@@ -135,3 +137,83 @@ def test_verl_metrics_lines_become_our_step_rows():
 def test_failures_are_classified_from_the_log(tail, status):
     got, error = classify_failure(1, "line\n" + tail)
     assert got == status and error
+
+
+def test_run_file_measuring_options(tmp_path):
+    spec = load_run(
+        _run_file(
+            tmp_path,
+            "overrides: []\nppotune: {precision: 0.2, min_measured_steps: 3, front: [[0, 10.0, 1.5]], "
+            "worst_case: true}\n",
+        )
+    )
+    assert (spec.precision, spec.min_measured_steps, spec.front, spec.worst_case) == (0.2, 3, [[0, 10.0, 1.5]], True)
+    for body, key in [
+        ("ppotune: {precision: 1.5}\n", "ppotune.precision"),
+        ("ppotune: {front: [[1, 2]]}\n", "ppotune.front"),
+        ("ppotune: {min_measured_steps: 1}\n", "ppotune.min_measured_steps"),
+        ("ppotune: {worst_case: 'yes'}\n", "ppotune.worst_case"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            load_run(_run_file(tmp_path, body))
+        assert e.value.key == key
+
+
+def test_a_running_verl_stops_once_it_measured_enough(tmp_path):
+    """verl's JSONL read as it grows: tight after 3 measured steps, never at the last step (verl ends by itself)."""
+    metrics = tmp_path / "m.jsonl"
+    spec = load_run(_run_file(tmp_path, "overrides: []\nppotune: {steps: 6, warmup: 1, precision: 0.1}\n"))
+    enough = Enough(spec, metrics, "cpu")
+    assert enough() is None  # no file yet
+    lines = [_line(1, **{"perf/throughput": 50.0})]
+    for step, thr in [(2, 100.0), (3, 101.0)]:
+        lines.append(_line(step, **{"perf/throughput": thr}))
+        metrics.write_text("\n".join(lines) + "\n")
+        assert enough() is None  # two measured steps: fewer than min_measured_steps
+    lines.append(_line(4, **{"perf/throughput": 99.0}))
+    metrics.write_text("\n".join(lines) + "\n")
+    assert enough().startswith("tight") and "(after step 4 of 6)" in enough.stopped
+    last = Enough(load_run(_run_file(tmp_path, "overrides: []\nppotune: {steps: 4, precision: 0.1}\n")), metrics, "cpu")
+    assert last() is None
+    off = Enough(load_run(_run_file(tmp_path, "overrides: []\nppotune: {steps: 6}\n")), metrics, "cpu")
+    assert off() is None  # no --precision, no front: every step is measured
+
+
+def test_lengths_of_verls_steps():
+    rows = [
+        {"prompt_length/min": 72.0, "prompt_length/mean": 72.0, "prompt_length/max": 72.0}
+        | {"response_length/min": 3.0, "response_length/mean": 20.0, "response_length/max": 32.0},
+        {"prompt_length/min": 72.0, "prompt_length/mean": 72.0, "prompt_length/max": 72.0}
+        | {"response_length/min": 5.0, "response_length/mean": 10.0, "response_length/max": 30.0},
+    ]
+    got = lengths_of(rows)
+    # one length for every prompt: its percentiles are exact; verl logs none for responses of several lengths
+    assert got["prompt"] == {"min": 72.0, "mean": 72.0, "max": 72.0, "p10": 72.0, "p50": 72.0, "p90": 72.0}
+    assert got["response"] == {"min": 3.0, "mean": 15.0, "max": 32.0}
+    assert lengths_of([{"perf/throughput": 1.0}]) == {}
+
+
+def test_worst_case_overrides_are_the_documented_keys(tmp_path):
+    over = worst_case_overrides(tmp_path / "w.parquet")
+    assert [override_key(o) for o in over] == list(WORST_CASE_KEYS) and all(o.startswith("++") for o in over)
+    assert "++actor_rollout_ref.rollout.ignore_eos=True" in over
+
+
+def test_a_verl_trial_runs_the_trial_world_and_exports_production():
+    """tuner.trials.runners.VerlEngine: the trial's world after the base, its run options from the trial's config."""
+    from tuner.trials.runners import VerlEngine
+
+    engine = VerlEngine("py", ("a=1", "trainer.nnodes=2"), steps=5, warmup=1, world=("trainer.nnodes=1", "b=2"))
+    config = {
+        "trainer": {"total_training_steps": 1},
+        "ppotune": {"warmup_steps": 0, "worst_case": True, "precision": None, "front": []},
+    }
+    probe = engine.run_file({"k": True}, config)
+    assert probe["overrides"] == ["a=1", "trainer.nnodes=2", "trainer.nnodes=1", "b=2", "k=true"]
+    assert probe["ppotune"] == {"python": "py", "steps": 1, "warmup": 0, "memory_limit_gb": None, "worst_case": True}
+    config["ppotune"].update(worst_case=False, precision=0.2, min_measured_steps=3, front=[[0, 1.0, 2.0]])
+    config["trainer"]["total_training_steps"] = 5
+    opts = engine.run_file({}, config)["ppotune"]
+    assert opts["precision"] == 0.2 and opts["front"] == [[0, 1.0, 2.0]] and "worst_case" not in opts
+    exported = VerlEngine("py", engine.base_overrides, steps=5, warmup=1).run_file({"k": 1})  # export: no world
+    assert exported["overrides"] == ["a=1", "trainer.nnodes=2", "k=1"]

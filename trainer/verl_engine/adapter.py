@@ -18,10 +18,14 @@ A run file is the verl config as Hydra overrides, verl's keys only, plus how to 
       warmup: 1
       memory_limit_gb: null
       device: auto                   # auto | cpu | cuda
+      precision: null                # stop measuring once the throughput interval is this tight (the search's)
+      worst_case: false              # the worst-case probe (trainer.verl_engine.worst_case)
 
 What a trial adds to the user's overrides (and export leaves out): ``TRIAL_KEYS`` (step count,
-no validation or checkpoints, the file logger). On a CPU-only machine it also loads the CPU shim
-(:mod:`trainer.verl_engine.cpu`, verl 0.9.1 only) and adds ``CPU_KEYS``: nothing of it on a GPU.
+no validation or checkpoints, the file logger). A run with ``precision`` (or a study's ``front``) reads verl's
+per-step JSONL as it is written and ends verl once :func:`trainer.summary.stop_reason` says it has measured
+enough, as our own trainer does (status ok, ``stopped_early`` in the summary). On a CPU-only machine it also
+loads the CPU shim (:mod:`trainer.verl_engine.cpu`, verl 0.9.1 only) and adds ``CPU_KEYS``: nothing of it on a GPU.
 """
 
 from __future__ import annotations
@@ -51,7 +55,8 @@ from trainer.launch.proc import (
     with_pythonpath,
     write_json_atomic,
 )
-from trainer.summary import summarize_steps
+from trainer.summary import MIN_MEASURED_STEPS, summarize_steps
+from trainer.verl_engine.metrics import Enough, lengths_of, steps_from_jsonl
 from trainer.verl_engine.overrides import override_key
 
 __all__ = [
@@ -60,6 +65,7 @@ __all__ = [
     "run_overrides",
     "verl_env",
     "steps_from_jsonl",
+    "lengths_of",
     "classify_failure",
     "run",
     "SUPPORTED_VERL",
@@ -77,7 +83,7 @@ TRIAL_KEYS = (
     "trainer.val_before_train",
     "trainer.test_freq",
     "trainer.save_freq",
-    "trainer.logger",
+    "trainer.logger",  # the file logger first: a step's row is on disk before its console line
     "trainer.default_local_dir",
     "trainer.resume_mode",
 )
@@ -92,6 +98,10 @@ CPU_KEYS = (
     "critic.model.use_remove_padding",
     "ray_kwargs.ray_init.num_gpus",
     "ray_kwargs.ray_init.num_cpus",
+)
+#: what a run file's ``ppotune:`` section may say
+RUN_OPTIONS = frozenset(
+    {"python", "steps", "warmup", "memory_limit_gb", "device", "precision", "min_measured_steps", "front", "worst_case"}
 )
 STRATEGY_KEYS = ("actor_rollout_ref.actor.strategy", "actor_rollout_ref.ref.strategy", "critic.strategy")
 _OOM = re.compile(
@@ -113,6 +123,10 @@ class RunSpec:
     warmup: int = 1
     memory_limit_gb: Optional[float] = None
     device: str = "auto"
+    precision: Optional[float] = None  # stop once the 90% interval is within +/- this share of the median
+    min_measured_steps: int = MIN_MEASURED_STEPS
+    front: list = field(default_factory=list)  # [trial, throughput low, peak GB] points that prune this run
+    worst_case: bool = False  # the worst-case probe: generated full-length prompts, EOS ignored
     source: Optional[str] = None
     notes: list[str] = field(default_factory=list)
 
@@ -147,7 +161,7 @@ def load_run(path: Optional[str | Path], extra: list[str] = (), **flags: Any) ->
     run_opts = data.pop("ppotune", None) or {}
     if not isinstance(run_opts, dict):
         raise ConfigError("ppotune", "must be a mapping", source=source)
-    unknown = set(run_opts) - {"python", "steps", "warmup", "memory_limit_gb", "device"}
+    unknown = set(run_opts) - RUN_OPTIONS
     if unknown:
         raise ConfigError(f"ppotune.{sorted(unknown)[0]}", "unknown key", source=source)
     overrides = _as_overrides(data.get("overrides", {k: v for k, v in data.items() if k != "overrides"}), source)
@@ -170,7 +184,23 @@ def load_run(path: Optional[str | Path], extra: list[str] = (), **flags: Any) ->
         raise ConfigError("ppotune.memory_limit_gb", "must be > 0", source=source)
     if spec.device not in ("auto", "cpu", "cuda"):
         raise ConfigError("ppotune.device", f"must be auto, cpu or cuda, got {spec.device!r}", source=source)
+    _check_measuring(spec)
     return spec
+
+
+def _check_measuring(spec: RunSpec) -> None:
+    """The run options that decide when a run has measured enough (as ``trainer.config``'s rules for ours)."""
+    if spec.precision is not None and not 0 < spec.precision < 1:
+        raise ConfigError("ppotune.precision", f"must be in (0, 1) or null, got {spec.precision}", source=spec.source)
+    if not isinstance(spec.min_measured_steps, int) or spec.min_measured_steps < 2:
+        raise ConfigError("ppotune.min_measured_steps", "must be an integer >= 2", source=spec.source)
+    good = isinstance(spec.front, list) and all(
+        isinstance(p, (list, tuple)) and len(p) == 3 and all(isinstance(x, (int, float)) for x in p) for p in spec.front
+    )
+    if not good:
+        raise ConfigError("ppotune.front", "must be a list of [trial, throughput, peak GB] triples", source=spec.source)
+    if not isinstance(spec.worst_case, bool):
+        raise ConfigError("ppotune.worst_case", "must be true or false", source=spec.source)
 
 
 # --------------------------------------------------------------------------- the command
@@ -196,7 +226,7 @@ def run_overrides(spec: RunSpec, *, device: str, workdir: Path) -> list[str]:
         "++trainer.val_before_train=False",
         "++trainer.test_freq=-1",
         "++trainer.save_freq=-1",
-        '++trainer.logger=["console","file"]',
+        '++trainer.logger=["file","console"]',
         f"++trainer.default_local_dir={workdir / 'checkpoints'}",
         "++trainer.resume_mode=disable",
     ]
@@ -323,46 +353,6 @@ def decision_base(spec: RunSpec, *, device: str) -> dict:
 
 
 # --------------------------------------------------------------------------- verl's metrics -> our result
-def _num(v: Any) -> Optional[float]:
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
-
-
-def steps_from_jsonl(text: str, *, warmup: int, device: str) -> list[dict]:
-    """verl's file-logger lines (``{"step": N, "data": {...}}``) -> our per-step rows (result schema)."""
-    rows = []
-    for line in text.splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        data = rec.get("data") if isinstance(rec, dict) else None
-        if not isinstance(data, dict) or "perf/throughput" not in data:
-            continue  # validation-only lines
-        # verl's step metrics, numbers only; nested timings (agent_loop/..., profiler marks) are not phases
-        row = {
-            k: v
-            for k, v in data.items()
-            if _num(v) is not None and not (k.startswith("timing_s/") and ("/" in k[9:] or k.endswith("_profile")))
-        }
-        step = int(rec.get("step", len(rows) + 1))
-        row.update(
-            {
-                "step": step,
-                "warmup": step <= warmup,
-                "timing_s/step": float(data["timing_s/step"]),
-                "perf/throughput": float(data["perf/throughput"]),
-                "perf/total_num_tokens": int(data["perf/total_num_tokens"]),
-            }
-        )
-        if device == "cuda":  # verl logs allocator peaks per role; there is no global key
-            for kind in ("allocated", "reserved"):
-                peaks = [_num(data.get(f"{role}/perf/max_memory_{kind}_gb")) for role in ("actor", "critic")]
-                peaks = [p for p in peaks if p is not None]
-                row[f"perf/max_memory_{kind}_gb"] = max(peaks) if peaks else None
-        rows.append(row)
-    return rows
-
-
 def classify_failure(returncode: int, log_tail: str) -> tuple[str, str]:
     """(result status, one-line error) of a verl run that did not finish: ``oom`` when any process ran out
     of memory (the message surfaces inside Ray task errors and worker logs), else ``error``."""
@@ -376,7 +366,8 @@ def classify_failure(returncode: int, log_tail: str) -> tuple[str, str]:
 
 # --------------------------------------------------------------------------- the run
 def run_verl(spec: RunSpec, *, result_path: Optional[Path]) -> int:
-    """Run verl for ``spec.steps`` steps, write the result JSON, return the exit code (ExitCode)."""
+    """Run verl for ``spec.steps`` steps (fewer when it has measured enough), write the result JSON, return the
+    exit code (ExitCode)."""
     t0 = time.time()
     device = detect_device(spec.device)
     workdir = Path(tempfile.mkdtemp(prefix="ppotune_verl_", dir=result_path.parent if result_path else None))
@@ -384,8 +375,8 @@ def run_verl(spec: RunSpec, *, result_path: Optional[Path]) -> int:
     version = verl_version(spec.python)
     config = {"engine": "verl", "verl_version": version, "python": spec.python, "overrides": spec.overrides}
 
-    def finish(status: str, error: Optional[str], rows: list[dict], tail: Optional[str], code: int) -> int:
-        result = _result(spec, device, version, config, status, error, rows, tail, t0)
+    def finish(status: str, error: Optional[str], rows: list, tail: Optional[str], code: int, stopped=None) -> int:
+        result = _result(spec, device, version, config, status, error, rows, tail, t0, stopped)
         if result_path:
             write_json_atomic(result_path, result)
         shutil.rmtree(workdir, ignore_errors=True)
@@ -394,6 +385,8 @@ def run_verl(spec: RunSpec, *, result_path: Optional[Path]) -> int:
     try:
         _check_version(spec, device, version)
         overrides = run_overrides(spec, device=device, workdir=workdir)
+        if spec.worst_case:
+            overrides += _worst_case(spec, workdir)
     except ConfigError as e:
         print(f"ppotune train: error: {e}", file=sys.stderr)
         return finish("error", f"config: {e}", [], None, ExitCode.USAGE)
@@ -404,15 +397,32 @@ def run_verl(spec: RunSpec, *, result_path: Optional[Path]) -> int:
     cmd = [spec.python, "-m", "verl.trainer.main_ppo", *overrides]
     config["command"] = cmd
     print("$ " + " ".join(cmd), flush=True)
-    returncode, text, oom_line = _stream(cmd, env=verl_env(spec, device=device, metrics_path=metrics), cwd=workdir)
+    watch = Enough(spec, metrics, device)
+    env = verl_env(spec, device=device, metrics_path=metrics)
+    returncode, text, oom_line = _stream(cmd, env=env, cwd=workdir, enough=watch)
     rows = steps_from_jsonl(metrics.read_text() if metrics.is_file() else "", warmup=spec.warmup, device=device)
     measured = [r for r in rows if not r["warmup"]]
+    if watch.stopped and measured:  # it measured enough: ended by us, not by a failure
+        return finish("ok", None, rows, None, ExitCode.OK, watch.stopped)
     if returncode == 0 and len(rows) >= spec.steps and measured:
         return finish("ok", None, rows, None, ExitCode.OK)
     status, error = classify_failure(returncode, "\n".join([*oom_line, text]))  # an OOM line from anywhere in the log
     if returncode == 0 and status == "error":
         error = f"verl exited 0 after {len(rows)} of {spec.steps} steps"
     return finish(status, error, rows, text, ExitCode.OOM if status == "oom" else ExitCode.ERROR)
+
+
+def _worst_case(spec: RunSpec, workdir: Path) -> list[str]:
+    """The worst-case probe's overrides, its prompts generated first (trainer.verl_engine.worst_case)."""
+    from trainer.verl_engine.worst_case import worst_case_overrides, write_worst_case_data
+
+    print("ppotune train: generating the worst-case prompts (data.max_prompt_length real tokens each)", flush=True)
+    data = write_worst_case_data(spec.python, spec.overrides, workdir / "worst_case.parquet", source=spec.source)
+    spec.notes.append(
+        "worst case: every prompt data.max_prompt_length real tokens (generated from the train file), "
+        "actor_rollout_ref.rollout.ignore_eos=True"
+    )
+    return worst_case_overrides(data)
 
 
 def _check_version(spec: RunSpec, device: str, version: Optional[str]) -> None:
@@ -428,9 +438,10 @@ def _check_version(spec: RunSpec, device: str, version: Optional[str]) -> None:
         )
 
 
-def _stream(cmd: list[str], *, env: dict[str, str], cwd: Path) -> tuple[int, str, list[str]]:
+def _stream(cmd: list[str], *, env: dict[str, str], cwd: Path, enough=lambda: None) -> tuple[int, str, list[str]]:
     """Run verl's driver, its output echoed and its last lines kept: (exit code, the tail, [the first OOM
-    line] or []). SIGTERM and SIGINT are passed on to it; its descendants are killed once it ends."""
+    line] or []). SIGTERM and SIGINT are passed on to it; so is the end once ``enough()`` says it measured
+    enough (asked after each line); its descendants are killed once it ends."""
     prctl(PR_SET_CHILD_SUBREAPER, 1)  # Ray's daemons that outlive the driver come back to us
     proc = subprocess.Popen(
         cmd,
@@ -463,6 +474,9 @@ def _stream(cmd: list[str], *, env: dict[str, str], cwd: Path) -> tuple[int, str
             if not oom_line and _OOM.search(line):
                 oom_line.append(line.strip())
                 watchdog.start()
+            if not oom_line and proc.poll() is None and enough():
+                print(f"ppotune train: measured enough, ending verl: {enough()}", flush=True)
+                proc.send_signal(signal.SIGTERM)
         returncode = proc.wait()
     finally:
         watchdog.cancel()
@@ -482,8 +496,13 @@ def _result(
     rows: list[dict],
     tail: Optional[str],
     t0: float,
+    stopped: Optional[str] = None,
 ) -> dict:
     """The run's result JSON (trainer/result_schema.json), as ppotune's own trainer writes it."""
+    summary = summarize_steps(rows, device_type=device)
+    summary["lengths"] = lengths_of([r for r in rows if not r["warmup"]] or rows)
+    if stopped:
+        summary["stopped_early"] = stopped
     return {
         "schema_version": RESULT_SCHEMA_VERSION,
         "status": status,
@@ -492,7 +511,7 @@ def _result(
         "oom_phase": None,
         "config": config,
         "steps": rows,
-        "summary": summarize_steps(rows, device_type=device),
+        "summary": summary,
         "environment": {
             "device": device,
             "world_size": spec.nproc,

@@ -144,7 +144,8 @@ def probe_config(config: dict) -> dict:
 
 def lengths_forced(lengths: dict, *, prompt_length: int, response_length: int) -> Optional[bool]:
     """Whether the recorded length percentiles show every prompt and every response at its maximum
-    (p10 == max == the configured length); None when the run recorded none."""
+    (p10 == max == the configured length; verl's runs record p10 only where min == max); None when the run
+    recorded none."""
     want = {"prompt": prompt_length, "response": response_length}
     if not all(lengths.get(part) for part in want):
         return None
@@ -201,22 +202,23 @@ def probe(
     trial_dir: Path,
     number: int = 0,
     stop: Optional[threading.Event] = None,
+    overrides: Optional[dict] = None,
 ) -> ProbeResult:
     """Run ``config`` (a complete nested config, as the tuner launches it) as its worst-case probe with
     ``runner``; its files go to ``trial_dir``. Never raises for what the run does: a config the probe refuses
-    is ``invalid`` (not launched, 0 s), an OOM is ``oom`` with its phase."""
+    is ``invalid`` (not launched, 0 s), an OOM is ``oom`` with its phase.
+
+    ``overrides``: what the config sets on top of the study's base (a verl runner builds its run file from them;
+    verl's worst case is generated prompts at ``data.max_prompt_length`` and ``rollout.ignore_eos``:
+    :mod:`trainer.verl_engine.worst_case`)."""
     limit = (config.get("ppotune") or {}).get("memory_limit_gb")
-    if getattr(runner, "name", "ppotune") != "ppotune":
-        return ProbeResult(
-            Status.INVALID,
-            memory_limit_gb=limit,
-            error=f"the {runner.name} engine has no worst-case mode: the probe runs ppotune's own trainer",
-        )
     try:
         cfg = probe_config(config)
     except ConfigError as e:
         return ProbeResult(Status.INVALID, memory_limit_gb=limit, error=f"config: {e}")
-    request = TrialRequest(number=number, config=cfg, identity=("worst_case",), trial_dir=Path(trial_dir))
+    request = TrialRequest(
+        number=number, config=cfg, identity=("worst_case",), trial_dir=Path(trial_dir), overrides=dict(overrides or {})
+    )
     outcome = runner.run(request, stop or threading.Event())
     return probe_result(outcome, cfg, device_kind=getattr(runner, "device_kind", None))
 

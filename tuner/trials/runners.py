@@ -149,13 +149,18 @@ class VerlEngine:
     """How a verl trial runs: the user's verl environment and base overrides (trainer.verl_engine.adapter)."""
 
     python: str  # the verl environment's interpreter
-    base_overrides: tuple  # the user's verl config as Hydra overrides (world size included)
+    base_overrides: tuple  # the production job's verl config as Hydra overrides (its world and global sizes)
     steps: int
     warmup: int
     memory_limit_gb: Optional[float] = None
+    # what a trial runs instead of production's world: one node of the trial's GPUs and the global batch sizes
+    # scaled to production's per-GPU batch (tuner.world.trial_overrides, as key=value); export leaves them out
+    world: tuple = ()
 
-    def run_file(self, overrides: dict) -> dict:
-        """The trial's verl run file: the base, then the trial's knobs (verl keys, Hydra spelling)."""
+    def run_file(self, overrides: dict, config: Optional[dict] = None) -> dict:
+        """The trial's verl run file: the base, the trial's world, then the trial's knobs (verl keys, Hydra
+        spelling). ``config``: the trial's nested config (the tuner's view of it), whose run options go along: its
+        length (a probe runs 1 step), the worst case, and when it may stop measuring (``--precision``, the front)."""
         from trainer.verl_engine.overrides import hydra_value
 
         knobs = [f"{k}={hydra_value(v)}" for k, v in overrides.items()]
@@ -165,7 +170,22 @@ class VerlEngine:
             "warmup": self.warmup,
             "memory_limit_gb": self.memory_limit_gb,
         }
-        return {"overrides": [*self.base_overrides, *knobs], "ppotune": opts}
+        if config is not None:
+            opts.update(run_options(config))
+        return {"overrides": [*self.base_overrides, *self.world, *knobs], "ppotune": opts}
+
+
+def run_options(config: dict) -> dict:
+    """What a verl run file's ``ppotune:`` section takes from a trial's nested config (trainer.verl_engine.adapter's
+    RUN_OPTIONS): the run's length, and the measuring options only where they act."""
+    ppo = config.get("ppotune") or {}
+    out = {"steps": int(config["trainer"]["total_training_steps"]), "warmup": int(ppo.get("warmup_steps") or 0)}
+    if ppo.get("precision") or ppo.get("front"):
+        out.update(precision=ppo.get("precision"), min_measured_steps=int(ppo.get("min_measured_steps") or 3))
+        out["front"] = [list(p) for p in ppo.get("front") or []]
+    if ppo.get("worst_case"):
+        out["worst_case"] = True
+    return out
 
 
 #: The line a trial's log gains after each PPO step, per engine: ``ppotune train`` prints
@@ -196,7 +216,7 @@ class SubprocessRunner:
         d = request.trial_dir
         d.mkdir(parents=True, exist_ok=True)
         config_path, result_path = d / "config.yaml", d / "result.json"
-        config = request.config if self.verl is None else self.verl.run_file(request.overrides)
+        config = request.config if self.verl is None else self.verl.run_file(request.overrides, request.config)
         config_path.write_text(yaml.safe_dump(config, sort_keys=False))
         gpus = self.gpu_slice(request.slot)
         run = launch_trial(

@@ -61,10 +61,13 @@ class HFServer:
         top_k = int(params.get("top_k") or -1)
         ids = torch.tensor([prompt_ids], dtype=torch.long)
         sample = temperature > 0
+        # rollout.ignore_eos (vLLM's SamplingParams.ignore_eos; the worst-case probe): every response max_tokens long
+        ignore_eos = bool(params.get("ignore_eos", getattr(self.config, "ignore_eos", False)))
         out = self.model.generate(
             ids,
             attention_mask=torch.ones_like(ids),
             max_new_tokens=max_tokens,
+            min_new_tokens=max_tokens if ignore_eos else None,
             do_sample=sample,
             temperature=temperature if sample else None,
             top_p=top_p if sample else None,
@@ -76,7 +79,7 @@ class HFServer:
         )
         tokens = out.sequences[0, len(prompt_ids) :].tolist()
         for i, t in enumerate(tokens):  # generate pads after EOS in a batch; keep up to and with the EOS
-            if t in self.eos_ids:
+            if t in self.eos_ids and not ignore_eos:
                 tokens = tokens[: i + 1]
                 break
         log_probs = None

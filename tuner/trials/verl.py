@@ -1,0 +1,82 @@
+"""A search of verl trials (``--engine verl``): its decision base, how its trials run, and its world plan.
+
+One node for many (:mod:`tuner.world`), as for ppotune's own engine: production runs verl's
+``trainer.nnodes x trainer.n_gpus_per_node`` (or ``--target-nodes x --target-gpus-per-node``); a trial runs one
+node of ``--nproc`` GPUs with the global batch sizes scaled to production's per-GPU batch. The production job's
+overrides (the user's, plus its world and sizes where the target flags change them) are the study's
+``engine_overrides`` and what export writes; a trial appends the trial world (:attr:`VerlEngine.world`).
+
+Not for verl trials: the calibrated memory model (:data:`MEMORY_MODEL_NOTE`).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from trainer.config import flatten
+from trainer.launch.preflight import preflight_verl
+from trainer.verl_engine.overrides import hydra_value
+from tuner.trials.runners import VerlEngine
+from tuner.world import WorldPlan, plan_world, production_overrides, trial_overrides
+
+__all__ = ["MEMORY_MODEL_NOTE", "verl_search", "world_overrides"]
+
+#: Why a verl search runs without the memory model (``predicted_oom``): it fits per-phase peaks, and verl records
+#: none. Inferred OOMs (a config at least as hungry as a known OOM on every monotone knob) still apply.
+MEMORY_MODEL_NOTE = (
+    "no memory model for verl trials (predicted_oom off; inferred OOMs still apply): it fits per-phase peaks and "
+    "verl records none (its perf/max_memory_* are per-role allocator peaks never reset, GPU only; on CPU the "
+    "tuner sees one resident-memory peak of the whole Ray tree)"
+)
+
+
+def world_overrides(values: dict) -> list[str]:
+    """``key=value`` overrides (Hydra spelling) of a flat mapping, e.g. :func:`tuner.world.trial_overrides`."""
+    return [f"{k}={hydra_value(v)}" for k, v in values.items()]
+
+
+def verl_search(
+    base_config: str,
+    *,
+    python: Optional[str],
+    nproc: Optional[int],
+    steps: int,
+    warmup: int,
+    memory_limit_gb: Optional[float],
+    target_nodes: Optional[int] = None,
+    target_gpus_per_node: Optional[int] = None,
+    device: str = "cpu",
+) -> tuple[dict, VerlEngine, WorldPlan]:
+    """(the decision base: verl's config at the trial's world read into ppotune's typed config, how trials run, the
+    world plan). verl composes the production config first (its world and global sizes, whatever the run file
+    leaves to verl's defaults), then the trial's. Raises ValueError (ConfigError: one line naming file and key)."""
+    from trainer.verl_engine import adapter
+
+    spec = adapter.load_run(
+        base_config, python=python, steps=steps, warmup=warmup, memory_limit_gb=memory_limit_gb
+    )
+    preflight_verl(spec.get, source=base_config)  # its data, model and tokenizer, before verl composes
+    production = flatten(adapter.compose_verl(spec))
+    plan = plan_world(
+        production,
+        trial_world=nproc or int(production["trainer.n_gpus_per_node"]),
+        target_nodes=target_nodes,
+        target_gpus_per_node=target_gpus_per_node,
+        source=base_config,
+    )
+    # production's own world and sizes where the target flags say otherwise than the run file
+    prod = {k: v for k, v in production_overrides(plan).items() if production.get(k) != v}
+    base = (*spec.overrides, *world_overrides(prod))
+    world = trial_overrides(plan)
+    trial = tuple(world_overrides({k: v for k, v in world.items() if {**production, **prod}.get(k) != v}))
+    spec.overrides = [*base, *trial]
+    nested = adapter.decision_base(spec, device=device)
+    engine = VerlEngine(
+        python=spec.python,
+        base_overrides=base,
+        steps=steps,
+        warmup=warmup,
+        memory_limit_gb=memory_limit_gb,
+        world=trial,
+    )
+    return nested, engine, plan
