@@ -378,3 +378,21 @@ def test_the_confirmation_stage_runs_on_its_own_over_a_finished_study(setup):
     assert conf["complete"] and [e["number"] for e in conf["finalists"]] == [1, 2]
     # the confirmed ranking: #1 (1.6x the baseline), the baseline (1.0x), #2 (0.5x)
     assert WorstCaseStage(search.session).plan(3) == [1, 0, 2]
+
+
+def test_the_searchs_pick_and_headroom_decide_what_is_confirmed_and_probed(setup):
+    """``ppotune search --memory-headroom F --pick P`` (a :class:`tuner.study.selection.Selection`): the finalists
+    keep F free, and the probes follow P's order, as export will take them."""
+    from tuner.stages.confirmation import ConfirmationStage
+    from tuner.stages.worst_case import WorstCaseStage
+    from tuner.study.selection import Selection
+
+    space, _, flat = setup
+    study, storage = _study(space, flat, device_gb=10.0)
+    search = _search(setup, study, storage, ReplayRunner(_table(space, flat), rng=random.Random(0)), rounds=0)
+    search.run()
+    # the trials: #0 the baseline (200 tokens/s, 3 GB), #1 (320, 5), #2 (100, 2), #3 (160, 3), #4 (80, 2)
+    assert ConfirmationStage(search.session).plan(1)[0] == [1, 2]  # 10% of 10 GB free: every trial fits
+    assert ConfirmationStage(search.session, selection=Selection(headroom=0.55)).plan(1)[0] == [2]  # #1 is over
+    assert WorstCaseStage(search.session).plan(2) == [1, 0]  # the fastest first
+    assert WorstCaseStage(search.session, selection=Selection(pick="min-memory")).plan(2) == [2, 4]
