@@ -93,12 +93,12 @@ def run(args: argparse.Namespace) -> int:
             raise StorageError("--port must be in 1..65535 and --threads >= 1")
         storage = open_storage(spec)
     except StorageError as e:
-        print(f"ppotune storage-proxy: {e}", file=sys.stderr)
+        print(f"ppotune storage-proxy: error: {e}", file=sys.stderr)
         return ExitCode.USAGE
     taken = _port_taken(args.host, args.port)
     if taken:
         close_storage(storage)
-        print(f"ppotune storage-proxy: cannot serve on {args.host}:{args.port}: {taken}", file=sys.stderr)
+        print(f"ppotune storage-proxy: error: cannot serve on {args.host}:{args.port}: {taken}", file=sys.stderr)
         return ExitCode.ERROR
 
     # SIGTERM (Slurm, Kubernetes) ends the proxy like Ctrl-C: connections closed, exit code said
@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
         print("ppotune storage-proxy: stopped", flush=True)
         return 143 if stopping.is_set() else ExitCode.INTERRUPTED
     except RuntimeError as e:  # the port is taken
-        print(f"ppotune storage-proxy: cannot serve on {args.host}:{args.port}: {e}", file=sys.stderr)
+        print(f"ppotune storage-proxy: error: cannot serve on {args.host}:{args.port}: {e}", file=sys.stderr)
         return ExitCode.ERROR
     finally:
         signal.signal(signal.SIGTERM, old)
