@@ -16,7 +16,13 @@ from torch import nn
 
 from trainer.engine.parallel import Sharded
 
-__all__ = ["move_params", "move_optimizer_state", "activation_offload_context", "ActivationOffload"]
+__all__ = [
+    "move_params",
+    "move_optimizer_state",
+    "empty_device_cache",
+    "activation_offload_context",
+    "ActivationOffload",
+]
 
 
 def move_params(sharded: Sharded, device: torch.device) -> None:
@@ -28,8 +34,18 @@ def move_params(sharded: Sharded, device: torch.device) -> None:
     support ``.to()`` (FSDP2 re-registers its sharded parameters); FSDP1 has no public API for it: the flat
     parameter's local shard is moved.
     """
-    non_blocking = device.type == "cuda" or _on_cuda(sharded)
-    _relocate_params(sharded, lambda t: t.to(device, non_blocking=non_blocking))
+    on_cuda = _on_cuda(sharded)
+    _relocate_params(sharded, lambda t: t.to(device, non_blocking=device.type == "cuda" or on_cuda))
+    if on_cuda and device.type == "cpu":
+        empty_device_cache()  # verl's offload_fsdp_model_to_cpu(empty_cache=True): NVML sees the shards go
+
+
+def empty_device_cache() -> None:
+    """Give the CUDA allocator's cached free blocks back to the device, where verl does (after a model offload,
+    around the rollout's weight sync): what NVML reads, and what a colocated vLLM engine can take, then matches
+    verl's. It waits for the device (cudaFree does), as verl's call does. A no-op without CUDA."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 def _on_cuda(sharded: Sharded) -> bool:

@@ -21,10 +21,11 @@ from __future__ import annotations
 import os
 import tempfile
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 
+from trainer.engine.offload import empty_device_cache
 from trainer.engine.rollout import Sampling
 
 __all__ = ["EnginePlan", "engine_plan", "cpu_kv_cache_bytes", "VLLMRollout", "DTYPE_BYTES"]
@@ -164,10 +165,19 @@ class VLLMRollout:
         )
         self.llm.reset_prefix_cache()
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """verl's colocated ``update_weights``: wake the weights, push, wake the KV cache."""
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, release: Optional[Callable[[], None]] = None
+    ) -> None:
+        """verl's colocated ``update_weights`` (ActorRolloutRefWorker.update_weights), in its order: the trainer's
+        cached free blocks given back, the weights woken, the push, then ``release`` (the trainer offloads what it
+        brought to the device for the push: the actor's shards under ``param_offload``), the cache given back
+        again, and only then the KV cache woken, so the engine's KV cache never meets the actor's weights."""
+        empty_device_cache()
         self.wake(["weights"])
         self.push_weights(named_tensors)
+        if release is not None:
+            release()
+        empty_device_cache()
         self.wake(["kv_cache"])
 
     # ------------------------------------------------------------------ generation
