@@ -71,7 +71,9 @@ class WorldPlan:
         """One line: what the trials ran against what production runs."""
         if not self.scaled:
             return f"trials run the production world ({self.target_world} GPUs)"
-        sizes = ", ".join(f"{k.rsplit('.', 1)[-1]} {p} -> {t}" for k, (p, t) in self.sizes.items() if p != t)
+        leaf = [k.rsplit(".", 1)[-1] for k in self.sizes]
+        name = {k: n if leaf.count(n) == 1 else f"{k.split('.', 1)[0]}.{n}" for k, n in zip(self.sizes, leaf)}
+        sizes = ", ".join(f"{name[k]} {p} -> {t}" for k, (p, t) in self.sizes.items() if p != t)
         return (
             f"trials run {self.trial_world} GPUs for a {self.target_nodes} x {self.target_gpus_per_node} = "
             f"{self.target_world}-GPU job: global batch sizes scaled by {self.trial_world}/{self.target_world} "

@@ -214,7 +214,7 @@ def test_verl_export_writes_production_and_validate_runs_it(cli, verl_study, tmp
     # the exported verl command is what the winning trial ran, less its world (production's: 2 nodes, the
     # global sizes as written) and less what a trial adds for itself
     knobs = [f"{k}={v}" for k, v in ok[chosen].overrides.items()]  # the chosen knobs (none: baseline)
-    assert exported[len(exported) - len(knobs) - 1] == "trainer.nnodes=2"
+    assert exported[len(exported) - len(knobs) - 1] == "trainer.nnodes=2" and "trainer.nnodes=1" not in exported
     assert "data.train_batch_size=8" in exported and "data.train_batch_size=4" not in exported
     base = exported[: len(exported) - len(knobs)]
     assert ran["overrides"] == base + TRIAL_WORLD + knobs

@@ -474,8 +474,9 @@ def _stream(cmd: list[str], *, env: dict[str, str], cwd: Path, enough=lambda: No
             if not oom_line and _OOM.search(line):
                 oom_line.append(line.strip())
                 watchdog.start()
-            if not oom_line and proc.poll() is None and enough():
-                print(f"ppotune train: measured enough, ending verl: {enough()}", flush=True)
+            why = None if oom_line or proc.poll() is not None else enough()
+            if why:
+                print(f"ppotune train: measured enough, ending verl: {why}", flush=True)
                 proc.send_signal(signal.SIGTERM)
         returncode = proc.wait()
     finally:

@@ -11,6 +11,11 @@ larger; CPU: resident memory above the post-start level), measured like a trial 
 (:class:`tuner.trials.runners.SubprocessRunner`, or a warm one). The probe's step trains on that synthetic batch:
 its throughput means nothing and it saves nothing.
 
+Through verl (a search with ``--engine verl``, or CONFIG a verl run file): verl's own step of generated prompts at
+``data.max_prompt_length`` real tokens with ``actor_rollout_ref.rollout.ignore_eos=True``
+(:mod:`trainer.verl_engine.worst_case`); its peak is the tuner's sample of verl's processes (verl records no
+per-phase peaks), its lengths verl's own min/max.
+
 :func:`probe` is what the search runs on its finalists (the result's :meth:`ProbeResult.to_dict` fits in
 a study attribute); ``ppotune probe`` runs it alone. Exit codes (``ExitCode``): 0 it fits, 3 it ran out
 of memory, 2 bad input (one line naming the file and the key), 1 another failure (crash, hang), 130 Ctrl-C.
@@ -38,7 +43,7 @@ from trainer.config import (
 from trainer.contracts import PHASES, ExitCode, Status
 from tuner.trials.launch import add_hang_flags, next_numbered_dir, stop_on_signals
 from tuner.trials.memory import nvml_available
-from tuner.trials.runners import SubprocessRunner, TrialOutcome, TrialRequest, TrialRunner
+from tuner.trials.runners import SubprocessRunner, TrialOutcome, TrialRequest, TrialRunner, VerlEngine
 
 __all__ = [
     "WORST_CASE_ATTR",
@@ -256,6 +261,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="the probe's files go to DIR/probe/<k>/ (default: CONFIG's directory)",
     )
+    p.add_argument(
+        "--engine-python",
+        metavar="PY",
+        default=None,
+        help="CONFIG a verl run file (export of an --engine verl study): the interpreter of your verl environment "
+        "(default: CONFIG's ppotune.python, else this one)",
+    )
     add_hang_flags(p, subject="a probe", step=False)  # one step: no next step to wait for
 
 
@@ -273,6 +285,30 @@ def _config_of(args) -> dict:
     return config_to_dict(config_from_dict(apply_overrides(checked, PROBE_KEYS), source=args.config))
 
 
+def _verl_of(args) -> tuple[dict, VerlEngine]:
+    """A verl run file (what export wrote for an ``--engine verl`` study) + ``-o`` (Hydra overrides) + flags -> (the
+    probe's nested config: verl's composed config read into ours, the trial's ``ppotune`` keys; how it runs)."""
+    from trainer.verl_engine import adapter
+
+    spec = adapter.load_run(
+        args.config, list(args.override), python=args.engine_python, memory_limit_gb=args.memory_limit_gb
+    )
+    if args.nproc is not None:
+        spec.overrides.append(f"trainer.n_gpus_per_node={args.nproc}")
+    device = "cuda" if (args.device or spec.device) != "cpu" and nvml_available() else "cpu"
+    nested = adapter.decision_base(spec, device=device)
+    if nested["trainer"]["nnodes"] != 1:
+        raise ConfigError(
+            "trainer.nnodes",
+            f"{nested['trainer']['nnodes']}: a probe runs on this node; pass -o trainer.nnodes=1 with the global "
+            "sizes of one node, or probe within the search (ppotune search --probe K: at the trials' world)",
+            source=args.config,
+        )
+    nested = apply_overrides(nested, {"ppotune.memory_limit_gb": spec.memory_limit_gb, "ppotune.device": device})
+    engine = VerlEngine(spec.python, tuple(spec.overrides), steps=1, warmup=0, memory_limit_gb=spec.memory_limit_gb)
+    return config_to_dict(config_from_dict(apply_overrides(nested, PROBE_KEYS), source=args.config)), engine
+
+
 def _session_dir(args) -> Path:
     return next_numbered_dir((Path(args.out) if args.out else Path(args.config).resolve().parent) / "probe")
 
@@ -281,8 +317,9 @@ _EXIT = {Status.OK: ExitCode.OK, Status.OOM: ExitCode.OOM, Status.INVALID: ExitC
 
 
 def run(args) -> int:
-    try:
-        config = _config_of(args)
+    try:  # a verl run file (overrides: [...]) is probed through verl itself
+        verl = isinstance(read_yaml_mapping(args.config, what="the config to probe").get("overrides"), list)
+        config, engine = _verl_of(args) if verl else (_config_of(args), None)
     except ConfigError as e:
         print(f"ppotune probe: error: {e}", file=sys.stderr)
         return ExitCode.USAGE
@@ -293,6 +330,7 @@ def run(args) -> int:
         nproc=nproc,
         grace_s=args.kill_grace,
         startup_timeout_s=args.startup_timeout,
+        verl=engine,
     )
     try:
         out = _session_dir(args)

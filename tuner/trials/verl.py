@@ -15,7 +15,7 @@ from typing import Optional
 
 from trainer.config import flatten
 from trainer.launch.preflight import preflight_verl
-from trainer.verl_engine.overrides import hydra_value
+from trainer.verl_engine.overrides import hydra_value, override_key
 from tuner.trials.runners import VerlEngine
 from tuner.world import WorldPlan, plan_world, production_overrides, trial_overrides
 
@@ -35,6 +35,19 @@ def world_overrides(values: dict) -> list[str]:
     return [f"{k}={hydra_value(v)}" for k, v in values.items()]
 
 
+def _with_values(overrides: list[str], values: dict) -> tuple:
+    """``overrides`` with ``values`` set: an override of one of those keys takes the value where it stands, the
+    others are appended (so the run file's lines stay the user's, in order)."""
+    out, todo = [], dict(values)
+    for o in overrides:
+        key = override_key(o)
+        if key in values:
+            o = f"{o.split('=', 1)[0]}={hydra_value(values[key])}"
+            todo.pop(key, None)
+        out.append(o)
+    return (*out, *world_overrides(todo))
+
+
 def verl_search(
     base_config: str,
     *,
@@ -52,9 +65,7 @@ def verl_search(
     leaves to verl's defaults), then the trial's. Raises ValueError (ConfigError: one line naming file and key)."""
     from trainer.verl_engine import adapter
 
-    spec = adapter.load_run(
-        base_config, python=python, steps=steps, warmup=warmup, memory_limit_gb=memory_limit_gb
-    )
+    spec = adapter.load_run(base_config, python=python, steps=steps, warmup=warmup, memory_limit_gb=memory_limit_gb)
     preflight_verl(spec.get, source=base_config)  # its data, model and tokenizer, before verl composes
     production = flatten(adapter.compose_verl(spec))
     plan = plan_world(
@@ -66,7 +77,7 @@ def verl_search(
     )
     # production's own world and sizes where the target flags say otherwise than the run file
     prod = {k: v for k, v in production_overrides(plan).items() if production.get(k) != v}
-    base = (*spec.overrides, *world_overrides(prod))
+    base = _with_values(spec.overrides, prod)
     world = trial_overrides(plan)
     trial = tuple(world_overrides({k: v for k, v in world.items() if {**production, **prod}.get(k) != v}))
     spec.overrides = [*base, *trial]
