@@ -60,7 +60,7 @@ from trainer.contracts import CONSTRAINT_KEY, DIRECTIONS, Status, TrialRecord, p
 from tuner.search import decide  # noqa: E402
 from tuner.search.loop import Search, SearchOptions  # noqa: E402
 from tuner.search.policy import build_sampler  # noqa: E402
-from tuner.search.session import TrialEvent  # noqa: E402
+from tuner.search.session import TrialEvent, TrialSession  # noqa: E402
 from tuner.space import Space, base_flat_config, load_space, space_from_dict  # noqa: E402
 from tuner.stages.confirm import DEFAULT_ROUNDS, MAX_FINALISTS, Rerun, paired_ratios  # noqa: E402
 from tuner.study.lifecycle import StudyLock  # noqa: E402
@@ -215,15 +215,17 @@ def run_search(sampler: str, seed: int, rec: Recording, *, hint: int, cap_s: flo
     stop = _StopAt(cap_s)
     search = Search(
         options=SearchOptions(trials=10 * len(rec.table), sampler=name, seed=seed),
-        study=study,
-        storage=storage,
-        lock=StudyLock(None),
-        space=rec.space,
-        trial_base=rec.trial_base,
-        trial_flat=rec.flat,
-        runner=runner,
-        penalty_gb=rec.penalty_gb,
-        observer=stop,
+        session=TrialSession(
+            study=study,
+            storage=storage,
+            lock=StudyLock(None),
+            space=rec.space,
+            trial_base=rec.trial_base,
+            trial_flat=rec.flat,
+            runner=runner,
+            penalty_gb=rec.penalty_gb,
+            observer=stop,
+        ),
     )
     stop.search = search
     search.run()

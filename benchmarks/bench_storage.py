@@ -44,6 +44,7 @@ from trainer.contracts import STUDY_SCHEMA_VERSION, Status, TrialRecord, parse_s
 from tuner.search.decide import counted  # noqa: E402
 from tuner.search.loop import Search, SearchOptions  # noqa: E402
 from tuner.search.policy import build_sampler  # noqa: E402
+from tuner.search.session import TrialSession  # noqa: E402
 from tuner.space import base_flat_config, load_space  # noqa: E402
 from tuner.study import lifecycle as st  # noqa: E402
 from tuner.study.storage import close_storage, open_storage  # noqa: E402
@@ -109,16 +110,18 @@ def worker(args: argparse.Namespace) -> int:
     heartbeat = st.Heartbeat(storage, interval_s=options.heartbeat_s)
     search = Search(
         options=options,
-        study=study,
-        storage=storage,
-        lock=lock,
-        space=space,
-        trial_base=trial_base,
-        trial_flat=trial_flat,
-        runner=SleepRunner(args.sleep),
-        penalty_gb=100.0,
-        trials_dir=Path(args.trials_dir),
-        heartbeat=heartbeat,
+        session=TrialSession(
+            study=study,
+            storage=storage,
+            lock=lock,
+            space=space,
+            trial_base=trial_base,
+            trial_flat=trial_flat,
+            runner=SleepRunner(args.sleep),
+            penalty_gb=100.0,
+            trials_dir=Path(args.trials_dir),
+            heartbeat=heartbeat,
+        ),
     )
     heartbeat.start()
     try:

@@ -265,18 +265,21 @@ def search_over(setup: tuple, study, storage, runner, *, observer=None, **option
     """``tuner.search.loop.Search`` over ``setup`` (:func:`tiny_setup`) with ``runner``, seed 0, the in-process lock
     only; ``options``: the rest of ``SearchOptions`` (``trials`` at least)."""
     from tuner.search.loop import Search, SearchOptions
+    from tuner.search.session import TrialSession
     from tuner.study import lifecycle as st
 
     space, trial_base, flat = setup
     return Search(
         options=SearchOptions(seed=0, **options),
-        study=study,
-        storage=storage,
-        lock=st.StudyLock(None),
-        space=space,
-        trial_base=trial_base,
-        trial_flat=flat,
-        runner=runner,
-        penalty_gb=64.0,
-        observer=observer,
+        session=TrialSession(
+            study=study,
+            storage=storage,
+            lock=st.StudyLock(None),
+            space=space,
+            trial_base=trial_base,
+            trial_flat=flat,
+            runner=runner,
+            penalty_gb=64.0,
+            observer=observer,
+        ),
     )

@@ -19,6 +19,7 @@ from trainer.config import apply_overrides, config_from_dict, config_to_dict, fl
 from trainer.contracts import DIRECTIONS, Status, TrialRecord
 from tuner.search.gate import MEMORY_MODEL_ATTR
 from tuner.search.loop import Search, SearchOptions
+from tuner.search.session import TrialSession
 from tuner.space import base_flat_config, space_from_dict
 from tuner.study import lifecycle as st
 from tuner.trials.runners import SubprocessRunner
@@ -66,15 +67,17 @@ def test_far_over_the_cap_is_never_launched_and_near_it_is(tmp_path):
     runner = WarmRunner(cold=cold, jobs_dir=tmp_path / "jobs")
     search = Search(
         options=SearchOptions(trials=len(CALIBRATION) + 1, sampler="random", seed=0),  # + the near one
-        study=study,
-        storage=storage,
-        lock=st.StudyLock(None),
-        space=space,
-        trial_base=trial_base,
-        trial_flat=flatten(trial_base),
-        runner=runner,
-        penalty_gb=CAP_GB,
-        trials_dir=tmp_path / "trials",
+        session=TrialSession(
+            study=study,
+            storage=storage,
+            lock=st.StudyLock(None),
+            space=space,
+            trial_base=trial_base,
+            trial_flat=flatten(trial_base),
+            runner=runner,
+            penalty_gb=CAP_GB,
+            trials_dir=tmp_path / "trials",
+        ),
     )
     try:
         search.run()

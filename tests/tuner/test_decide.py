@@ -16,7 +16,7 @@ from tuner.search import decide
 from tuner.search.budget import MAX_CONSECUTIVE_FREE
 from tuner.search.loop import WAIT, Search, SearchOptions
 from tuner.search.policy import EXPLORE_AFTER_DUPLICATES, Pick, build_sampler
-from tuner.search.session import TrialEvent
+from tuner.search.session import TrialEvent, TrialSession
 from tuner.space import LOG2_PREFIX, space_from_dict
 from tuner.study import lifecycle as st
 from tuner.trials.runners import Recorded, ReplayRunner
@@ -377,14 +377,16 @@ def _worker(setup, study, storage, trials: int):
     space, trial_base, flat = setup
     return Search(
         options=SearchOptions(trials=trials, sampler="random", seed=0, heartbeat_s=0.2, grace_s=1.0),
-        study=study,
-        storage=storage,
-        lock=st.StudyLock(None),  # no cross-process lock: the gRPC proxy's case
-        space=space,
-        trial_base=trial_base,
-        trial_flat=flat,
-        runner=ReplayRunner(_replay_table(space, flat), rng=random.Random(0)),
-        penalty_gb=64.0,
+        session=TrialSession(
+            study=study,
+            storage=storage,
+            lock=st.StudyLock(None),  # no cross-process lock: the gRPC proxy's case
+            space=space,
+            trial_base=trial_base,
+            trial_flat=flat,
+            runner=ReplayRunner(_replay_table(space, flat), rng=random.Random(0)),
+            penalty_gb=64.0,
+        ),
     )
 
 

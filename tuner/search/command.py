@@ -44,6 +44,7 @@ from tuner.search.flags import add_arguments
 from tuner.search.loop import Search, SearchOptions
 from tuner.search.policy import build_sampler
 from tuner.search.progress import ConsoleObserver, Display, seed_display, summary
+from tuner.search.session import TrialSession
 from tuner.space import Space, base_flat_config, comparable_space, load_space
 from tuner.study import lifecycle as st
 from tuner.study.schema import name_problem, override_keys_of, read_study_attrs, read_trial
@@ -498,17 +499,19 @@ def _search(
         tracker = TrialTracker(project="ppotune", group=name, out_dir=out_dir)
     search = Search(
         options=options,
-        study=study,
-        storage=storage,
-        lock=lock,
-        space=space,
-        trial_base=inputs.trial_base,
-        trial_flat=inputs.trial_flat,
-        runner=runner,
-        penalty_gb=opened.penalty_gb,
-        trials_dir=out_dir / "trials",
-        observer=ConsoleObserver(display, tracker),
-        heartbeat=st.Heartbeat(storage, interval_s=options.heartbeat_s),
+        session=TrialSession(
+            study=study,
+            storage=storage,
+            lock=lock,
+            space=space,
+            trial_base=inputs.trial_base,
+            trial_flat=inputs.trial_flat,
+            runner=runner,
+            penalty_gb=opened.penalty_gb,
+            trials_dir=out_dir / "trials",
+            observer=ConsoleObserver(display, tracker),
+            heartbeat=st.Heartbeat(storage, interval_s=options.heartbeat_s),
+        ),
     )
     code = _run_search(search, display, spec, name, out_dir, report=args.report)
     if code == ExitCode.OK:

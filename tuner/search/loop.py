@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Optional
 
 import optuna
@@ -37,12 +36,10 @@ from tuner.search.budget import MAX_FAILURES_IN_A_ROW, Budget, FailureRule, Halt
 from tuner.search.gate import MemoryGate
 from tuner.search.policy import SAMPLERS, ProposalPolicy, startup_trials
 from tuner.search.session import Proposal, SearchObserver, TrialEvent, TrialSession
-from tuner.space import Space
 from tuner.stages.confirmation import ConfirmationStage
 from tuner.stages.worst_case import WorstCaseStage
 from tuner.study import lifecycle as st
 from tuner.study.selection import Selection
-from tuner.trials.runners import TrialRunner
 
 __all__ = ["SearchOptions", "Search", "WAIT"]
 
@@ -98,44 +95,24 @@ WAIT = _Wait()
 
 @dataclass
 class Search:
-    """One search process over one study (several may share the study)."""
+    """One search process over one study (several may share the study): the ask/tell loop over a
+    :class:`TrialSession` (what it needs to ask, run and tell a trial), wired here to the loop's options."""
 
     options: SearchOptions
-    study: optuna.Study
-    storage: Any
-    lock: st.StudyLock
-    space: Space
-    trial_base: dict  # nested base of every trial: base config + world size + steps + warm-up + memory cap
-    trial_flat: dict
-    runner: TrialRunner
-    penalty_gb: float  # the memory value of an infeasible (OOM/hang) trial
-    trials_dir: Optional[Path] = None  # <out>/trials: each trial's files go to trials_dir/<number>
-    observer: Optional[SearchObserver] = None
-    heartbeat: Optional[st.Heartbeat] = None
-    stop_event: threading.Event = field(default_factory=threading.Event)
+    session: TrialSession
     stopped_reason: Optional[str] = None
     #: set when the search stopped because it cannot work (FailureRule): the reason and the exit code
     halt: Optional[Halt] = None
 
     def __post_init__(self) -> None:
-        o = self.options
+        o, s = self.options, self.session
         self.failures = FailureRule(o.max_failures_in_a_row)
-        self.session = TrialSession(
-            study=self.study,
-            storage=self.storage,
-            lock=self.lock,
-            space=self.space,
-            trial_base=self.trial_base,
-            trial_flat=self.trial_flat,
-            runner=self.runner,
-            penalty_gb=self.penalty_gb,
-            trials_dir=self.trials_dir,
-            observer=_Watched(self.observer, self._watch),
-            heartbeat=self.heartbeat,
-            stop_event=self.stop_event,
-            heartbeat_s=o.heartbeat_s,
-            grace_s=o.grace_s,
-        )
+        s.heartbeat_s, s.grace_s = o.heartbeat_s, o.grace_s
+        s.observer = _Watched(s.observer, self._watch)
+        # the session's parts the loop reads, by their names
+        self.study, self.storage, self.lock, self.space = s.study, s.storage, s.lock, s.space
+        self.trial_flat, self.runner = s.trial_flat, s.runner
+        self.stop_event, self.heartbeat = s.stop_event, s.heartbeat
         self.policy = ProposalPolicy(
             self.space,
             self.trial_flat,
@@ -145,7 +122,7 @@ class Search:
             serialized=self.lock.exact or isinstance(self.storage, optuna.storages.InMemoryStorage),
         )
         self.budget = Budget(trials=o.trials, timeout_s=o.timeout_s, confirm=o.confirm, probe=o.probe)
-        self.gate = MemoryGate(self.study, limit_gb=self.penalty_gb, enabled=o.predict_oom)
+        self.gate = MemoryGate(self.study, limit_gb=s.penalty_gb, enabled=o.predict_oom)
 
     def _watch(self, e: TrialEvent) -> None:
         """Every trial this process finished: a search that cannot work stops now (:class:`FailureRule`)."""
