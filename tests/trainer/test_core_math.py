@@ -527,3 +527,128 @@ def test_core_stays_pure():
     assert ".item(" not in source
     assert "torch.distributed" not in source
     assert "import trainer.config" not in source and "from trainer" not in source and "from ." not in source
+
+
+# ---------------------------------------------------------------- KL "+" variants, verl's loss aggregation
+
+
+@pytest.mark.parametrize("name", ["kl+", "k1+", "abs+", "k2+", "mse+", "low_var_kl+", "k3+"])
+def test_kl_plus_keeps_the_value_and_takes_k2s_gradient(name):
+    """verl's straight-through trick: the value of the base estimator, the gradient of 0.5 d^2 (= d)."""
+    logp = LOGP.clone().requires_grad_(True)
+    value = kl_penalty(logp, REF, name)
+    close(value, kl_penalty(LOGP, REF, name[:-1]))
+    (grad,) = torch.autograd.grad(value.sum(), logp)
+    close(grad, LOGP - REF)  # d = [0.5, -1.0]
+
+
+# loss [[1, 2, (9)], [3, (9), (9)]]: sequence sums 3 and 3, token means 1.5 and 3, 3 tokens, 2 sequences
+AGG_LOSS, AGG_MASK = t64([1.0, 2.0, 9.0], [3.0, 9.0, 9.0]), t64([1, 1, 0], [1, 0, 0])
+
+
+@pytest.mark.parametrize(
+    ("mode", "expected"),
+    [
+        ("token-mean", 6.0 / 3),
+        ("token-sum", 6.0),
+        ("seq-mean-token-sum", (3.0 + 3.0) / 2),
+        ("seq-mean-token-mean", (1.5 + 3.0) / 2),
+        ("seq-mean-token-sum-norm", (3.0 + 3.0) / 2 / 3),  # loss_scale_factor 3
+    ],
+)
+def test_agg_loss_by_hand_and_split_invariant(mode, expected):
+    kw = dict(loss_agg_mode=mode, global_num_tokens=3, global_num_seqs=2, loss_scale_factor=3)
+    close(core.agg_loss(AGG_LOSS, AGG_MASK, **kw), expected, atol=1e-7)  # seq-mean-token-mean: / (tokens + 1e-8)
+    # one micro-batch per sequence: the parts add up to the whole (the update does not see the split)
+    parts = sum(core.agg_loss(AGG_LOSS[i : i + 1], AGG_MASK[i : i + 1], **kw) for i in range(2))
+    close(parts, expected, atol=1e-7)
+
+
+def test_agg_loss_seq_modes_skip_empty_sequences_but_count_them():
+    """verl: a sequence with no token contributes nothing, the divisor is the global mini-batch's size."""
+    loss = torch.cat([AGG_LOSS, t64([5.0, 5.0, 5.0])])
+    mask = torch.cat([AGG_MASK, t64([0, 0, 0])])
+    out = core.agg_loss(loss, mask, loss_agg_mode="seq-mean-token-sum", global_num_tokens=3, global_num_seqs=3)
+    close(out, 6.0 / 3)
+
+
+def test_policy_kl_and_entropy_losses_take_the_aggregation():
+    logp, old, adv = t64([-1.0, -1.0], [-1.0, -1.0]), t64([-1.0, -1.0], [-1.0, -1.0]), t64([1.0, 2.0], [4.0, 0.0])
+    mask = t64([1, 1], [1, 0])
+    kw = dict(loss_agg_mode="seq-mean-token-sum", global_num_tokens=3, global_num_seqs=2)
+    pg = compute_policy_loss(old, logp, adv, mask, clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0, **kw)
+    close(pg["pg_loss"], -(1.0 + 2.0 + 4.0) / 2)  # ratio 1: -A summed per sequence, / 2 sequences
+    close(pg["ppo_kl"], 0.0)  # the metrics stay token means
+    close(compute_entropy_loss(adv, mask, **kw), (3.0 + 4.0) / 2)
+    close(compute_kl_loss(logp, logp - 1.0, mask, kl_loss_type="k1", **kw), (2.0 + 1.0) / 2)
+
+
+# ---------------------------------------------------------------- critic-free estimators (trainer/engine/estimators.py)
+# scores of 5 responses: prompt 7 twice (1, 0), prompt 3 twice (1, 1), prompt 9 once (0.5)
+SCORES, UIDS = t64(1.0, 0.0, 1.0, 1.0, 0.5), torch.tensor([7, 7, 3, 3, 9])
+EPS = 1e-6
+STD_10 = math.sqrt(0.5)  # unbiased std of (1, 0)
+
+
+def test_grpo_by_hand():
+    from trainer.engine.estimators import grpo_outcome_advantage
+
+    # (s - mean) / (std + eps); a group of equal scores gets 0; a singleton has mean 0, std 1
+    expected = [0.5 / (STD_10 + EPS), -0.5 / (STD_10 + EPS), 0.0, 0.0, 0.5 / (1.0 + EPS)]
+    close(grpo_outcome_advantage(SCORES, UIDS), expected)
+    close(grpo_outcome_advantage(SCORES, UIDS, norm_adv_by_std=False), [0.5, -0.5, 0.0, 0.0, 0.5])  # Dr. GRPO
+
+
+def test_rloo_by_hand():
+    from trainer.engine.estimators import rloo_outcome_advantage, rloo_vectorized_outcome_advantage
+
+    scores, uids = t64(3.0, 0.0, 0.0, 2.0), torch.tensor([0, 0, 0, 1])
+    # each against the mean of the others: 3 - 0, 0 - 1.5, 0 - 1.5; a singleton keeps its score (loop version)
+    close(rloo_outcome_advantage(scores, uids), [3.0, -1.5, -1.5, 2.0])
+    close(rloo_vectorized_outcome_advantage(scores, uids), [3.0, -1.5, -1.5, 0.0])  # ... or 0 (vectorized)
+
+
+def test_opo_gpg_and_group_baseline_by_hand():
+    from trainer.engine.estimators import gpg_outcome_advantage, group_baseline_advantage, opo_outcome_advantage
+
+    # OPO: baseline sum(len s) / sum(len) = (3 * 1 + 1 * 0) / 4 = 0.75; 1, 1 -> 1; singleton baseline 0
+    close(opo_outcome_advantage(SCORES, UIDS, t64(3.0, 1.0, 2.0, 2.0, 5.0)), [0.25, -0.75, 0.0, 0.0, 0.5])
+    # GPG: alpha = 5 responses / 4 nonzero scores
+    close(gpg_outcome_advantage(SCORES, UIDS), [1.25 * 0.5, -1.25 * 0.5, 0.0, 0.0, 1.25 * 0.5])
+    close(group_baseline_advantage(SCORES, UIDS), [0.5, -0.5, 0.0, 0.0, 0.5])
+
+
+def test_grpo_passk_by_hand():
+    from trainer.engine.estimators import grpo_passk_outcome_advantage
+
+    scores, uids = t64(1.0, 0.0, 2.0, 3.0, 2.0, 2.0, 1.0), torch.tensor([0, 0, 1, 1, 2, 2, 2])
+    # only each group's best: r_max - r_second (/ std + eps); a tie at the top gives 0
+    close(grpo_passk_outcome_advantage(scores, uids, norm_adv_by_std=False), [1.0, 0, 0, 1.0, 0, 0, 0])
+    close(
+        grpo_passk_outcome_advantage(scores, uids),
+        [1.0 / (STD_10 + EPS), 0, 0, 1.0 / (STD_10 + EPS), 0, 0, 0],
+    )
+
+
+def test_reinforce_plus_plus_returns_by_hand():
+    from trainer.engine.estimators import reinforce_plus_plus_returns
+
+    rewards = t64([0.0, 0.0, 1.0], [0.0, 0.0, 1.0])
+    # gamma 0.5: 0.25, 0.5, 1; a masked (observation) token passes the running return through
+    out = reinforce_plus_plus_returns(rewards, t64([1, 1, 1], [1, 0, 1]), gamma=0.5)
+    close(out, t64([0.25, 0.5, 1.0], [0.5, 0.0, 1.0]))
+
+
+def test_remax_by_hand():
+    from trainer.engine.estimators import remax_advantage_return
+
+    adv, returns = remax_advantage_return(t64([0.0, 1.0, 0.0]), t64(0.25), t64([1, 1, 0]))
+    close(returns, t64([1.0, 1.0, 0.0]))
+    close(adv, t64([0.75, 0.75, 0.0]))
+
+
+def test_every_configured_estimator_is_registered():
+    from trainer.config.rules import ADV_ESTIMATORS
+    from trainer.engine.estimators import ESTIMATORS
+
+    assert set(ESTIMATORS) == set(ADV_ESTIMATORS)

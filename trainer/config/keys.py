@@ -8,7 +8,9 @@ need: the FSDP sections, the precision spellings, the keys verl's YAML does not 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
+
+from trainer.config.schema import CRITIC_ESTIMATORS
 
 __all__ = [
     "config_to_dict",
@@ -22,6 +24,7 @@ __all__ = [
     "VERL_UNDECLARED",
     "verl_override_key",
     "RETIRED",
+    "absent_role",
 ]
 
 
@@ -107,3 +110,19 @@ def verl_override_key(key: str) -> str:
 RETIRED = {
     "dtype": "verl's FSDP engine computes in fsdp_config.mixed_precision.param_dtype (bf16 | fp32); set that",
 }
+
+
+def absent_role(flat: Mapping[str, Any], key: str) -> Optional[str]:
+    """Why ``key`` acts on nothing in the config ``flat`` (dotted keys): it belongs to a role the run does not
+    build (verl's need_critic, need_reference_policy), or None. A flat config without the deciding keys keeps
+    every role."""
+    if key.startswith("critic.") and "critic.enable" in flat:
+        enable, estimator = flat["critic.enable"], flat.get("algorithm.adv_estimator", "gae")
+        if enable is False:
+            return "no critic (critic.enable=false)"
+        if enable is None and estimator not in CRITIC_ESTIMATORS:
+            return f"no critic: algorithm.adv_estimator={estimator} reads no values"
+    if key.startswith("actor_rollout_ref.ref.") and "actor_rollout_ref.actor.use_kl_loss" in flat:
+        if not flat["actor_rollout_ref.actor.use_kl_loss"] and not flat.get("algorithm.use_kl_in_reward", False):
+            return "no reference model: neither algorithm.use_kl_in_reward nor actor_rollout_ref.actor.use_kl_loss"
+    return None

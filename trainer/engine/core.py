@@ -41,6 +41,7 @@ __all__ = [
     "FixedKLController",
     "AdaptiveKLController",
     "agg_token_mean",
+    "agg_loss",
     "compute_policy_loss",
     "compute_value_loss",
     "compute_entropy_loss",
@@ -53,6 +54,7 @@ Scalar = Union[float, int, torch.Tensor]
 # finite in fp32, whereas an unbounded exp overflows to inf and inf - inf gives NaN.
 _LOG_RATIO_BOUND = 20.0
 _KL_NAMES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+_SEQ_MODES = ("seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 def _upcast_low_precision(x: torch.Tensor) -> torch.Tensor:
@@ -235,18 +237,20 @@ def moments_to_mean_var(
 
 
 def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str) -> torch.Tensor:
-    """Per-token estimate of ``KL(pi || pi_ref)`` from samples of ``pi``.
+    """Per-token estimate of ``KL(pi || pi_ref)`` from samples of ``pi`` (verl's ``core_algos.kl_penalty``).
 
     With ``d = logprob - ref_logprob``:
     ``"kl"``/``"k1"``: ``d`` (unbiased, high variance, can be negative);
     ``"abs"``: ``|d|``; ``"mse"``/``"k2"``: ``0.5 * d^2``;
     ``"low_var_kl"``/``"k3"``: ``exp(-d) + d - 1`` (unbiased, always >= 0), clamped to
     ``[-10, 10]`` like verl so one very unlikely token cannot dominate the loss.
+    A ``"+"`` suffix (``"k3+"``, ...): the same value with k2's gradient (straight through: k1 and k3 estimate
+    the KL without bias but not its gradient; k2's gradient is the right one).
     See http://joschu.net/blog/kl-approx.html.
 
     Args:
         logprob, ref_logprob: ``(B, T)``.
-        kl_penalty: estimator name (verl's ``algorithm.kl_penalty`` values).
+        kl_penalty: estimator name (verl's ``algorithm.kl_penalty`` / ``actor.kl_loss_type`` values).
 
     Returns:
         ``(B, T)``, unmasked.
@@ -254,16 +258,25 @@ def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str
     Raises:
         ValueError: unknown estimator name.
     """
-    if kl_penalty in ("kl", "k1"):
+    base = kl_penalty[:-1] if kl_penalty.endswith("+") else kl_penalty
+    forward = _kl_forward(logprob, ref_logprob, base, kl_penalty)
+    if not kl_penalty.endswith("+"):
+        return forward
+    backward = 0.5 * (logprob - ref_logprob).square()
+    return backward - backward.detach() + forward.detach()
+
+
+def _kl_forward(logprob: torch.Tensor, ref_logprob: torch.Tensor, name: str, spelled: str) -> torch.Tensor:
+    if name in ("kl", "k1"):
         return logprob - ref_logprob
-    if kl_penalty == "abs":
+    if name == "abs":
         return (logprob - ref_logprob).abs()
-    if kl_penalty in ("mse", "k2"):
+    if name in ("mse", "k2"):
         return 0.5 * (logprob - ref_logprob).square()
-    if kl_penalty in ("low_var_kl", "k3"):
+    if name in ("low_var_kl", "k3"):
         log_ratio = (ref_logprob - logprob).clamp(-_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)
         return (torch.exp(log_ratio) - log_ratio - 1.0).clamp(-10.0, 10.0)
-    raise ValueError(f"kl_penalty: unknown estimator {kl_penalty!r}; expected one of {_KL_NAMES}")
+    raise ValueError(f"kl_penalty: unknown estimator {spelled!r}; expected one of {_KL_NAMES} (or with '+')")
 
 
 def apply_kl_in_reward(
@@ -356,6 +369,47 @@ def agg_token_mean(loss_mat: torch.Tensor, mask: torch.Tensor, *, global_num_tok
     return (loss_mat * mask).sum() / global_num_tokens
 
 
+def agg_loss(
+    loss_mat: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    loss_agg_mode: str,
+    global_num_tokens: Scalar,
+    global_num_seqs: Scalar = 1,
+    loss_scale_factor: Scalar = 1,
+) -> torch.Tensor:
+    """verl's ``agg_loss`` over the whole mini-batch, one micro-batch at a time: the results of every micro-batch
+    (and rank) add up to the mini-batch's loss, whatever the split.
+
+    ``token-mean``: :func:`agg_token_mean`; ``token-sum``: ``sum(l * m)``; ``seq-mean-token-sum``: each sequence's
+    token sum, summed over the sequences that have a token, ``/ global_num_seqs``; ``seq-mean-token-mean``: each
+    sequence's token mean (``/ (tokens + 1e-8)``) likewise; ``seq-mean-token-sum-norm``: ``seq-mean-token-sum /
+    loss_scale_factor`` (Dr. GRPO, https://arxiv.org/abs/2503.20783). verl divides a sequence mode by the global
+    mini-batch's sequence count (``ppo_mini_batch_size x rollout.n``), so does ``global_num_seqs``. With data
+    parallelism the caller multiplies by the world size, as verl's ``dp_size`` does.
+
+    Args:
+        loss_mat, mask: ``(B, T)``.
+        global_num_tokens: valid tokens of the whole mini-batch (token-mean).
+        global_num_seqs: sequences of the whole mini-batch (the seq-mean modes).
+        loss_scale_factor: the divisor of ``seq-mean-token-sum-norm``.
+
+    Returns:
+        0-d tensor.
+    """
+    if loss_agg_mode == "token-mean":
+        return agg_token_mean(loss_mat, mask, global_num_tokens=global_num_tokens)
+    if loss_agg_mode == "token-sum":
+        return (loss_mat * mask).sum()
+    if loss_agg_mode not in _SEQ_MODES:
+        raise ValueError(f"loss_agg_mode: unknown mode {loss_agg_mode!r}")
+    mask = mask.to(loss_mat.dtype)
+    seq_sums, seq_tokens = (loss_mat * mask).sum(dim=-1), mask.sum(dim=-1)
+    seq_losses = seq_sums / (seq_tokens + 1e-8) if loss_agg_mode == "seq-mean-token-mean" else seq_sums
+    loss = (seq_losses * (seq_tokens > 0).to(seq_losses.dtype)).sum() / global_num_seqs
+    return loss / loss_scale_factor if loss_agg_mode == "seq-mean-token-sum-norm" else loss
+
+
 def compute_policy_loss(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
@@ -366,6 +420,9 @@ def compute_policy_loss(
     clip_ratio_high: float,
     clip_ratio_c: float,
     global_num_tokens: Scalar,
+    loss_agg_mode: str = "token-mean",
+    global_num_seqs: Scalar = 1,
+    loss_scale_factor: Scalar = 1,
 ) -> dict[str, torch.Tensor]:
     """PPO clipped surrogate (https://arxiv.org/abs/1707.06347) with dual clip (Ye et al. 2020,
     https://arxiv.org/abs/1912.09729).
@@ -380,10 +437,11 @@ def compute_policy_loss(
         clip_ratio_low, clip_ratio_high: the (possibly asymmetric) trust region.
         clip_ratio_c: dual-clip bound, > 1.
         global_num_tokens: see :func:`agg_token_mean`.
+        loss_agg_mode, global_num_seqs, loss_scale_factor: how ``pg_loss`` is aggregated (:func:`agg_loss`).
 
     Returns:
-        Dict of 0-d tensors, each aggregated with :func:`agg_token_mean` so that they sum
-        over micro-batches: ``pg_loss`` (differentiable); detached metrics ``pg_clipfrac``
+        Dict of 0-d tensors that sum over micro-batches: ``pg_loss`` (differentiable, :func:`agg_loss`);
+        detached metrics, each a token mean (:func:`agg_token_mean`, as verl's are): ``pg_clipfrac``
         (fraction of tokens with ``l2 > l1``), ``pg_clipfrac_lower`` (fraction where the
         dual clip bites) and ``ppo_kl`` (mean of ``old_log_prob - log_prob``).
     """
@@ -407,8 +465,16 @@ def compute_policy_loss(
     def agg(x: torch.Tensor) -> torch.Tensor:
         return agg_token_mean(x, response_mask, global_num_tokens=global_num_tokens)
 
+    pg_loss = agg_loss(
+        per_token_loss,
+        response_mask,
+        loss_agg_mode=loss_agg_mode,
+        global_num_tokens=global_num_tokens,
+        global_num_seqs=global_num_seqs,
+        loss_scale_factor=loss_scale_factor,
+    )
     return {
-        "pg_loss": agg(per_token_loss),
+        "pg_loss": pg_loss,
         "pg_clipfrac": agg(clipped),
         "pg_clipfrac_lower": agg(dual_clipped),
         "ppo_kl": agg(neg_log_ratio),
@@ -455,10 +521,14 @@ def compute_value_loss(
 
 
 def compute_entropy_loss(
-    entropy: torch.Tensor, response_mask: torch.Tensor, *, global_num_tokens: Scalar
+    entropy: torch.Tensor, response_mask: torch.Tensor, *, global_num_tokens: Scalar, **agg: Union[str, Scalar]
 ) -> torch.Tensor:
-    """Token-mean entropy ``(B, T) -> 0-d``; the caller subtracts ``entropy_coeff`` times it."""
-    return agg_token_mean(entropy, response_mask, global_num_tokens=global_num_tokens)
+    """Entropy aggregated like the policy loss (``agg``: :func:`agg_loss`'s ``loss_agg_mode``,
+    ``global_num_seqs``, ``loss_scale_factor``; token-mean by default) ``(B, T) -> 0-d``; the caller subtracts
+    ``entropy_coeff`` times it."""
+    return agg_loss(
+        entropy, response_mask, global_num_tokens=global_num_tokens, **{"loss_agg_mode": "token-mean", **agg}
+    )
 
 
 def compute_kl_loss(
@@ -468,11 +538,12 @@ def compute_kl_loss(
     *,
     kl_loss_type: str,
     global_num_tokens: Scalar,
+    **agg: Union[str, Scalar],
 ) -> torch.Tensor:
-    """Token-mean KL to the reference policy used as a loss term (GRPO-style, as verl's
-    ``use_kl_loss``): ``(B, T) -> 0-d``. ``kl_loss_type`` as in :func:`kl_penalty`."""
+    """KL to the reference policy as a loss term (GRPO-style, verl's ``use_kl_loss``): ``kl_penalty(kl_loss_type)``
+    aggregated like the policy loss (``agg`` as in :func:`compute_entropy_loss`), ``(B, T) -> 0-d``."""
     kl = kl_penalty(log_prob, ref_log_prob, kl_loss_type)
-    return agg_token_mean(kl, response_mask, global_num_tokens=global_num_tokens)
+    return agg_loss(kl, response_mask, global_num_tokens=global_num_tokens, **{"loss_agg_mode": "token-mean", **agg})
 
 
 def entropy_from_logits_chunked(logits: torch.Tensor, chunk_size: int) -> torch.Tensor:

@@ -23,13 +23,13 @@ from trainer.engine.attention import varlen_kwargs
 from trainer.engine.batching import (
     HostMasks,
     MicroBatchLayout,
+    all_ranks_max,
     build_layouts,
+    dynamic_micro_batches,
     fixed_micro_batches,
     host_masks,
-    min_num_micro_batches,
     pad_tail,
     scatter_rows,
-    token_budget_micro_batches,
 )
 from trainer.engine.offload import activation_offload_context
 from trainer.engine.parallel import clip_grad_norm, compute_autocast, gradient_sync
@@ -116,9 +116,18 @@ FORWARD_KEYS = ("input_ids", "position_ids", "responses")
 PADDED_KEYS = ("attention_mask", "response_mask")
 
 
+class Totals(NamedTuple):
+    """What a loss divides by, over the GLOBAL mini-batch (every micro-batch, every rank): its valid tokens
+    (token-mean) and its sequences (verl's ``global_batch_size``, the seq-mean modes); 0-d fp64 tensors."""
+
+    tokens: torch.Tensor
+    seqs: torch.Tensor
+
+
 class Loss(NamedTuple):
-    """A role's loss on one micro-batch: ``fn(module, mb, global_tokens, layout) -> (loss, [statistics])``, the
-    statistics' ``names`` (in their order), and the batch entries (``keys``) a micro-batch of it reads."""
+    """A role's loss on one micro-batch: ``fn(module, mb, totals, layout) -> (loss, [statistics])`` (``totals``:
+    the whole mini-batch's :class:`Totals`), the statistics' ``names`` (in their order), and the batch entries
+    (``keys``) a micro-batch of it reads."""
 
     fn: Callable
     names: list[str]
@@ -136,23 +145,17 @@ def _select(batch: dict, layout: MicroBatchLayout, keys: tuple[str, ...]) -> dic
 def plan_micro_batches(
     masks: Optional[HostMasks], row_sets: list[list[int]], plan: MicroBatching, device: torch.device
 ) -> list[list[list[int]]]:
-    """Each row set's micro-batches (lists of rows). With a token budget the counts are all-reduced (MAX, one
-    collective for every row set of the pass) so every rank runs the same number of FSDP passes (some may be
-    empty); the lengths come from the host masks, so only the agreed counts are read back."""
+    """Each row set's micro-batches (lists of rows, in the order they run). With a token budget, verl 0.9.1's
+    packing (trainer/packing.py): the ranks agree on the count (one collective for every row set of the pass, one
+    more per repartition round) so every rank runs the same number of FSDP passes; the lengths come from the host
+    masks, so only the agreed counts are read back."""
     if not plan.dynamic:
         return [
             [[rows[i] for i in c] for c in fixed_micro_batches(len(rows), plan.micro_batch_size)] for rows in row_sets
         ]
     lengths = [masks.lengths(rows) for rows in row_sets]
-    counts = [min_num_micro_batches(ls, plan.max_token_len) for ls in lengths]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        agreed = torch.tensor(counts, dtype=torch.long, device=device)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-        counts = agreed.tolist()
-    return [
-        [[rows[i] for i in b] for b in token_budget_micro_batches(ls, plan.max_token_len, k)]
-        for rows, ls, k in zip(row_sets, lengths, counts)
-    ]
+    packed = dynamic_micro_batches(lengths, plan.max_token_len, all_max=all_ranks_max(device))
+    return [[[rows[i] for i in b] for b in bins] for rows, bins in zip(row_sets, packed)]
 
 
 def _layouts(
@@ -275,7 +278,14 @@ def forward_backward(
     -> the sums of the loss's statistics over the micro-batches, fp64 on the device (never read here: no host
     wait inside the loop). Losses are token means over the GLOBAL mini-batch ``rows``."""
     world = dist.get_world_size() if dist.is_initialized() else 1
-    global_tokens = all_reduce_sum(batch["response_mask"][rows].sum().to(torch.float64)).clamp(min=1.0)
+    local = torch.stack(
+        [
+            batch["response_mask"][rows].sum().to(torch.float64),
+            batch["response_mask"][rows].new_tensor(float(batch["response_mask"][rows].shape[0]), dtype=torch.float64),
+        ]
+    )
+    reduced = all_reduce_sum(local)  # one collective for both totals
+    totals = Totals(tokens=reduced[0].clamp(min=1.0), seqs=reduced[1].clamp(min=1.0))
     acc = torch.zeros(len(loss.names), dtype=torch.float64, device=device)
     module = trainee.sharded.module
     keys = loss.keys + (() if trainee.rmpad else PADDED_KEYS)
@@ -285,7 +295,7 @@ def forward_backward(
         with gradient_sync(trainee.sharded, sync):
             with activation_offload_context(trainee.activation_offload, device, trainee.sharded):
                 with compute_autocast(trainee.sharded, device.type):
-                    value, stats = loss.fn(module, mb, global_tokens, layout)
+                    value, stats = loss.fn(module, mb, totals, layout)
             # FSDP averages gradients over ranks; x world makes the sum of token losses / global tokens exact.
             # An empty micro-batch (run on row 0 so the collectives line up) has weight 0.
             (value * (0.0 if layout.empty else float(world))).backward()
@@ -323,13 +333,16 @@ def _minibatch_loop(
     return {k: v / num_updates for k, v in zip(loss.names + ["grad_norm"], values)}
 
 
-def actor_loss(trainee: Trainee, loss_cfg: ActorLoss, *, prompt_width: int, temperature: float) -> Loss:
+def actor_loss(
+    trainee: Trainee, loss_cfg: ActorLoss, *, prompt_width: int, temperature: float, with_reference: bool = True
+) -> Loss:
     """The actor's PPO :class:`Loss` on one micro-batch. The entropy is computed under autograd only when it is
     in the loss (``entropy_coeff`` != 0) or asked for (``calculate_entropy``), as verl does: otherwise no
     (N, V) softmax is kept for backward; the ``actor/entropy`` metric comes from the old-log-prob pass."""
     with_entropy = bool(loss_cfg.entropy_coeff) or loss_cfg.calculate_entropy
+    with_kl = with_reference  # the batch holds the reference model's log-probs
 
-    def loss_fn(module, mb, global_tokens, layout):
+    def loss_fn(module, mb, totals, layout):
         out = forward_response(
             module,
             mb,
@@ -341,6 +354,12 @@ def actor_loss(trainee: Trainee, loss_cfg: ActorLoss, *, prompt_width: int, temp
             layout=layout,
         )
         mask = mb["response_mask"]
+        agg = {
+            "global_num_tokens": totals.tokens,
+            "loss_agg_mode": loss_cfg.loss_agg_mode,
+            "global_num_seqs": totals.seqs,
+            "loss_scale_factor": loss_cfg.loss_scale_factor,
+        }
         pg = core.compute_policy_loss(
             mb["old_log_probs"],
             out["log_prob"],
@@ -349,27 +368,25 @@ def actor_loss(trainee: Trainee, loss_cfg: ActorLoss, *, prompt_width: int, temp
             clip_ratio_low=loss_cfg.clip_ratio_low,
             clip_ratio_high=loss_cfg.clip_ratio_high,
             clip_ratio_c=loss_cfg.clip_ratio_c,
-            global_num_tokens=global_tokens,
+            **agg,
         )
         loss = pg["pg_loss"]
-        kl = core.compute_kl_loss(
-            out["log_prob"],
-            mb["ref_log_probs"],
-            mask,
-            kl_loss_type=loss_cfg.kl_loss_type,
-            global_num_tokens=global_tokens,
-        )
-        stats = [pg["pg_loss"], pg["pg_clipfrac"], pg["pg_clipfrac_lower"], pg["ppo_kl"], kl]
+        stats = [pg["pg_loss"], pg["pg_clipfrac"], pg["pg_clipfrac_lower"], pg["ppo_kl"]]
+        if with_kl:  # verl computes the KL loss only with use_kl_loss; the metric otherwise (a reference model)
+            kl = core.compute_kl_loss(
+                out["log_prob"], mb["ref_log_probs"], mask, kl_loss_type=loss_cfg.kl_loss_type, **agg
+            )
+            stats.append(kl)
+            if loss_cfg.use_kl_loss:
+                loss = loss + loss_cfg.kl_loss_coef * kl
         if with_entropy:
-            entropy = core.compute_entropy_loss(out["entropy"], mask, global_num_tokens=global_tokens)
+            entropy = core.compute_entropy_loss(out["entropy"], mask, **agg)
             loss = loss - loss_cfg.entropy_coeff * entropy
             stats.append(entropy)
-        if loss_cfg.use_kl_loss:
-            loss = loss + loss_cfg.kl_loss_coef * kl
         return loss, stats
 
-    names = ["pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "kl_loss"]
-    keys = FORWARD_KEYS + ("response_mask", "old_log_probs", "advantages", "ref_log_probs")
+    names = ["pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"] + (["kl_loss"] if with_kl else [])
+    keys = FORWARD_KEYS + ("response_mask", "old_log_probs", "advantages") + (("ref_log_probs",) if with_kl else ())
     return Loss(loss_fn, names + (["entropy_loss"] if with_entropy else []), keys)
 
 
@@ -384,15 +401,18 @@ def update_actor(
     prompt_width: int,
     temperature: float,
     device: torch.device,
+    with_reference: bool = True,
 ) -> dict:
-    """PPO update of the actor (:func:`actor_loss`)."""
+    """PPO update of the actor (:func:`actor_loss`; ``with_reference``: the batch holds ``ref_log_probs``)."""
     stats = _minibatch_loop(
         trainee,
         batch,
         mini_per_gpu=mini_per_gpu,
         epochs=epochs,
         plan=plan,
-        loss=actor_loss(trainee, loss_cfg, prompt_width=prompt_width, temperature=temperature),
+        loss=actor_loss(
+            trainee, loss_cfg, prompt_width=prompt_width, temperature=temperature, with_reference=with_reference
+        ),
         grad_clip=loss_cfg.grad_clip,
         device=device,
     )
@@ -411,7 +431,7 @@ def update_critic(
     prompt_width: int,
     device: torch.device,
 ) -> dict:
-    def loss_fn(module, mb, global_tokens, layout):
+    def loss_fn(module, mb, totals, layout):
         vpreds = forward_response(
             module, mb, kind="critic", rmpad=trainee.rmpad, prompt_width=prompt_width, layout=layout
         )["values"]
@@ -421,7 +441,7 @@ def update_critic(
             mb["values"],
             mb["response_mask"],
             cliprange_value=cliprange_value,
-            global_num_tokens=global_tokens,
+            global_num_tokens=totals.tokens,
         )
         return vf["vf_loss"], [vf["vf_loss"], vf["vf_clipfrac"]]
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from trainer.config import PRECISIONS, effective_config
+from trainer.config import PRECISIONS, effective_config, need_critic, need_reference_policy
 from trainer.engine import core
 from trainer.engine.batching import fixed_micro_batches, token_budget_micro_batches
 from trainer.engine.knob_notes import knob_notes
@@ -161,6 +161,8 @@ class ActorLoss:
     kl_loss_coef: float
     kl_loss_type: str
     grad_clip: float
+    loss_agg_mode: str = "token-mean"
+    loss_scale_factor: int = 1  # seq-mean-token-sum-norm's divisor (None in the config: max_response_length)
 
 
 @dataclass(frozen=True)
@@ -181,6 +183,10 @@ class StepSettings:
     actor_loss: ActorLoss
     train_batch_size: int
     rollout_n: int
+    adv_estimator: str = "gae"
+    norm_adv_by_std_in_grpo: bool = True
+    use_critic: bool = True  # verl's need_critic
+    use_reference: bool = True  # verl's need_reference_policy
 
 
 @dataclass
@@ -196,12 +202,13 @@ class Plans:
 
 @dataclass
 class Roles:
-    """What :func:`trainer.engine.step.ppo_step` runs on: the three trainees, the rollout (a colocated vLLM
-    engine or HF generate from the actor), the KL controller, the plans and the step's settings."""
+    """What :func:`trainer.engine.step.ppo_step` runs on: the trainees (no reference model when no KL reads it,
+    no critic for a critic-free estimator: verl builds neither then), the rollout (a colocated vLLM engine or HF
+    generate from the actor), the KL controller, the plans and the step's settings."""
 
     actor: Trainee
-    ref: Trainee
-    critic: Trainee
+    ref: Optional[Trainee]
+    critic: Optional[Trainee]
     tokenizer: object
     kl_ctrl: object
     plans: Plans
@@ -212,15 +219,18 @@ class Roles:
         """The run is over: give back the models' memory now (:func:`trainer.engine.parallel.free_memory`), so a
         later trial of the same process starts from what it would have in a fresh one."""
         for trainee in (self.actor, self.ref, self.critic):
-            free_memory(trainee.sharded, trainee.optimizer)
+            if trainee is not None:
+                free_memory(trainee.sharded, trainee.optimizer)
 
     def update_weights(self, device: torch.device) -> None:
         """Push the actor's current weights into the rollout engine (no-op for HF generate, which
         reads the actor itself). Every rank gathers each tensor and loads it into its own engine."""
         if self.rollout is None:
             return
-        with resident(self.actor, device):  # param_offload: the shards come to the device for the gather
-            self.rollout.update_weights(iter_full_params(self.actor.sharded, device))
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(resident(self.actor, device))  # param_offload: the shards come for the gather
+            # and go back to the host (``release``) before the engine's KV cache wakes, in verl's order
+            self.rollout.update_weights(iter_full_params(self.actor.sharded, device), release=stack.close)
 
     def release_rollout(self) -> None:
         """After generation: the engine sleeps (``free_cache_engine``), training gets its memory back."""
@@ -228,10 +238,15 @@ class Roles:
             self.rollout.sleep()
 
     def generate(
-        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, device: torch.device
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        device: torch.device,
+        *,
+        sampling: Optional[Sampling] = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Responses and their mask sampled from the actor with this run's rollout settings."""
-        sampling = self.settings.sampling
+        """Responses and their mask sampled from the actor with this run's rollout settings (or ``sampling``)."""
+        sampling = sampling or self.settings.sampling
         if self.rollout is not None:
             return self.rollout.generate(prompt_ids, prompt_mask, sampling)
         with resident(self.actor, device):
@@ -259,13 +274,14 @@ def fullest_micro_batches(
         parts = [fullest(seq_lengths[i : i + mini], plan) for i in range(0, len(seq_lengths), mini)]
         return max(parts, key=lambda x: (x[1], x[0]))
 
-    return {
-        "old_log_prob": fullest(seq_lengths, plans.rollout_log_prob),
-        "ref": fullest(seq_lengths, plans.ref),
-        "values": fullest(seq_lengths, plans.critic_forward),
-        "update_critic": per_mini_batch(plans.critic, settings.critic_mini_batch_size_per_gpu),
-        "update_actor": per_mini_batch(plans.actor, settings.ppo_mini_batch_size_per_gpu),
-    }
+    out = {"old_log_prob": fullest(seq_lengths, plans.rollout_log_prob)}
+    if settings.use_reference:
+        out["ref"] = fullest(seq_lengths, plans.ref)
+    if settings.use_critic:
+        out["values"] = fullest(seq_lengths, plans.critic_forward)
+        out["update_critic"] = per_mini_batch(plans.critic, settings.critic_mini_batch_size_per_gpu)
+    out["update_actor"] = per_mini_batch(plans.actor, settings.ppo_mini_batch_size_per_gpu)
+    return out
 
 
 def worst_case_notes(roles: Roles, *, num_rows: int, prompt_length: int, response_length: int) -> list[str]:
@@ -315,7 +331,7 @@ def build_roles(cfg, tokenizer, device, world: int, notes: list[str], *, weights
     if device.type != "cpu":
         a, c = cfg.actor_rollout_ref.actor, cfg.critic
         for sharded, offload in ((models.actor, a.fsdp_config.param_offload), (models.critic, c.fsdp.param_offload)):
-            if offload:
+            if offload and sharded is not None:
                 move_params(sharded, torch.device("cpu"))
 
     # step 4. the rollout: a colocated vLLM engine (rollout.name=vllm), else HF generate from the actor
@@ -360,8 +376,8 @@ class _Models:
     """The three sharded models, and the actor's shape (its HF config) and parameter count before sharding."""
 
     actor: Sharded
-    ref: Sharded
-    critic: Sharded
+    ref: Optional[Sharded]  # None: no KL reads it (verl's need_reference_policy)
+    critic: Optional[Sharded]  # None: the estimator reads no values (verl's need_critic)
     shape: Any  # the actor's transformers config
     num_params: int
 
@@ -388,12 +404,15 @@ def _build_models(cfg, tokenizer, device, notes: list[str], weights) -> _Models:
     )
     shape, count, actor = build("actor", a.fsdp_config, "actor_rollout_ref.actor.fsdp_config", actor_knobs)
     # the reference model: always compute-time offloaded, never checkpointed (it runs forward only)
-    ref_knobs = _shard_knobs(ref_fc, a.strategy, False, compute_offload=True)
-    _, _, ref = build("ref", ref_fc, "actor_rollout_ref.ref.fsdp_config", ref_knobs, frozen=True)
-    critic_knobs = _shard_knobs(
-        c.fsdp, c.strategy, c.model.enable_gradient_checkpointing, compute_offload=c.fsdp.offload_policy
-    )
-    _, _, critic = build("critic", c.fsdp, "critic.fsdp", critic_knobs)
+    ref = critic = None
+    if need_reference_policy(cfg):
+        ref_knobs = _shard_knobs(ref_fc, a.strategy, False, compute_offload=True)
+        _, _, ref = build("ref", ref_fc, "actor_rollout_ref.ref.fsdp_config", ref_knobs, frozen=True)
+    if need_critic(cfg):
+        critic_knobs = _shard_knobs(
+            c.fsdp, c.strategy, c.model.enable_gradient_checkpointing, compute_offload=c.fsdp.offload_policy
+        )
+        _, _, critic = build("critic", c.fsdp, "critic.fsdp", critic_knobs)
     return _Models(actor=actor, ref=ref, critic=critic, shape=shape, num_params=count)
 
 
@@ -420,12 +439,12 @@ def _adamw(sharded: Sharded, optim) -> torch.optim.AdamW:
     )
 
 
-def _trainees(cfg, models: _Models) -> tuple[Trainee, Trainee, Trainee]:
-    """(actor, ref, critic): each model with its optimizer (the trained ones) and its pass knobs."""
+def _trainees(cfg, models: _Models) -> tuple[Trainee, Optional[Trainee], Optional[Trainee]]:
+    """(actor, ref, critic): each model with its optimizer (the trained ones) and its pass knobs; None for a
+    role the run does not build."""
     a, c = cfg.actor_rollout_ref.actor, cfg.critic
     ref_fc, mdl = cfg.actor_rollout_ref.ref.fsdp_config, cfg.actor_rollout_ref.model
     actor_opt = _adamw(models.actor, a.optim)
-    critic_opt = _adamw(models.critic, c.optim)
     actor = Trainee(
         models.actor,
         actor_opt,
@@ -441,14 +460,18 @@ def _trainees(cfg, models: _Models) -> tuple[Trainee, Trainee, Trainee]:
             compile=a.use_torch_compile,
         ),
     )
-    ref = Trainee(
-        models.ref,
-        rmpad=mdl.use_remove_padding,
-        pad_to_multiple=ref_fc.pad_to_length_bucket if a.pad_to_length else None,
-    )
+    ref = critic = None
+    if models.ref is not None:
+        ref = Trainee(
+            models.ref,
+            rmpad=mdl.use_remove_padding,
+            pad_to_multiple=ref_fc.pad_to_length_bucket if a.pad_to_length else None,
+        )
+    if models.critic is None:
+        return actor, ref, None
     critic = Trainee(
         models.critic,
-        critic_opt,
+        _adamw(models.critic, c.optim),
         param_offload=c.fsdp.param_offload,
         optimizer_offload=c.fsdp.optimizer_offload,
         activation_offload=c.model.enable_activation_offload,
@@ -522,9 +545,15 @@ def _step_settings(cfg, tokenizer, world: int) -> StepSettings:
             kl_loss_coef=a.kl_loss_coef,
             kl_loss_type=a.kl_loss_type,
             grad_clip=a.grad_clip,
+            loss_agg_mode=a.loss_agg_mode,
+            loss_scale_factor=a.loss_scale_factor or cfg.data.max_response_length,
         ),
         train_batch_size=cfg.data.train_batch_size,
         rollout_n=n,
+        adv_estimator=cfg.algorithm.adv_estimator,
+        norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo,
+        use_critic=need_critic(cfg),
+        use_reference=need_reference_policy(cfg),
     )
 
 

@@ -8,10 +8,13 @@ and the step's own figures (rewards, statistics) are each read in one copy.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 
-from trainer.engine import core
+from trainer.engine import core, estimators
 from trainer.engine.data import score_response
 from trainer.engine.metrics import PhaseMeter
 from trainer.engine.passes import (
@@ -76,6 +79,7 @@ def actor_update(roles: Roles, batch: dict, *, prompt_width: int, device: torch.
         prompt_width=prompt_width,
         temperature=s.sampling.temperature,
         device=device,
+        with_reference=roles.ref is not None,
     )
 
 
@@ -101,30 +105,41 @@ def ppo_step(
     ground_truths: list[str],
     meter: PhaseMeter,
     device: torch.device,
+    *,
+    uids: Optional[torch.Tensor] = None,
 ) -> dict:
     """Rollout -> reward -> old/ref log-probs -> values -> advantages -> critic and actor updates; -> the step's
     metrics, with ``_sum_seqlen_sq`` and this rank's ``_lengths`` for the run to take out.
 
-    Each phase runs under ``meter.phase(name)``, in the order of ``trainer.contracts.PHASES``."""
+    ``uids`` (B,): the prompt each row's response came from, the same id on every rank (verl's ``uid``: the
+    ``rollout.n`` responses of a prompt form one group of a critic-free estimator); None: each row its own
+    prompt. Each phase runs under ``meter.phase(name)``, in the order of ``trainer.contracts.PHASES``; the
+    reference model's pass runs only when a KL reads it and the critic's only with a critic (verl's
+    need_reference_policy, need_critic): a phase that does not run takes no time in the result."""
     s = roles.settings
     P = prompt_ids.shape[1]
     temperature = s.sampling.temperature
     metrics: dict = {}
+    if uids is None:
+        uids = _own_prompts(prompt_ids.shape[0], device)
 
     # step 0. the rollout engine gets the actor's current weights (verl: update_weights)
     with meter.phase("update_weights"):
         roles.update_weights(device)
 
-    # step 1. rollout: sample responses from the current policy
+    # step 1. rollout: sample responses from the current policy (remax: and one greedy response per prompt)
     with meter.phase("gen"):
         responses, response_mask = roles.generate(prompt_ids, prompt_mask, device)
+        greedy = _greedy_rollout(roles, prompt_ids, prompt_mask, uids, device) if s.adv_estimator == "remax" else None
         meter.sample()  # a vLLM engine is still awake: its KV cache and weights count in this phase
         roles.release_rollout()
         batch = assemble_batch(prompt_ids, prompt_mask, responses, response_mask)
 
-    # step 2. rule-based reward on the last response token
+    # step 2. rule-based reward on the last response token (remax: the greedy responses' too, the baselines)
     with meter.phase("reward"):
         seq_scores = _reward(batch, roles.tokenizer, ground_truths, device)
+        if greedy is not None:
+            batch["reward_baselines"] = _greedy_scores(greedy, roles.tokenizer, ground_truths, device)
 
     # step 3. log-probs of the behaviour policy (the actor before this update)
     with meter.phase("old_log_prob"):
@@ -132,23 +147,28 @@ def ppo_step(
             roles.actor, batch, roles.plans.rollout_log_prob, prompt_width=P, temperature=temperature, device=device
         )
 
-    # step 4. log-probs of the frozen reference policy, for the KL penalty
-    with meter.phase("ref"):
-        batch["ref_log_probs"] = compute_log_probs(
-            roles.ref, batch, roles.plans.ref, prompt_width=P, temperature=temperature, device=device
-        )
+    # step 4. log-probs of the frozen reference policy, for the KL penalty (in the reward or as a loss)
+    if roles.ref is not None:
+        with meter.phase("ref"):
+            batch["ref_log_probs"] = compute_log_probs(
+                roles.ref, batch, roles.plans.ref, prompt_width=P, temperature=temperature, device=device
+            )
 
     # step 5. critic values
-    with meter.phase("values"):
-        batch["values"] = compute_values(roles.critic, batch, roles.plans.critic_forward, prompt_width=P, device=device)
+    if roles.critic is not None:
+        with meter.phase("values"):
+            batch["values"] = compute_values(
+                roles.critic, batch, roles.plans.critic_forward, prompt_width=P, device=device
+            )
 
-    # step 6. KL-regularized rewards, GAE, advantages whitened over the global batch
+    # step 6. KL-regularized rewards, the estimator's advantages (GAE: whitened over the global batch)
     with meter.phase("adv"):
-        metrics.update(_advantages(roles, batch))
+        metrics.update(_advantages(roles, batch, uids))
 
     # step 7. critic update (verl's order: critic, then actor)
-    with meter.phase("update_critic"):
-        metrics.update(critic_update(roles, batch, prompt_width=P, device=device))
+    if roles.critic is not None:
+        with meter.phase("update_critic"):
+            metrics.update(critic_update(roles, batch, prompt_width=P, device=device))
 
     # step 8. actor update: clipped surrogate (+ KL loss, entropy bonus)
     with meter.phase("update_actor"):
@@ -157,6 +177,38 @@ def ppo_step(
     # step 9. global batch statistics (one collective)
     metrics.update(_batch_statistics(batch, seq_scores, entropy, prompt_width=P, device=device))
     return metrics
+
+
+def _own_prompts(num_rows: int, device: torch.device) -> torch.Tensor:
+    """Each row its own prompt, ids distinct across ranks."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return torch.arange(num_rows, device=device) + rank * num_rows
+
+
+def _greedy_rollout(roles: Roles, prompt_ids, prompt_mask, uids: torch.Tensor, device) -> tuple:
+    """ReMax's baselines: one greedy response (do_sample off) for each prompt of this rank, as verl generates one
+    per prompt beside the sampled ones; -> (the rows' prompt among them, responses, response mask)."""
+    _, first, inverse = _first_rows(uids)
+    sampling = dataclasses.replace(roles.settings.sampling, do_sample=False)
+    responses, mask = roles.generate(prompt_ids[first], prompt_mask[first], device, sampling=sampling)
+    return inverse, responses, mask
+
+
+def _first_rows(uids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(distinct ids, the first row of each, each row's position among them)."""
+    uniq, inverse = torch.unique(uids, return_inverse=True)
+    rows = torch.arange(uids.numel(), device=uids.device)
+    first = torch.full_like(uniq, uids.numel()).scatter_reduce(0, inverse, rows, reduce="amin")
+    return uniq, first, inverse
+
+
+def _greedy_scores(greedy: tuple, tokenizer, ground_truths: list[str], device) -> torch.Tensor:
+    """Each row's baseline: its prompt's greedy response's score (B,)."""
+    inverse, responses, mask = greedy
+    first = _first_rows(inverse)[1].tolist()
+    probe = {"responses": responses, "response_mask": mask}
+    scores = _reward(probe, tokenizer, [ground_truths[i] for i in first], device)
+    return scores[inverse]
 
 
 def _reward(batch: dict, tokenizer, ground_truths: list[str], device: torch.device) -> torch.Tensor:
@@ -176,9 +228,10 @@ def _reward(batch: dict, tokenizer, ground_truths: list[str], device: torch.devi
     return seq_scores
 
 
-def _advantages(roles: Roles, batch: dict) -> dict:
-    """``token_level_rewards`` (the scores, less the KL penalty with ``use_kl_in_reward``), ``advantages`` (GAE,
-    whitened over the global batch) and ``returns`` into ``batch``; -> the KL metrics."""
+def _advantages(roles: Roles, batch: dict, uids: torch.Tensor) -> dict:
+    """``token_level_rewards`` (the scores, less the KL penalty with ``use_kl_in_reward``), ``advantages`` and
+    ``returns`` into ``batch`` as verl's ``compute_advantage`` makes them for ``algorithm.adv_estimator``
+    (trainer/engine/estimators.py); -> the KL metrics."""
     s, kl_ctrl = roles.settings, roles.kl_ctrl
     scores, response_mask = batch["token_level_scores"], batch["response_mask"]
     num_seqs = batch["responses"].shape[0]
@@ -200,12 +253,43 @@ def _advantages(roles: Roles, batch: dict) -> dict:
     else:
         rewards = scores
     batch["token_level_rewards"] = rewards
-    adv, returns = core.compute_gae_advantage_return(rewards, batch["values"], response_mask, gamma=s.gamma, lam=s.lam)
-    moments = all_reduce_sum(torch.stack(core.masked_moments(adv, response_mask)).to(torch.float64))
-    mean, var = core.moments_to_mean_var(moments[0], moments[1], moments[2])
-    batch["advantages"] = core.whiten(adv, response_mask, mean=mean, var=var)
+    estimator = estimators.ESTIMATORS[s.adv_estimator]
+    whiten = estimator.whiten
+    if estimator.kind == "gae":
+        adv, returns = core.compute_gae_advantage_return(
+            rewards, batch["values"], response_mask, gamma=s.gamma, lam=s.lam
+        )
+        whiten = True  # verl whitens GAE's advantages over the batch
+    elif estimator.kind == "outcome":
+        adv = returns = estimators.broadcast(
+            _outcome_advantages(estimator, rewards, response_mask, uids, s), response_mask
+        )
+    elif estimator.kind == "returns":
+        adv = returns = estimators.reinforce_plus_plus_returns(rewards, response_mask, gamma=s.gamma)
+    else:
+        adv, returns = estimators.remax_advantage_return(rewards, batch["reward_baselines"], response_mask)
+    if whiten:  # over the global batch: the moments all-reduced
+        moments = all_reduce_sum(torch.stack(core.masked_moments(adv, response_mask)).to(torch.float64))
+        mean, var = core.moments_to_mean_var(moments[0], moments[1], moments[2])
+        adv = core.whiten(adv, response_mask, mean=mean, var=var)
+    batch["advantages"] = adv.to(torch.float32)
     batch["returns"] = returns
     return metrics
+
+
+def _outcome_advantages(estimator, rewards, response_mask, uids: torch.Tensor, s) -> torch.Tensor:
+    """An outcome estimator over the global batch (a prompt's responses may sit on several ranks): every rank's
+    scores, lengths and prompt ids gathered in one collective, the estimator run on all of them (the same
+    numbers on every rank), this rank's rows taken back; -> (B,)."""
+    local = torch.stack([rewards.sum(-1).double(), response_mask.sum(-1).double(), uids.double()], dim=1)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, local)
+        every, offset = torch.cat(parts), dist.get_rank() * local.shape[0]
+    else:
+        every, offset = local, 0
+    adv = estimator.fn(every[:, 0], every[:, 2].long(), every[:, 1], s.norm_adv_by_std_in_grpo)
+    return adv[offset : offset + local.shape[0]].to(rewards.dtype)
 
 
 def _batch_statistics(

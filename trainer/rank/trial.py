@@ -322,14 +322,21 @@ class _Steps:
     def timed_ppo_step(self, step: int, prompt_ids, prompt_mask, truths, *, profiling: bool) -> tuple[dict, float]:
         """:func:`trainer.engine.step.ppo_step`, timed on this rank (under the profiler at ``ppotune.profile_step``:
         its table printed by rank 0, the step marked warm-up)."""
+        import torch
+
         from trainer.engine.metrics import profiled
         from trainer.engine.step import ppo_step
 
         device = self.device
+        # each row's prompt in the global batch (its rollout.n responses are consecutive rows): verl's uid
+        n = self.cfg.actor_rollout_ref.rollout.n
+        uids = torch.tensor([row // n for row in self.my_rows], device=device)
         self.meter.reset()
         t0 = time.perf_counter()
         with profiled(profiling, device, meter=self.meter) as tables:
-            metrics = ppo_step(self.roles, prompt_ids.to(device), prompt_mask.to(device), truths, self.meter, device)
+            metrics = ppo_step(
+                self.roles, prompt_ids.to(device), prompt_mask.to(device), truths, self.meter, device, uids=uids
+            )
         step_s = time.perf_counter() - t0
         if tables and self.rank == 0:
             print(f"profile of step {step} (rank 0, {device.type}; not measured):\n{tables[0]}", flush=True)
@@ -480,12 +487,14 @@ def _inject_fault(fault: str, rank: int, step: int) -> None:
 
 # --------------------------------------------------------------------------- step 5: save
 def _save_checkpoint(cfg, roles, tokenizer, device, rank: int) -> None:
-    """HF-format actor and critic (``save_pretrained``) under trainer.default_local_dir."""
+    """HF-format actor and critic (when there is one; ``save_pretrained``) under trainer.default_local_dir."""
     from trainer.engine.parallel import clean_state_dict, full_state_dict
     from trainer.engine.roles import resident
 
     out = Path(cfg.trainer.default_local_dir).expanduser()
     for name, trainee in (("actor", roles.actor), ("critic", roles.critic)):
+        if trainee is None:
+            continue
         with resident(trainee, device):  # with param_offload the shards are in host memory between phases
             sd = full_state_dict(trainee.sharded, device=device)
         if rank == 0:

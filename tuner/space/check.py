@@ -89,10 +89,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"fixed ({len(space.fixed)}), every trial and the baseline:")
         for key, value in space.fixed.items():
             print(f"  {key} = {value!r}")
-    print(f"knobs ({len(space.knobs)}):")
+    dropped = dict(space.dropped(flat))
+    print(f"knobs ({len(space.knobs) - len(dropped)}):")
     for knob in space.knobs:
-        base_value = flat[knob.key]
-        print(f"  {knob.describe()}  [base: {base_value!r}]")
+        if knob.key not in dropped:
+            print(f"  {knob.describe()}  [base: {flat[knob.key]!r}]")
+    if dropped:
+        print(f"dropped ({len(dropped)}), not searched: the base config does not build their role:")
+        for key, why in dropped.items():
+            print(f"  {key}: {why}")
     if space.derived:
         print(f"derived ({len(space.derived)}):")
         for d in space.derived:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
 from trainer.config import config_from_dict, unflatten
+from trainer.config.keys import absent_role
 from tuner.space.expr import ExprError, Resolver, truthy
 from tuner.space.grid import Enumeration
 from tuner.space.keys import SpaceError
@@ -55,9 +56,18 @@ class Space(Enumeration):
 
     # ---- one point
     def active(self, knob: Knob, eff: dict) -> bool:
+        """Whether ``knob`` is searched at ``eff``: its role is built (a critic knob drops out of a config with
+        no critic, a reference-model knob out of one with no KL: :meth:`dropped`) and its ``when`` holds."""
+        if absent_role(eff, knob.key) is not None:
+            return False
         if knob.when is None:
             return True
         return truthy(knob.when(Resolver(eff)), f"{knob.key}.when")
+
+    def dropped(self, base_flat: dict) -> list[tuple[str, str]]:
+        """(knob, why) for each knob that acts on nothing with this base config: its role is not built."""
+        found = [(k.key, absent_role(base_flat, k.key)) for k in self.knobs]
+        return [(key, why) for key, why in found if why is not None]
 
     def complete(self, params: dict, base_flat: dict) -> Candidate:
         """Knob values -> overrides (with derived keys), checked against the constraints."""
@@ -272,7 +282,9 @@ class Space(Enumeration):
             return
         others = {k.key for k in self.knobs} | {d.key for d in self.derived}
         for knob in self.knobs:
-            if getattr(EXECUTION_KNOBS.get(knob.key), "kind", None) != "token_budget":
+            if getattr(EXECUTION_KNOBS.get(knob.key), "kind", None) != "token_budget" or absent_role(
+                base_flat, knob.key
+            ):
                 continue
             values = knob.domain() if knob.domain_size() <= 4096 else [knob.low]
             numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
