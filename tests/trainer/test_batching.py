@@ -1,6 +1,5 @@
-"""Micro-batch planning: token budgets are strict caps, balanced, count forced across ranks."""
+"""Micro-batch planning: fixed micro-batches, rank rows, packing and layouts (token budgets: test_packing.py)."""
 
-import random
 
 import pytest
 import torch
@@ -9,44 +8,18 @@ from trainer.engine.batching import (
     build_layouts,
     fixed_micro_batches,
     host_masks,
-    min_num_micro_batches,
     pack,
     pad_packed,
     pad_tail,
     rank_rows,
     response_positions,
     scatter_rows,
-    token_budget_micro_batches,
     unpack_response,
 )
 
 
 def test_fixed():
     assert fixed_micro_batches(5, 2) == [[0, 1], [2, 3], [4]]
-
-
-@pytest.mark.parametrize("seed", range(20))
-def test_token_budget_is_a_strict_cap_and_covers_everything(seed):
-    rng = random.Random(seed)
-    lengths = [rng.randint(1, 96) for _ in range(rng.randint(1, 40))]
-    cap = rng.randint(96, 400)
-    k = min_num_micro_batches(lengths, cap)
-    for forced in (None, k, k + 3):
-        bins = token_budget_micro_batches(lengths, cap, forced)
-        assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
-        assert all(sum(lengths[i] for i in b) <= cap for b in bins)
-        assert len(bins) == (k if forced is None else forced)
-
-
-def test_balanced():
-    bins = token_budget_micro_batches([50, 50, 50, 50, 10, 10, 10, 10], 200, 2)
-    loads = [sum([50, 50, 50, 50, 10, 10, 10, 10][i] for i in b) for b in bins]
-    assert loads == [120, 120]
-
-
-def test_too_long_a_sequence_is_refused():
-    with pytest.raises(ValueError, match="exceeds the token budget"):
-        min_num_micro_batches([10, 120], 100)
 
 
 def test_rank_rows_split_each_mini_batch():

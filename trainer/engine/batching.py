@@ -1,8 +1,9 @@
 """Micro-batching: fixed sizes, or dynamic batches under a per-GPU token budget; packing.
 
-Pure functions over lengths and index lists (no torch.distributed): the caller agrees on the
-number of micro-batches across ranks (all-reduce MAX) and passes it back in, because every
-FSDP rank must run the same number of forward/backward passes.
+Which sequences form a token-budget micro-batch is verl 0.9.1's packing (:mod:`trainer.packing`, torch-free,
+re-exported here): every FSDP rank must run the same number of forward/backward passes, so the ranks agree on
+the count through :func:`all_ranks_max`, the one collective of this module; the rest are pure functions over
+lengths and index lists.
 
 A pass reads its batch's masks to the host ONCE (:func:`host_masks`, the pass's one device-to-host copy) and
 builds every micro-batch's packing indices there (:func:`build_layouts`, numpy: no kernel, no sync), moved to
@@ -20,6 +21,9 @@ from typing import Optional
 
 import numpy as np
 import torch
+import torch.distributed as dist
+
+from trainer.packing import AllMax, dynamic_micro_batches, token_budget_micro_batches
 
 __all__ = [
     "rank_rows",
@@ -27,8 +31,9 @@ __all__ = [
     "pad_packed",
     "pad_tail",
     "fixed_micro_batches",
-    "min_num_micro_batches",
+    "dynamic_micro_batches",
     "token_budget_micro_batches",
+    "all_ranks_max",
     "pack",
     "unpack_response",
     "HostMasks",
@@ -65,60 +70,18 @@ def mini_batch_group(*mini_batch_rows: int) -> int:
     return math.gcd(*mini_batch_rows)
 
 
-def _lpt(lengths: list[int], num_bins: int, max_tokens: int) -> list[list[int]] | None:
-    """Longest-processing-time-first into ``num_bins`` bins: each item goes to the least-loaded bin.
-    None when an item does not fit under ``max_tokens`` in that bin."""
-    bins: list[list[int]] = [[] for _ in range(num_bins)]
-    loads = [0] * num_bins
-    for i in sorted(range(len(lengths)), key=lambda j: (-lengths[j], j)):
-        b = min(range(num_bins), key=lambda k: (loads[k], k))
-        if loads[b] + lengths[i] > max_tokens:
-            return None
-        bins[b].append(i)
-        loads[b] += lengths[i]
-    return bins
+def all_ranks_max(device: torch.device) -> Optional[AllMax]:
+    """The collective :func:`trainer.packing.dynamic_micro_batches` agrees through: an element-wise MAX over the
+    ranks (one all-reduce and one read back per call); None on one rank (nothing to agree)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return None
 
+    def all_max(values: list[int]) -> list[int]:
+        agreed = torch.tensor(values, dtype=torch.long, device=device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        return agreed.tolist()
 
-def min_num_micro_batches(lengths: list[int], max_tokens: int) -> int:
-    """The fewest balanced micro-batches that keep every one within ``max_tokens`` (a strict cap)."""
-    if not lengths:
-        return 1
-    longest = max(lengths)
-    if longest > max_tokens:
-        raise ValueError(f"a sequence of {longest} tokens exceeds the token budget {max_tokens}")
-    k = max(1, math.ceil(sum(lengths) / max_tokens))
-    while _lpt(lengths, k, max_tokens) is None:
-        k += 1
-    return k
-
-
-def token_budget_micro_batches(
-    lengths: list[int], max_tokens: int, num_micro_batches: int | None = None
-) -> list[list[int]]:
-    """Partition indices into balanced micro-batches of at most ``max_tokens`` tokens each.
-
-    ``num_micro_batches`` (>= this rank's minimum) forces the count agreed across ranks; some
-    micro-batches may then be empty (the caller runs a zero-weight pass for them). Indices inside
-    a micro-batch are sorted so the result does not depend on tie-breaking order.
-    """
-    k_min = min_num_micro_batches(lengths, max_tokens)
-    k = k_min if num_micro_batches is None else num_micro_batches
-    if k < k_min:
-        raise ValueError(f"{k} micro-batches cannot hold these sequences under {max_tokens} tokens (need {k_min})")
-    bins = _lpt(lengths, k, max_tokens)
-    if bins is None:  # rare: LPT with more bins placed worse; fall back to the minimal packing, then split
-        bins = _lpt(lengths, k_min, max_tokens)
-        assert bins is not None
-        while len(bins) < k:
-            bins.sort(key=lambda b: -sum(lengths[i] for i in b))
-            big = bins[0]
-            if len(big) > 1:
-                bins = bins[1:] + [big[: len(big) // 2], big[len(big) // 2 :]]
-            else:
-                bins.append([])
-    bins = [sorted(b) for b in bins]
-    bins.sort(key=lambda b: (len(b) == 0, b[0] if b else 0))
-    return bins
+    return all_max
 
 
 def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor):
