@@ -24,7 +24,7 @@ from tuner.memory_model import (
     samples_from_trials,
 )
 from tuner.memory_model.fit import GB, PRIOR_WEIGHTS, fit_phase, prediction_factor
-from tuner.memory_model.workload import lpt_bins
+from tuner.memory_model.workload import packed_micro_batches
 
 A, M = "actor_rollout_ref.actor.", "actor_rollout_ref.model."
 QWEN25_05B = ModelShape.from_dict(
@@ -159,28 +159,54 @@ def test_largest_micro_batch_fixed_and_worst_case():
     assert 8 * 60 < packed.tokens < 8 * 128
     worst = Lengths.worst_case(64, 64)
     assert largest_micro_batch(worst, Plan(False, 8, 0), remove_padding=True, **kw).tokens == 8 * 128
+    # 32 sequences of 128 under 1000 tokens: ceil(4096 / 1000) = 5 micro-batches of 6 or 7 sequences, the largest
+    # 7 x 128 = 896 tokens: the packing's actual micro-batch, not the budget
     filled = largest_micro_batch(worst, Plan(True, None, 1000), remove_padding=True, **kw)
-    assert filled.tokens == 1000  # a token budget filled to its cap
+    assert (filled.tokens, filled.response_tokens, filled.rows) == (7 * 128, 7 * 64, 7)
     assert largest_micro_batch(worst, Plan(True, None, 1000), remove_padding=False, **kw).tokens == 7 * 128
+    # 8 of 128 under 1000: 2 micro-batches of 4 would hold 512 each, but ceil(1024 / 1000) = 2 is what verl tries
+    # first and it fits
+    few = largest_micro_batch(worst, Plan(True, None, 1000), remove_padding=True, **{**kw, "num_rows": 8})
+    assert few.tokens == 4 * 128
+    # 8 of 120 under 200: ceil(960 / 200) = 5 parts would put two sequences (240) in one; verl repartitions up to
+    # 8 micro-batches of one sequence each: 120 tokens, not the 200 of a budget filled to its cap
+    tight = largest_micro_batch(
+        Lengths.worst_case(60, 60),
+        Plan(True, None, 200),
+        num_rows=8,
+        max_prompt_length=60,
+        max_response_length=60,
+        remove_padding=True,
+    )
+    assert (tight.tokens, tight.rows) == (120, 1)
     typical = largest_micro_batch(TYPICAL, Plan(True, None, 1000), remove_padding=True, **kw)
     assert typical.tokens <= 1000
-    assert (
-        largest_micro_batch(TYPICAL, Plan(True, None, 1000), remove_padding=True, pad_multiple=256, **kw).tokens == 1024
-    )
+    padded = largest_micro_batch(TYPICAL, Plan(True, None, 1000), remove_padding=True, pad_multiple=256, **kw)
+    assert padded.tokens == -(-typical.tokens // 256) * 256 and padded.rows == typical.rows
 
 
-def test_lpt_bins_are_the_trainers_micro_batches():
-    torch = pytest.importorskip("torch")  # noqa: F841 - trainer.engine.batching imports it
-    from trainer.engine.batching import min_num_micro_batches, token_budget_micro_batches
+def test_packed_micro_batches_are_the_engines():
+    """What the memory model sizes is what our engine's step runs: its plan_micro_batches over a batch's host
+    masks (the engine's own path, one rank) makes the same micro-batches from the same lengths."""
+    np = pytest.importorskip("numpy")
+    pytest.importorskip("torch")  # trainer.engine imports it
+    import torch
+
+    from trainer.engine.batching import HostMasks
+    from trainer.engine.passes import plan_micro_batches
+    from trainer.engine.roles import MicroBatching
 
     rng = random.Random(0)
-    for _ in range(200):
+    for _ in range(100):
         lengths = [rng.randint(10, 128) for _ in range(rng.randint(1, 40))]
         budget = rng.choice([128, 256, 384, 1000, 4096])
-        ours = lpt_bins([float(x) for x in lengths], budget)
-        theirs = token_budget_micro_batches(lengths, budget)
-        assert len(ours) == min_num_micro_batches(lengths, budget) == len(theirs)
-        assert max(sum(lengths[i] for i in b) for b in ours) == max(sum(lengths[i] for i in b) for b in theirs)
+        attention = np.zeros((len(lengths), 128), dtype=bool)
+        for i, n in enumerate(lengths):
+            attention[i, 128 - n :] = True
+        masks = HostMasks(attention, attention[:, 64:], 64)
+        rows = list(range(len(lengths)))
+        (engine,) = plan_micro_batches(masks, [rows], MicroBatching(True, None, budget), torch.device("cpu"))
+        assert packed_micro_batches([float(x) for x in lengths], budget) == engine
 
 
 # --------------------------------------------------------------------------- the fit

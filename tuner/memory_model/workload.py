@@ -5,9 +5,10 @@ case) run through the trainer's own batching rules (``trainer/engine/batching.py
   sequences, in the data's order. The largest chunk a trial meets over its steps is taken as the longest
   sequence plus ``b - 1`` average ones (a sum of ``b`` draws is dominated by its largest when ``b`` is
   small and tends to ``b`` x the mean when it is large).
-* Token budget (``use_dynamic_bsz``, ``*_max_token_len_per_gpu = M``): the fewest balanced bins that keep
-  each under ``M`` valid tokens, filled longest-first into the least-loaded bin (LPT), as
-  ``trainer.engine.batching.token_budget_micro_batches`` does; run here on a deterministic sample of the lengths.
+* Token budget (``use_dynamic_bsz``, ``*_max_token_len_per_gpu = M``): the micro-batches verl 0.9.1's packing
+  makes (:mod:`trainer.packing`, which our engine runs too): Karmarkar-Karp over the sequences' workloads, as
+  few parts as hold at most ``M`` valid tokens each; run here on a deterministic sample of the lengths, and the
+  largest part's actual tokens taken, not the budget.
 * Remove-padding (``use_remove_padding``) packs the valid tokens of a micro-batch into one row: the model
   sees their sum. Without it every row is ``max_prompt_length + max_response_length`` wide (prompts are
   left-padded to ``max_prompt_length``, responses right-padded to ``max_response_length``), so the model
@@ -15,17 +16,22 @@ case) run through the trainer's own batching rules (``trainer/engine/batching.py
 
 Lengths are token-length percentiles (``TrialRecord.lengths``: ``{"prompt": {"p10", "p50", "p90", "max"},
 "response": {...}}``). The worst case puts every prompt at ``max_prompt_length`` and every response at
-``max_response_length``, and fills a token budget to its cap (a batch of mixed lengths can fill it
-exactly). Pure Python, no torch.
+``max_response_length`` (what the worst-case probe runs) and packs them as the engines do: a budget of
+``M`` tokens holds ``ceil(rows / k)`` whole sequences, ``k`` the first count whose parts fit, so its largest
+micro-batch is at most ``M`` and often less (the memory model takes the larger of this and the typical
+batch). Pure Python, no torch.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-__all__ = ["Lengths", "Plan", "MicroBatch", "largest_micro_batch", "length_sample", "lpt_bins"]
+from trainer.packing import token_budget_micro_batches
+
+__all__ = ["Lengths", "Plan", "MicroBatch", "largest_micro_batch", "length_sample", "packed_micro_batches"]
 
 _KNOTS = (0.0, 0.1, 0.5, 0.9, 1.0)
 _KEYS = ("p10", "p10", "p50", "p90", "max")  # flat below p10: the record has no lower percentile
@@ -93,25 +99,19 @@ def length_sample(pct: Mapping[str, float], n: int, cap: int) -> list[float]:
     return [min(float(cap), _quantile((j + 0.5) / n, pct)) for j in range(n)]
 
 
-def lpt_bins(lengths: list[float], max_tokens: float) -> list[list[int]]:
-    """The fewest bins (>= ceil(total / max_tokens)) that longest-first, least-loaded placement fits under
-    ``max_tokens``: ``trainer.engine.batching.min_num_micro_batches`` + ``token_budget_micro_batches``."""
+def packed_micro_batches(lengths: list[float], max_tokens: float) -> list[list[int]]:
+    """The micro-batches (index lists) the engines pack ``lengths`` into under ``max_tokens`` tokens each: verl
+    0.9.1's packing on whole tokens (:func:`trainer.packing.token_budget_micro_batches`); a length over the budget
+    (a config the trainer refuses) is taken at the budget. Cached: a search asks for the same few many times."""
+    budget = int(max_tokens)
+    return [list(b) for b in _packed(tuple(min(budget, max(1, round(x))) for x in lengths), budget)]
+
+
+@functools.lru_cache(maxsize=4096)
+def _packed(lengths: tuple[int, ...], budget: int) -> tuple[tuple[int, ...], ...]:
     if not lengths:
-        return [[]]
-    k = max(1, math.ceil(sum(lengths) / max_tokens))
-    order = sorted(range(len(lengths)), key=lambda j: (-lengths[j], j))
-    while True:
-        bins: list[list[int]] = [[] for _ in range(k)]
-        loads = [0.0] * k
-        for i in order:
-            b = min(range(k), key=lambda j: (loads[j], j))
-            if loads[b] + lengths[i] > max_tokens and bins[b]:
-                break
-            bins[b].append(i)
-            loads[b] += lengths[i]
-        else:
-            return bins
-        k += 1
+        return ((),)
+    return tuple(tuple(b) for b in token_budget_micro_batches(list(lengths), budget))
 
 
 def largest_micro_batch(
@@ -135,17 +135,11 @@ def largest_micro_batch(
     longest = min(lengths.prompt["max"], max_prompt_length) + min(lengths.response["max"], max_response_length)
     longest_response = min(lengths.response["max"], max_response_length)
     if plan.dynamic:
-        budget = float(plan.max_token_len)
-        if lengths.worst:
-            # filled to its cap: a batch of mixed lengths can fill a bin exactly (packed); padded rows hold
-            # as many whole sequences as fit
-            rows = min(num_rows, max(1, int(budget // width)))
-            tokens = min(budget, num_rows * width) if remove_padding else rows * width
-            rows = tokens / width if remove_padding else rows
-            return _padded(MicroBatch(tokens, rows * max_response_length, rows), pad_multiple, remove_padding)
-        bins = lpt_bins(seqs, budget)
+        if lengths.worst:  # every sequence at its maximum: whole sequences of the padded width
+            seqs, responses = [float(width)] * num_rows, [float(max_response_length)] * num_rows
+        bins = packed_micro_batches(seqs, plan.max_token_len)
         if remove_padding:
-            big = max(bins, key=lambda b: sum(seqs[i] for i in b))
+            big = max(bins, key=lambda b: (sum(seqs[i] for i in b), len(b)))
             got = MicroBatch(sum(seqs[i] for i in big), sum(responses[i] for i in big), len(big))
             return _padded(got, pad_multiple, remove_padding)
         rows = max(len(b) for b in bins)  # padded: memory goes by rows, not by valid tokens
