@@ -75,7 +75,7 @@ def test_the_commands_say_it_in_one_line(tmp_path, cli):
         for command in (["report", "--storage", path], ["export", "--storage", path, "--out", tmp_path / "x"]):
             r = cli(*command)
             assert r.returncode == 2, r.stderr
-            assert r.stderr.strip().startswith(f"ppotune {command[0]}: {path}: {says}"), r.stderr
+            assert r.stderr.strip().startswith(f"ppotune {command[0]}: error: {path}: {says}"), r.stderr
             assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
         assert not (tmp_path / "x").exists()
 
