@@ -173,10 +173,10 @@ def test_workers_through_the_grpc_proxy(tmp_path, postgres, storage_proxy, cli, 
     check_recovered(trials, number, killed_at, "node0")
     assert no_processes_left(str(tmp_path / "node0"), timeout=10) == []
 
-    r = cli("report", "--storage", proxy, "--study", STUDY, "--to", tmp_path / "report")
+    r = cli("report", "--storage", proxy, "--study", STUDY, "--out", tmp_path / "report")
     assert r.returncode == 0, r.stdout + r.stderr
     assert (tmp_path / "report" / "report.html").is_file()
-    r = cli("export", "--storage", proxy, "--study", STUDY, "--to", tmp_path / "export")
+    r = cli("export", "--storage", proxy, "--study", STUDY, "--out", tmp_path / "export")
     assert r.returncode == 0, r.stdout + r.stderr
     assert proxy in (tmp_path / "export" / "why.md").read_text()
 
@@ -187,8 +187,8 @@ def test_report_and_export_never_show_the_password(tmp_path, postgres, cli):
     w = start_worker(tmp_path, url, 1, 0)
     out = w.communicate(timeout=600)[0]
     assert w.returncode == 0, out
-    r1 = cli("report", "--storage", url, "--study", STUDY, "--to", tmp_path / "report")
-    r2 = cli("export", "--storage", url, "--study", STUDY, "--to", tmp_path / "export")
+    r1 = cli("report", "--storage", url, "--study", STUDY, "--out", tmp_path / "report")
+    r2 = cli("export", "--storage", url, "--study", STUDY, "--out", tmp_path / "export")
     assert r1.returncode == 0 and r2.returncode == 0, r1.stderr + r2.stderr
     texts = [out, r1.stdout, r1.stderr, r2.stdout, r2.stderr]
     texts += [p.read_text(errors="replace") for d in ("report", "export") for p in (tmp_path / d).rglob("*")]

@@ -456,11 +456,11 @@ def test_report_and_export_on_the_real_fault_study(shared, tmp_path):
     view = load_view(storage=shared.storage)
     statuses = {int(r["number"]): r["status"] for _, r in view.trials.iterrows()}
     assert {"ok", "oom", "inferred_oom", "hang", "crash", "duplicate"} <= set(statuses.values())
-    assert main(["report", "--storage", shared.storage, "--to", str(tmp_path / "r")]) == 0
+    assert main(["report", "--storage", shared.storage, "--out", str(tmp_path / "r")]) == 0
     check_report_dir(tmp_path / "r", len(statuses), statuses)
     text = (tmp_path / "r" / "report.html").read_text()
     reran = any("confirm_of" in t.user_attrs for t in shared.study.get_trials())  # see test_confirm_reruns_...
     assert ("confirms #" in text or not reran) and "same config as #" in text
-    assert main(["export", "--storage", shared.storage, "--to", str(tmp_path / "e")]) == 0
+    assert main(["export", "--storage", shared.storage, "--out", str(tmp_path / "e")]) == 0
     why = (tmp_path / "e" / "why.md").read_text()
     assert "nearest out-of-memory config is trial #" in why

@@ -104,7 +104,7 @@ def test_validate_runs_the_exported_config_against_the_baseline_interleaved(
     db = real_search / "study.db"
     storage = f"sqlite:///{db}"
     before = [(t.number, t.state, t.user_attrs) for t in optuna.load_study(study_name=None, storage=storage).trials]
-    r = cli("export", "--storage", storage, "--to", tmp_path / "exp")
+    r = cli("export", "--storage", storage, "--out", tmp_path / "exp")
     if r.returncode == 2 and "no feasible trial" in r.stderr:
         pytest.skip(f"the small real search found nothing feasible: {r.stderr.strip()}")
     assert r.returncode == 0, r.stderr

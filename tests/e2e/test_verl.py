@@ -206,7 +206,7 @@ def test_verl_worst_case_probe(verl_study):
 def test_verl_export_writes_production_and_validate_runs_it(cli, verl_study, tmp_path):
     study, ok = _ok_trials(verl_study)
     # the interpreter is named on export's command line: never taken from the study (docs/security.md)
-    r = cli("export", "--out", verl_study, "--to", tmp_path / "e", "--engine-python", VERL_PY)
+    r = cli("export", "--storage", verl_study, "--out", tmp_path / "e", "--engine-python", VERL_PY)
     assert r.returncode == 0, r.stderr
     chosen = max(ok, key=lambda n: ok[n].throughput)
     ran = json.loads(Path(ok[chosen].result_path).read_text())["config"]
