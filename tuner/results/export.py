@@ -331,9 +331,13 @@ def off_selection_note(view: StudyView, choice: Choice, asked: Selection) -> Opt
     recorded = selection_of(view.attrs)
     if asked.same(recorded):
         return None
+    baseline = bool(trial_row(view, choice.chosen)["baseline"])  # the base config: confirmed as the yardstick
     missing = [
         what
-        for what, done in (("confirmed", choice.confirmed is not None), ("probed", choice.worst_case is not None))
+        for what, done in (
+            ("confirmed", choice.confirmed is not None or baseline),
+            ("probed", choice.worst_case is not None),
+        )
         if not done
     ]
     if not missing:
