@@ -145,7 +145,7 @@ def plan_lines(args, options, space, flat: dict, device: str, trials: list, stat
 
 
 def next_steps(args: argparse.Namespace, spec, out_dir: Path) -> list[str]:
-    """The exact commands to run next: the report (where it is, or how to write it), export, validate."""
+    """The exact commands to run next: the report (unless --report wrote it), export, validate."""
     where = []
     if args.storage is not None or out_dir != Path(DEFAULT_OUT_DIR).resolve():
         where += ["--storage", str(out_dir) if args.storage is None else spec.display]
@@ -154,7 +154,7 @@ def next_steps(args: argparse.Namespace, spec, out_dir: Path) -> list[str]:
     flags = " ".join(shlex.quote(w) for w in where)
     flags = f" {flags}" if flags else ""
     report = out_dir / "report" / "report.html"
-    steps = [f"report: {report}" if args.report and report.is_file() else f"report: ppotune report{flags}"]
+    steps = [] if args.report and report.is_file() else [f"report: ppotune report{flags}"]  # --report said where
     steps += [
         f"next: ppotune export{flags}   (best_config.yaml, verl_overrides.txt, verl_command.sh, why.md)",
         f"then: ppotune validate --steps 20{flags}   (the pick against the baseline, interleaved, longer)",
