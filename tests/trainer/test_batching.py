@@ -1,6 +1,5 @@
 """Micro-batch planning: fixed micro-batches, rank rows, packing and layouts (token budgets: test_packing.py)."""
 
-
 import pytest
 import torch
 
