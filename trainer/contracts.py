@@ -90,7 +90,7 @@ class ExitCode(enum.IntEnum):
 
 
 class Status(str, enum.Enum):
-    """A trial's status (trial user attr ``status``); see README "Trial statuses".
+    """A trial's status (trial user attr ``status``); see docs/cli.md "Trial statuses".
 
     A ``str`` subclass: ``Status.OK == "ok"`` and it serialises as ``"ok"``.
     """

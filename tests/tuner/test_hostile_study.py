@@ -210,7 +210,9 @@ def test_a_resumed_search_refuses_the_study_in_one_line(hostile, tmp_path, cli):
     )  # fmt: skip
     assert r.returncode == 2
     line = _one_line(r, "search")
-    assert line.startswith("ppotune search: error: study 'demo' holds what a search cannot resume from: study attribute")
+    assert line.startswith(
+        "ppotune search: error: study 'demo' holds what a search cannot resume from: study attribute"
+    )
     assert not (tmp_path / "out").exists()
 
 

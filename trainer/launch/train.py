@@ -148,6 +148,9 @@ def run(args) -> int:
         refused = _verl_inputs_refused(args)
         if refused is not None:
             return _refuse(refused, result_path)
+        if result_path:  # --out DIR as for ppotune's engine: DIR/result.json, DIR made here
+            result_path.parent.mkdir(parents=True, exist_ok=True)
+            args.result = str(result_path)
         return run_verl(args)
     t0 = time.time()
     try:

@@ -1,4 +1,4 @@
-"""``ppotune make-preset verl DIR``: a tiny job that verl itself can run, built offline.
+"""``ppotune make-preset verl --out DIR``: a tiny job that verl itself can run, built offline.
 
 The preset is what the verl engine's tests (and a user trying the engine) point verl at:
 

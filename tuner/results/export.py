@@ -228,7 +228,7 @@ def write_export(
     if validate_verl:
         from tuner.results.verl_validate import validate_overrides
 
-        validate_overrides(lines)
+        validate_overrides(lines, python=engine_python)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     files = {
@@ -301,15 +301,21 @@ def _fail(message: str) -> int:
     return fail("export", message)
 
 
-def _verl_missing() -> Optional[str]:
-    """Why --validate-verl cannot run here, or None."""
+def _verl_missing(python: Optional[str] = None) -> Optional[str]:
+    """Why --validate-verl cannot run here, or None (``python``: ``--engine-python``, where verl's configs are
+    looked for after ``$PPOTUNE_VERL_ROOT``)."""
     import importlib.util
 
-    from tuner.results.verl_validate import verl_root
+    from tuner.results.verl_validate import VERL_ROOT_ENV, verl_root
 
-    root = verl_root()
+    root = verl_root(python)
     if root is None or not (root / "trainer" / "config" / "ppo_trainer.yaml").is_file():
-        return "--validate-verl needs verl installed (pip install --no-deps verl==0.9.1 hydra-core)"
+        where = f"the verl of {python}" if python else "a verl importable here"
+        return (
+            f"--validate-verl: verl's config files not found (looked in ${VERL_ROOT_ENV}, then {where}): set "
+            f"{VERL_ROOT_ENV} to verl's package directory, or pass --engine-python PY, your verl environment's "
+            "interpreter"
+        )
     if importlib.util.find_spec("hydra") is None:
         return "--validate-verl needs hydra-core installed (pip install hydra-core)"
     return None
@@ -372,8 +378,9 @@ def confirm_command(view: StudyView, asked: Selection) -> str:
 
 
 def run(args) -> int:
-    if args.validate_verl and _verl_missing():
-        return _fail(_verl_missing())
+    missing = _verl_missing(args.engine_python) if args.validate_verl else None
+    if missing:
+        return _fail(missing)
     from tuner.results.verl_validate import VerlNotInstalled, VerlOverrideError
 
     if args.to:

@@ -263,7 +263,7 @@ def _warn_if_shared(spec) -> None:
     if shared_fs:
         print(
             f"ppotune search: warning: {spec.path} is on {shared_fs}: a {spec.kind} file shared by several hosts "
-            "gets corrupted or locked; workers on several hosts need PostgreSQL (README: Tuning on a cluster)",
+            "gets corrupted or locked; workers on several hosts need PostgreSQL (docs/cluster.md)",
             file=sys.stderr,
             flush=True,
         )

@@ -176,7 +176,7 @@ def _search_flags(p: argparse.ArgumentParser) -> None:
         help="then run the worst-case probe (one step, every prompt and response at its maximum length; "
         "ppotune probe) of the K configs export would take first (by --pick under --memory-headroom); export "
         "refuses a pick whose worst case "
-        f"breaks the headroom (default {MAX_FINALISTS}; 0: off; the ppotune engine only)",
+        f"breaks the headroom (default {MAX_FINALISTS}; 0: off; --engine verl: verl's own step)",
     )
     p.add_argument(
         "--pick",
