@@ -81,36 +81,6 @@ def _train(cli, run_file: Path, result: Path, *extra) -> subprocess.CompletedPro
     )
 
 
-def test_one_verl_trial_is_measured_from_verls_own_metrics(cli, verl_run_file, tmp_path):
-    r = _train(cli, verl_run_file, tmp_path / "r.json")
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
-    res = json.loads((tmp_path / "r.json").read_text())
-    jsonschema.validate(res, SCHEMA)
-    assert res["status"] == "ok" and res["environment"]["verl"] == SUPPORTED_VERL
-    steps = res["steps"]
-    assert [s["step"] for s in steps] == [1, 2, 3] and [s["warmup"] for s in steps] == [True, False, False]
-    s = res["summary"]
-    assert s["num_measured_steps"] == 2
-    # verl's perf/throughput (all tokens / (step time x GPUs)), the median over the measured steps
-    assert s["throughput"] == pytest.approx(statistics.median(x["perf/throughput"] for x in steps[1:]))
-    assert set(s["timing_s"]) >= {
-        "gen",
-        "old_log_prob",
-        "values",
-        "adv",
-        "update_critic",
-        "update_actor",
-        "update_weights",
-        "step",
-    }
-    assert set(s["timing_s"]) - {"update_weights", "step", "reward", "ref"} <= set(PHASES)
-    # the HF rollout's log-probs agree with the actor's recomputed ones: the weights were pushed
-    assert all(x["training/rollout_probs_diff_max"] < 1e-2 for x in steps)
-    assert any("verl CPU shim loaded" in n for n in res["notes"])
-    assert res["config"]["command"][1:3] == ["-m", "verl.trainer.main_ppo"]
-    assert wait_until(lambda: not ray_processes(), 20), ray_processes()
-
-
 #: a trial of the 2-node search below runs one node of 1 GPU: the global sizes halved (tuner.world)
 TRIAL_WORLD = [
     "trainer.nnodes=1",
@@ -144,7 +114,7 @@ def verl_study(cli, verl_run_file, tmp_path_factory) -> Path:
         "--sampler",
         "grid",
         "--steps",
-        5,
+        6,
         "--warmup",
         1,
         "--precision",
@@ -182,9 +152,35 @@ def test_verl_search_runs_the_trial_world_and_stops_once_measured(verl_study):
     for rec in ok.values():
         ran = json.loads(Path(rec.result_path).read_text())
         assert all(o in ran["config"]["overrides"] for o in TRIAL_WORLD)  # production's per-GPU batch on 1 GPU
-        # --precision: verl is ended once the 90% interval is tight (after 3 measured steps, not the 4 asked)
-        assert rec.measured_steps == 3 and len(ran["steps"]) == 4, (rec.measured_steps, rec.notes)
+        # --precision: verl is ended once the 90% interval is tight (after 3 or 4 measured steps, on a loaded
+        # machine, never all 5 asked)
+        n = rec.measured_steps
+        assert 3 <= n < 5 and len(ran["steps"]) == n + 1, (n, rec.notes)
         assert ran["summary"]["stopped_early"].startswith("tight") and ran["status"] == "ok"
+
+
+def test_a_verl_trial_is_measured_from_verls_own_metrics(verl_study):
+    """Each trial of the search is one run of verl's main_ppo, read from verl's own per-step metrics."""
+    _, ok = _ok_trials(verl_study)
+    for rec in ok.values():
+        res = json.loads(Path(rec.result_path).read_text())
+        jsonschema.validate(res, SCHEMA)
+        assert res["status"] == "ok" and res["environment"]["verl"] == SUPPORTED_VERL
+        steps = res["steps"]
+        n = rec.measured_steps  # after one warm-up step (--precision ends verl early: see the test above)
+        assert [s["step"] for s in steps] == list(range(1, n + 2))
+        assert [s["warmup"] for s in steps] == [True] + [False] * n
+        s = res["summary"]
+        assert s["num_measured_steps"] == n
+        # verl's perf/throughput (all tokens / (step time x GPUs)), the median over the measured steps
+        assert s["throughput"] == pytest.approx(statistics.median(x["perf/throughput"] for x in steps[1:]))
+        phases = {"gen", "old_log_prob", "values", "adv", "update_critic", "update_actor", "update_weights", "step"}
+        assert set(s["timing_s"]) >= phases
+        assert set(s["timing_s"]) - {"update_weights", "step", "reward", "ref"} <= set(PHASES)
+        # the HF rollout's log-probs agree with the actor's recomputed ones: the weights were pushed
+        assert all(x["training/rollout_probs_diff_max"] < 1e-2 for x in steps)
+        assert any("verl CPU shim loaded" in n for n in res["notes"])
+        assert res["config"]["command"][1:3] == ["-m", "verl.trainer.main_ppo"]
 
 
 def test_verl_worst_case_probe(verl_study):
