@@ -110,6 +110,36 @@ VARIANTS_2 = {
     "entropy_compiled": {**ENTROPY, f"{ACTOR}.use_torch_compile": True},
 }
 
+#: A critic-free job (GRPO): no critic, advantages from the responses' scores grouped by prompt over the global
+#: batch (8 responses per prompt: a group spans both ranks), the KL to the reference model as a loss (k1: its
+#: gradient is not 0 at the first update, where actor and reference are the same), sequence-mean aggregation.
+GRPO = {
+    "algorithm.adv_estimator": "grpo",
+    "algorithm.use_kl_in_reward": False,
+    "actor_rollout_ref.rollout.n": 8,
+    "data.train_batch_size": 2,
+    f"{ACTOR}.ppo_mini_batch_size": 1,
+    f"{ACTOR}.use_kl_loss": True,
+    f"{ACTOR}.kl_loss_type": "k1",
+    f"{ACTOR}.kl_loss_coef": 0.1,
+    f"{ACTOR}.loss_agg_mode": "seq-mean-token-mean",
+}
+#: GRPO under the key knobs (2 ranks): each must reproduce ``grpo_base``.
+VARIANTS_GRPO_2 = {
+    "grpo_base": GRPO,
+    "grpo_micro_batch_1": {**GRPO, f"{ACTOR}.ppo_micro_batch_size_per_gpu": 1},
+    "grpo_dynamic_bsz_96": {**GRPO, f"{ACTOR}.use_dynamic_bsz": True, f"{ACTOR}.ppo_max_token_len_per_gpu": 96},
+    "grpo_param_and_optimizer_offload": {
+        **GRPO,
+        f"{ACTOR}.fsdp_config.param_offload": True,
+        f"{ACTOR}.fsdp_config.optimizer_offload": True,
+    },
+    "grpo_gradient_checkpointing": {**GRPO, "actor_rollout_ref.model.enable_gradient_checkpointing": True},
+    "grpo_fsdp2": {**GRPO, **FSDP2},
+    # the KL loss acts: without it the update differs (see MUST_DIFFER)
+    "grpo_no_kl_loss": {**GRPO, f"{ACTOR}.use_kl_loss": False},
+}
+
 #: verl's default compute dtype (bf16, fp32 master weights and gradient reduce), 2 ranks.
 VARIANTS_BF16_2 = {
     "bf16_base": BF16_COMPUTE,
@@ -123,6 +153,7 @@ VARIANTS_1 = {
     "one_process": {},
     "one_process_critic_mini_4": CRITIC_MINI_4,
     "bf16_one_process": BF16_COMPUTE,
+    "grpo_one_process": GRPO,
 }
 
 
@@ -194,6 +225,9 @@ CHECKS_FP32 = [
     Check("critic_mini_4", "base", parts=("actor",)),  # the critic's mini-batch does not touch the actor
     Check("entropy", "base", parts=("critic",)),
     *(Check(v, "entropy") for v in _ENTROPY_KNOBS),
+    # GRPO: the actor alone (no critic); one process groups the same responses as two ranks do
+    *(Check(v, "grpo_base", parts=("actor",)) for v in VARIANTS_GRPO_2 if v not in ("grpo_base", "grpo_no_kl_loss")),
+    Check("grpo_one_process", "grpo_base", parts=("actor",)),
 ]
 CHECKS_BF16 = [
     *(Check(v, "bf16_base", BF16_NOISE) for v in VARIANTS_BF16_2 if v != "bf16_base"),
@@ -203,7 +237,12 @@ CHECKS_BF16 = [
 #: A change the bf16 tolerance must still see: the entropy bonus, a few percent of the actor's gradient.
 SEEN_BY_BF16 = Check("entropy", "base", BF16_NOISE, parts=("actor",))
 #: (variant, reference, part) that must differ by far more than the exact tolerance: the knob acts.
-MUST_DIFFER = [("critic_mini_4", "base", "critic"), ("entropy", "base", "actor")]
+MUST_DIFFER = [
+    ("critic_mini_4", "base", "critic"),
+    ("entropy", "base", "actor"),
+    ("grpo_no_kl_loss", "grpo_base", "actor"),
+    ("grpo_base", "base", "actor"),
+]
 
 
 def run_variants(nproc: int, out: Path, variants: dict, env: dict | None = None) -> dict:

@@ -26,6 +26,7 @@ from trainer.engine.roles import build_roles, resident
 from trainer.engine.step import (
     actor_update,
     assemble_batch,
+    compute_advantages,
     compute_log_probs,
     compute_old_log_probs,
     compute_values,
@@ -62,6 +63,11 @@ def fixed_batch(cfg, tokenizer, device):
     batch = assemble_batch(prompt_ids, prompt_mask, responses, mask)
     batch["advantages"] = torch.randn(GLOBAL_BATCH, R, generator=g) * mask
     batch["return_noise"] = torch.randn(GLOBAL_BATCH, R, generator=g) * mask
+    # a critic-free job's outcome scores (0, 0.5 or 1) on each response's last token
+    scores = torch.randint(0, 3, (GLOBAL_BATCH,), generator=g).float() / 2
+    batch["token_level_scores"] = torch.zeros(GLOBAL_BATCH, R).index_put_(
+        (torch.arange(GLOBAL_BATCH), lengths - 1), scores
+    )
     return {k: v.to(device) for k, v in batch.items()}
 
 
@@ -131,13 +137,15 @@ def run_variant(overrides: dict, *, world: int, rank: int, device: torch.device)
     cfg = load_config(BASE, {**COMMON, **overrides, "trainer.n_gpus_per_node": world, "ppotune.device": device.type})
     tokenizer = load_tokenizer(cfg.actor_rollout_ref.model.path)
     roles, _ = build_roles(cfg, tokenizer, device, world, [])
-    grads = {"actor": [], "critic": []}
-    capture_gradients(roles.actor, device, grads["actor"])
-    capture_gradients(roles.critic, device, grads["critic"])
     full = fixed_batch(cfg, tokenizer, device)
     # rows as trainer/rank/trial.py takes them: blocks that split the actor's and the critic's mini-batches
     rows = torch.tensor(rows_of_rank(cfg, GLOBAL_BATCH, world, rank), device=device)
     batch = {k: v[rows] for k, v in full.items()}
+    if roles.critic is None:
+        return _critic_free_update(cfg, roles, batch, rows, rank=rank, device=device)
+    grads = {"actor": [], "critic": []}
+    capture_gradients(roles.actor, device, grads["actor"])
+    capture_gradients(roles.critic, device, grads["critic"])
     init_actor, init_critic = state_dict(roles.actor, device), state_dict(roles.critic, device)
     P, s, plans = cfg.data.max_prompt_length, roles.settings, roles.plans
     batch["old_log_probs"], old_entropy = compute_old_log_probs(
@@ -165,6 +173,35 @@ def run_variant(overrides: dict, *, world: int, rank: int, device: torch.device)
         "stats": {**actor_stats, **critic_stats},
         "init_actor": clean_state_dict(init_actor),
         "init_critic": clean_state_dict(init_critic),
+    }
+
+
+def _critic_free_update(cfg, roles, batch: dict, rows: torch.Tensor, *, rank: int, device: torch.device) -> dict | None:
+    """A GRPO-style update: old and reference log-probs, the estimator's advantages from the scores grouped by
+    prompt over the global batch (the step's own function: a prompt's responses may sit on both ranks), the
+    actor's update with the KL loss; -> what rank 0 saves (actor only)."""
+    grads = {"actor": []}
+    capture_gradients(roles.actor, device, grads["actor"])
+    init_actor = state_dict(roles.actor, device)
+    P, s, plans = cfg.data.max_prompt_length, roles.settings, roles.plans
+    batch["old_log_probs"], _ = compute_old_log_probs(
+        roles.actor, batch, plans.rollout_log_prob, prompt_width=P, temperature=s.sampling.temperature, device=device
+    )
+    if roles.ref is not None:  # a KL reads it
+        batch["ref_log_probs"] = compute_log_probs(
+            roles.ref, batch, plans.ref, prompt_width=P, temperature=s.sampling.temperature, device=device
+        )
+    batch["advantages"] = None  # replaced by the estimator's
+    compute_advantages(roles, batch, rows // cfg.actor_rollout_ref.rollout.n)
+    actor_stats = actor_update(roles, batch, prompt_width=P, device=device)
+    actor_sd = state_dict(roles.actor, device)
+    if rank != 0:
+        return None
+    return {
+        "actor": clean_state_dict(actor_sd),
+        "grads": grads,
+        "stats": actor_stats,
+        "init_actor": clean_state_dict(init_actor),
     }
 
 

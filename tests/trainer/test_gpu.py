@@ -33,6 +33,7 @@ from invariance import (  # noqa: E402
     VARIANTS_1,
     VARIANTS_2,
     VARIANTS_BF16_2,
+    VARIANTS_GRPO_2,
     failures,
     run_variants,
     table,
@@ -320,7 +321,7 @@ def test_invariance_on_cuda(tmp_path):
     sum in another order even with TF32 off; bf16 within the same tolerances as on CPU."""
     n, env = torch.cuda.device_count(), {"PPOTUNE_TEST_DEVICE": "cuda"}
     got = {
-        **run_variants(n, tmp_path, {**VARIANTS_2, **VARIANTS_BF16_2}, env=env),
+        **run_variants(n, tmp_path, {**VARIANTS_2, **VARIANTS_BF16_2, **VARIANTS_GRPO_2}, env=env),
         **run_variants(1, tmp_path, VARIANTS_1, env=env),
     }
     print(table(got, CHECKS_FP32 + CHECKS_BF16))

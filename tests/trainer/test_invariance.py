@@ -15,6 +15,7 @@ from invariance import (
     VARIANTS_1,
     VARIANTS_2,
     VARIANTS_BF16_2,
+    VARIANTS_GRPO_2,
     differences,
     failures,
     model_rel_diff,
@@ -31,7 +32,10 @@ def updated(tmp_path_factory):
     out = tmp_path_factory.mktemp("invariance")
     t0 = time.perf_counter()
     # two torchruns in all: every 2-rank variant in one, every 1-process variant in the other
-    got = {**run_variants(2, out, {**VARIANTS_2, **VARIANTS_BF16_2}), **run_variants(1, out, VARIANTS_1)}
+    got = {
+        **run_variants(2, out, {**VARIANTS_2, **VARIANTS_BF16_2, **VARIANTS_GRPO_2}),
+        **run_variants(1, out, VARIANTS_1),
+    }
     _ELAPSED_S["torchrun"] = time.perf_counter() - t0
     return got
 

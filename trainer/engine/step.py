@@ -47,6 +47,7 @@ __all__ = [
     "actor_update",
     "ppo_step",
     "assemble_batch",
+    "compute_advantages",
 ]
 
 
@@ -163,7 +164,7 @@ def ppo_step(
 
     # step 6. KL-regularized rewards, the estimator's advantages (GAE: whitened over the global batch)
     with meter.phase("adv"):
-        metrics.update(_advantages(roles, batch, uids))
+        metrics.update(compute_advantages(roles, batch, uids))
 
     # step 7. critic update (verl's order: critic, then actor)
     if roles.critic is not None:
@@ -228,7 +229,7 @@ def _reward(batch: dict, tokenizer, ground_truths: list[str], device: torch.devi
     return seq_scores
 
 
-def _advantages(roles: Roles, batch: dict, uids: torch.Tensor) -> dict:
+def compute_advantages(roles: Roles, batch: dict, uids: torch.Tensor) -> dict:
     """``token_level_rewards`` (the scores, less the KL penalty with ``use_kl_in_reward``), ``advantages`` and
     ``returns`` into ``batch`` as verl's ``compute_advantage`` makes them for ``algorithm.adv_estimator``
     (trainer/engine/estimators.py); -> the KL metrics."""
