@@ -29,7 +29,7 @@ FAULT, MICRO = "ppotune.fault", "actor_rollout_ref.actor.ppo_micro_batch_size_pe
 def preset(tmp_path_factory, cli) -> Path:
     """The verl preset, and beside it ``broken.parquet``: its train data without the ``reward_model`` column."""
     d = tmp_path_factory.mktemp("fail_fast")
-    r = cli("make-preset", "verl", d / "preset", timeout=300)
+    r = cli("make-preset", "verl", "--out", d / "preset", timeout=300)
     assert r.returncode == 0, r.stderr
     pd.read_parquet(d / "preset" / "data" / "train.parquet").drop(columns=["reward_model"]).to_parquet(
         d / "broken.parquet"

@@ -10,11 +10,14 @@ import sys
 from pathlib import Path
 
 import optuna
+import pytest
 import yaml
 
 from support import REPO
 from trainer.config import flatten
 from trainer.contracts import TrialRecord
+
+pytestmark = pytest.mark.slow  # a 6-trial search and a 4-process run
 
 # The tiny preset, 256 wide and 4 layers: ~3.3 M parameters, so the sharded state (fp32 params + grads +
 # Adam for actor and critic, fp32 ref: ~36 B/param, ~115 MB in all) is large next to the RSS noise, and

@@ -54,7 +54,7 @@ def verl_python() -> Path:
 def verl_run_file(tmp_path_factory, verl_python, cli) -> Path:
     """The tiny verl preset (`ppotune make-preset verl`: sized for a 1-rank CPU run) as a run file."""
     d = tmp_path_factory.mktemp("verl_preset")
-    r = cli("make-preset", "verl", d / "preset", timeout=300)
+    r = cli("make-preset", "verl", "--out", d / "preset", timeout=300)
     assert r.returncode == 0, r.stderr
     overrides = yaml.safe_load((d / "preset" / "preset.yaml").read_text())["overrides"]
     run = d / "run.yaml"

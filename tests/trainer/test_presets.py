@@ -1,4 +1,4 @@
-"""``ppotune make-preset verl DIR``: built offline, read back by transformers here and by verl in its own venv."""
+"""``ppotune make-preset verl --out DIR``: built offline, read back by transformers here and by verl in its own venv."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def _make_preset(*args: str) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def preset(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("preset") / "verl"
-    r = _make_preset("verl", str(out), "--num-prompts", str(NUM_PROMPTS), "--num-val-prompts", str(NUM_VAL))
+    r = _make_preset("verl", "--out", str(out), "--num-prompts", str(NUM_PROMPTS), "--num-val-prompts", str(NUM_VAL))
     assert r.returncode == 0, r.stderr
     assert f"wrote the verl preset to {out}" in r.stdout
     return out
@@ -216,11 +216,11 @@ def test_same_seed_same_preset_and_force(preset, tmp_path):
 @pytest.mark.parametrize(
     "args, where",
     [
-        (["vllm", "{dir}"], "argument preset: invalid choice: 'vllm'"),
-        (["verl", "{dir}/nonempty"], "DIR: "),
-        (["verl", "{dir}/x", "--heads", "3"], "--heads: 3 does not divide --hidden-size 64"),
-        (["verl", "{dir}/x", "--kv-heads", "3"], "--kv-heads: 3 does not divide --heads 2"),
-        (["verl", "{dir}/x", "--num-prompts", "0"], "--num-prompts: must be >= 1"),
+        (["vllm", "--out", "{dir}"], "argument preset: invalid choice: 'vllm'"),
+        (["verl", "--out", "{dir}/nonempty"], "DIR: "),
+        (["verl", "--out", "{dir}/x", "--heads", "3"], "--heads: 3 does not divide --hidden-size 64"),
+        (["verl", "--out", "{dir}/x", "--kv-heads", "3"], "--kv-heads: 3 does not divide --heads 2"),
+        (["verl", "--out", "{dir}/x", "--num-prompts", "0"], "--num-prompts: must be >= 1"),
     ],
 )
 def test_bad_input_exits_2_naming_the_argument(tmp_path, args, where):

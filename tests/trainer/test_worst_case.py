@@ -121,7 +121,7 @@ def test_the_worst_case_notes_say_the_lengths_and_the_packing():
 def test_the_key_is_a_validated_bool_off_by_default():
     assert load_config(None).ppotune.worst_case is False
     assert load_config(None, ["ppotune.worst_case=true"]).ppotune.worst_case is True
-    with pytest.raises(ConfigError, match=r"^ppotune\.worst_case: expected bool"):
+    with pytest.raises(ConfigError, match=r"^the command line \(-o\): ppotune\.worst_case: expected bool"):
         load_config(None, ["ppotune.worst_case=3"])
     with pytest.raises(ConfigError, match=r"ppotune\.worst_case: .*saves no checkpoint"):
         load_config(None, ["ppotune.worst_case=true", "trainer.default_local_dir=/tmp/x"])
