@@ -237,6 +237,10 @@ def test_the_estimate_uses_the_studys_own_trials():
     assert est.measured and est.seconds == 20.0 * (3 + 12 + 3) and "median 20 s per run over 3 runs" in est.line()
     guess = plan.estimate(runs, parallel=1, device="cpu", steps=8)
     assert not guess.measured and "a guess, not measured" in guess.line()
+    # a verl trial starts verl (Ray, its workers) every time: its guess is that start-up, not ours
+    verl = plan.estimate(runs, parallel=1, device="cpu", steps=8, engine="verl")
+    assert verl.per_run_s - guess.per_run_s == plan.VERL_STARTUP_GUESS_S["cpu"] - plan.STARTUP_GUESS_S["cpu"] > 0
+    assert "verl: every trial starts verl" in verl.line()
 
 
 def test_next_steps_name_the_study_when_it_is_not_the_default(tmp_path):

@@ -36,6 +36,9 @@ __all__ = [
 
 #: a guess at one cold trial's start-up (process start, imports, model build) per device kind, in seconds
 STARTUP_GUESS_S = {"cpu": 15.0, "cuda": 60.0}
+#: ``--engine verl``: verl's own start-up (Ray, its workers, its config) in every trial; ~45 s measured on the 2-core
+#: CPU VM (benchmarks/README.md, "A verl trial on CPU"); a GPU node's is not measured yet
+VERL_STARTUP_GUESS_S = {"cpu": 45.0, "cuda": 90.0}
 #: a guess at one PPO step of a short trial per device kind, in seconds
 STEP_GUESS_S = {"cpu": 3.0, "cuda": 5.0}
 
@@ -97,17 +100,21 @@ def measured_durations(trials: Iterable) -> list[float]:
     return out
 
 
-def estimate(runs: Runs, *, parallel: int, device: str, steps: int, durations: Optional[list] = None) -> Estimate:
+def estimate(
+    runs: Runs, *, parallel: int, device: str, steps: int, durations: Optional[list] = None, engine: str = "ppotune"
+) -> Estimate:
     """The wall time of ``runs``: the search's trials ``parallel`` at a time, the re-runs and probes one at a time
     (the confirmation interleaves them; a probe counted as one trial)."""
     if durations:
         per, measured = statistics.median(durations), True
         basis = f"median {per:.0f} s per run over {len(durations)} runs"
     else:
-        start, step = STARTUP_GUESS_S.get(device, 60.0), STEP_GUESS_S.get(device, 5.0)
+        starts = VERL_STARTUP_GUESS_S if engine == "verl" else STARTUP_GUESS_S
+        start, step = starts.get(device, 60.0), STEP_GUESS_S.get(device, 5.0)
         per, measured = start + steps * step, False
         basis = (
-            f"~{start:g} s start-up + {steps} steps x ~{step:g} s per run on {device}; warm trials start faster, "
+            f"~{start:g} s start-up + {steps} steps x ~{step:g} s per run on {device}"
+            f"{' (verl: every trial starts verl)' if engine == 'verl' else '; warm trials start faster'}, "
             "real models step slower; --dry-run on the study after a few trials measures it"
         )
     seconds = per * (-(-runs.trials // max(1, parallel)) + runs.reruns + runs.probes)
@@ -123,7 +130,9 @@ def plan_lines(args, options, space, flat: dict, device: str, trials: list, stat
     """``--dry-run``'s lines: the study, the space, the trials, the runs and the estimate."""
     o = options
     runs = runs_of(trials=o.trials, done=done_of(trials), confirm=o.confirm, probe=o.probe)
-    est = estimate(runs, parallel=o.parallel, device=device, steps=args.steps, durations=measured_durations(trials))
+    engine = getattr(args, "engine", "ppotune")
+    durations = measured_durations(trials)
+    est = estimate(runs, parallel=o.parallel, device=device, steps=args.steps, durations=durations, engine=engine)
     size = space.size(flat)
     fixed = ", ".join(f"{k}={v!r}" for k, v in space.fixed.items()) or "none"
     lines = [
