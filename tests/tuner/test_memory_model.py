@@ -71,6 +71,7 @@ def small_config(**overrides) -> dict:
             "critic.model.use_remove_padding": False,
             M + "enable_gradient_checkpointing": False,
             "critic.model.enable_gradient_checkpointing": False,
+            "algorithm.use_kl_in_reward": True,  # the reference model runs (verl builds it only for a KL)
             **overrides,
         }
     )
@@ -124,6 +125,19 @@ def test_terms_by_hand_on_a_gpu():
     assert t["gen"]["buffers"] == pytest.approx(24992 * 4)
     assert t["gen"]["kv_cache"] == pytest.approx(4 * 16 * 2 * 2 * 16 * 2)
     assert t["reward"]["activations"] == 0 and t["adv"]["buffers"] == 0
+
+
+def test_a_role_the_run_does_not_build_holds_no_memory():
+    """A critic-free estimator builds no critic, a run with no KL no reference model (verl's need_critic,
+    need_reference_policy): their phases and states are 0, the actor's terms unchanged."""
+    gae = phase_terms(small_config(), SMALL, TYPICAL, on_gpu=True)
+    grpo = phase_terms(small_config(**{"algorithm.adv_estimator": "grpo"}), SMALL, TYPICAL, on_gpu=True)
+    assert grpo["update_actor"]["states"] == pytest.approx(12496 * 16)  # the actor's alone
+    # the critic's phases hold what a phase that runs nothing holds (the actor's resident states)
+    assert grpo["values"] == grpo["update_critic"] == grpo["adv"] and grpo["adv"]["states"] == 12496 * 12
+    assert grpo["update_actor"]["activations"] == gae["update_actor"]["activations"]
+    no_kl = phase_terms(small_config(**{"algorithm.use_kl_in_reward": False}), SMALL, TYPICAL, on_gpu=True)
+    assert no_kl["ref"] == no_kl["adv"] and gae["ref"]["buffers"] > 0
 
 
 def test_terms_follow_the_knobs():

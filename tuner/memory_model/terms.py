@@ -66,6 +66,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from trainer.config import PPOConfig, config_to_dict, flatten, resolve_follows
+from trainer.config.keys import absent_role
 from trainer.contracts import PHASES
 from tuner.memory_model.shape import ModelShape, ParamCounts, param_counts
 from tuner.memory_model.workload import Lengths, MicroBatch, Plan, largest_micro_batch
@@ -173,9 +174,11 @@ def phase_terms(
     else:
         out["update_weights"]["buffers"] = s.counts.embedding * s.actor.master_bytes  # one full tensor at a time
     out["old_log_prob"].update(_old_log_prob_terms(s))
-    out["ref"].update(_ref_terms(s))
-    out["values"].update(_values_terms(s))
-    out["update_critic"].update(_update_critic_terms(s))
+    if _built(s, "ref"):  # a role the run does not build has no phase (trainer.engine.roles.build_roles)
+        out["ref"].update(_ref_terms(s))
+    if _built(s, "critic"):
+        out["values"].update(_values_terms(s))
+        out["update_critic"].update(_update_critic_terms(s))
     out["update_actor"].update(_update_actor_terms(s))
     return out
 
@@ -351,10 +354,17 @@ def _trained_states(s: _Setup, role: _Role, params: int, uses: set, update: str,
 def _states(s: _Setup, phase: str) -> float:
     actor_uses = {"gen", "old_log_prob", "update_actor"} | ({"update_weights"} if s.vllm else set())
     total = _trained_states(s, s.actor, s.counts.actor, actor_uses, "update_actor", phase)
-    total += _trained_states(s, s.critic, s.counts.critic, {"values", "update_critic"}, "update_critic", phase)
-    if not s.on_gpu:
+    if _built(s, "critic"):
+        total += _trained_states(s, s.critic, s.counts.critic, {"values", "update_critic"}, "update_critic", phase)
+    if not s.on_gpu and _built(s, "ref"):
         total += s.counts.actor / s.ref.shard * s.ref.master_bytes
     return total
+
+
+def _built(s: _Setup, role: str) -> bool:
+    """Whether the run builds the critic or the reference model (verl's need_critic, need_reference_policy)."""
+    key = {"critic": f"{_C}.ppo_micro_batch_size_per_gpu", "ref": f"{_REF}.log_prob_micro_batch_size_per_gpu"}[role]
+    return absent_role(s.flat, key) is None
 
 
 # --------------------------------------------------------------------------- buffers
