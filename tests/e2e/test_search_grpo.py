@@ -4,6 +4,8 @@ knob is not searched, the reference model runs for the KL loss, and the report i
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import optuna
 import pytest
 import yaml
@@ -12,6 +14,7 @@ from trainer.config import apply_overrides, read_yaml_mapping
 from trainer.contracts import Status, TrialRecord
 
 pytestmark = pytest.mark.slow
+VERL_PY = Path(__file__).resolve().parents[2] / ".venv-verl" / "bin" / "python"
 
 GRPO = {
     "algorithm.adv_estimator": "grpo",
@@ -44,3 +47,24 @@ def test_grpo_search_runs_end_to_end_without_a_critic(tmp_path, cli):
         assert rec.timing_s["values"] == 0 and rec.timing_s["update_critic"] == 0  # no critic built
         assert rec.timing_s["ref"] > 0 and rec.timing_s["update_actor"] > 0  # the KL loss reads the reference
     assert (out / "report" / "summary.md").is_file()
+    # the export (the tuned knobs, appended to the user's own verl command) composes with verl's config (Hydra in
+    # verl's venv) on top of the GRPO job's keys, and touches no critic key
+    r = cli("export", "--storage", out, "--out", tmp_path / "exp")
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = (tmp_path / "exp" / "verl_overrides.txt").read_text().splitlines()
+    assert not any(line.startswith("critic.") for line in lines), lines  # empty when the baseline wins
+    if not VERL_PY.is_file():
+        pytest.skip("verl venv not installed (.venv-verl): the export's composition with verl is not checked")
+    from trainer.verl_engine import adapter
+    from trainer.verl_engine.overrides import verl_overrides
+
+    run = tmp_path / "run.yaml"
+    run.write_text(yaml.safe_dump({"overrides": verl_overrides(GRPO) + lines}))
+    composed = adapter.compose_verl(adapter.load_run(run, python=str(VERL_PY)))
+    assert composed["algorithm"]["adv_estimator"] == "grpo" and composed["critic"]["enable"] is None
+    for line in lines:
+        key, value = line.lstrip("+").split("=", 1)
+        node = composed
+        for part in key.split("."):
+            node = node[part]
+        assert str(node).lower() == value.lower(), line
