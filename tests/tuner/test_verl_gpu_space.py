@@ -9,7 +9,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import yaml
 
 from support import REPO
 from trainer.config import flatten
@@ -53,12 +52,12 @@ def verl_python():
 
 @pytest.mark.parametrize("job", ["ppo", "grpo"])
 def test_each_example_job_composes_with_verl_and_passes_space_check(job, tmp_path, cli, verl_python):
-    spec = load_run(_stand_in(RUNS[job], tmp_path), python=verl_python)
+    run = _stand_in(RUNS[job], tmp_path)
+    spec = load_run(run, python=verl_python)
     nested = decision_base(spec, device="cuda")  # verl's ppo_trainer composed with the run file, read into ours
     assert nested["trainer"]["n_gpus_per_node"] == 8 and nested["data"]["max_response_length"] == 1024
-    base = tmp_path / "base.yaml"
-    base.write_text(yaml.safe_dump(nested))
-    r = cli("space", "check", base, "--space", SPACE, timeout=300)
+    # the run file itself, as a user checks it: verl composes it, the space is checked against what it reads to
+    r = cli("space", "check", run, "--space", SPACE, "--engine", "verl", "--engine-python", verl_python, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"{SPACE}: OK" in r.stdout and "trainer config check: 64/64" in r.stdout, r.stdout
     critic_dropped = "dropped (" in r.stdout and "critic.ppo_micro_batch_size_per_gpu: no critic" in r.stdout
@@ -85,3 +84,16 @@ def test_every_key_of_the_gpu_space_is_an_execution_knob():
         assert rollout + name in keys
     assert rollout + "enforce_eager" in keys and "actor_rollout_ref.actor.use_dynamic_bsz" in keys
     assert {"critic.ppo_micro_batch_size_per_gpu", "critic.fsdp.param_offload"} <= keys
+
+
+def test_space_check_of_a_verl_run_file_refuses_what_search_refuses(cli, tmp_path):
+    """No run file, or a space with ``fixed:`` keys (verl takes its settings from the run file): one line, exit 2,
+    before verl is asked anything."""
+    fixed = REPO / "tests" / "data" / "space_vllm_sleep.yaml"
+    for args, says in (
+        (("--space", SPACE, "--engine", "verl"), "--engine verl: give the verl run file"),
+        ((RUNS["ppo"], "--space", fixed, "--engine", "verl"), "fixed: --engine verl takes its settings from"),
+    ):
+        r = cli("space", "check", *args)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+        assert r.stderr.startswith("ppotune space check: error: ") and says in r.stderr, r.stderr

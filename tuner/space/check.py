@@ -1,6 +1,8 @@
-"""``ppotune space check [BASE] --space FILE [-o KEY=VALUE] [--nproc N]``: validate a search space against a base
-config, print its size. (The argument order is ``ppotune search``'s; the old ``space check FILE --base BASE`` still
-works for one release, with a note.)
+"""``ppotune space check [BASE] --space FILE [-o KEY=VALUE] [--nproc N] [--engine verl --engine-python PY]``: validate
+a search space against a base config, print its size. (The argument order is ``ppotune search``'s; the old
+``space check FILE --base BASE`` still works for one release, with a note.) With ``--engine verl`` BASE is a verl run
+file: verl composes it (Hydra, in verl's own interpreter) as it runs on GPUs, and the space is checked against that
+config read into ours, as ``ppotune search --engine verl`` reads it.
 
 Exit 0 when the space is usable; exit 2 with one line naming the file and the key
 otherwise (malformed YAML, a knob that is not a config key, an empty space, a bad
@@ -35,15 +37,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="processes (GPUs) per trial; default: the base config's trainer.n_gpus_per_node",
     )
+    p.add_argument(
+        "--engine",
+        choices=["ppotune", "verl"],
+        default="ppotune",
+        help="ppotune: BASE is a ppotune config; verl: BASE is a verl run file, composed by verl as it runs on GPUs "
+        "(default ppotune)",
+    )
+    p.add_argument(
+        "--engine-python",
+        default=None,
+        help="--engine verl: the interpreter of the verl environment (default: the run file's ppotune.python)",
+    )
 
 
 def check(
-    file: str, base: str | None = None, nproc: int | None = None, overrides: dict | None = None
+    file: str,
+    base: str | None = None,
+    nproc: int | None = None,
+    overrides: dict | None = None,
+    *,
+    verl_python: str | None = None,
+    engine: str = "ppotune",
 ) -> tuple[object, dict, dict]:
     """Load + validate; raises SpaceError / ConfigError (both one-line ValueErrors). ``overrides``: the command
     line's ``-o`` on the base config (an error on one of their keys names the command line)."""
     space = load_space(file)
     over = dict(overrides or {})
+    if engine == "verl":
+        flat = _verl_base(space, base, nproc, over, python=verl_python)
+        return space, flat, space.validate(flat)
     check_override_keys(over, over=base)
     try:
         _, flat = base_flat_config(base, nproc=nproc, extra={**over, **space.fixed})
@@ -51,6 +74,25 @@ def check(
         raise blame_command_line(e, over, over=base) from None
     report = space.validate(flat)
     return space, flat, report
+
+
+def _verl_base(space, run_file: str | None, nproc: int | None, over: dict, *, python: str | None) -> dict:
+    """A verl run file as the search's decision base: composed by verl (its defaults, its version) for a GPU run,
+    with ``-o`` as Hydra overrides, read into ppotune's typed config. ``fixed:`` keys are refused, as by search."""
+    from trainer.config import flatten
+    from trainer.verl_engine import adapter  # torch-free: verl itself runs in its own interpreter
+    from trainer.verl_engine.overrides import hydra_value
+
+    if run_file is None:
+        raise ValueError("--engine verl: give the verl run file: ppotune space check RUN --space SPACE --engine verl")
+    if space.fixed:
+        raise ValueError(
+            f"{space.source}: fixed: --engine verl takes its settings from the verl run file; "
+            f"put {', '.join(space.fixed)} there"
+        )
+    extra = [f"{k}={hydra_value(v)}" for k, v in over.items()]
+    spec = adapter.load_run(run_file, extra, python=python, nproc=nproc)
+    return flatten(adapter.decision_base(spec, device="cuda"))
 
 
 def _files(args: argparse.Namespace) -> tuple[str, str | None]:
@@ -71,7 +113,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         args.file, args.base = _files(args)
         over = dict(parse_override(o) for o in args.override)
-        space, flat, report = check(args.file, args.base, args.nproc, over)
+        space, flat, report = check(
+            args.file, args.base, args.nproc, over, verl_python=args.engine_python, engine=args.engine
+        )
     except ValueError as e:  # SpaceError, trainer.config.ConfigError
         return fail("space check", str(e))
     size = report["size"]
