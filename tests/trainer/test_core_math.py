@@ -652,3 +652,19 @@ def test_every_configured_estimator_is_registered():
     from trainer.engine.estimators import ESTIMATORS
 
     assert set(ESTIMATORS) == set(ADV_ESTIMATORS)
+
+
+def test_value_loss_takes_the_aggregation():
+    vpreds, returns = t64([1.0, 2.0], [3.0, 0.0]), t64([0.0, 0.0], [0.0, 0.0])
+    mask = t64([1, 1], [1, 0])
+    out = compute_value_loss(
+        vpreds,
+        returns,
+        vpreds,
+        mask,
+        cliprange_value=0.5,
+        global_num_tokens=3,
+        loss_agg_mode="seq-mean-token-sum",
+        global_num_seqs=2,
+    )
+    close(out["vf_loss"], 0.5 * ((1.0 + 4.0) + 9.0) / 2)  # 0.5 (v - R)^2 summed per sequence, / 2 sequences

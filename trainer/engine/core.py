@@ -489,6 +489,7 @@ def compute_value_loss(
     *,
     cliprange_value: float,
     global_num_tokens: Scalar,
+    **agg: Union[str, Scalar],
 ) -> dict[str, torch.Tensor]:
     """Clipped value loss (as in OpenAI baselines' PPO2 and verl).
 
@@ -515,7 +516,11 @@ def compute_value_loss(
     with torch.no_grad():
         clipped = (loss_clipped > loss_unclipped).to(per_token_loss.dtype)
     return {
-        "vf_loss": agg_token_mean(per_token_loss, response_mask, global_num_tokens=global_num_tokens),
+        # aggregated like the actor's loss (verl's critic.loss_agg_mode follows the actor's; ``agg`` as in
+        # compute_entropy_loss, token-mean by default)
+        "vf_loss": agg_loss(
+            per_token_loss, response_mask, global_num_tokens=global_num_tokens, **{"loss_agg_mode": "token-mean", **agg}
+        ),
         "vf_clipfrac": agg_token_mean(clipped, response_mask, global_num_tokens=global_num_tokens),
     }
 

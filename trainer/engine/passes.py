@@ -430,7 +430,12 @@ def update_critic(
     epochs: int,
     prompt_width: int,
     device: torch.device,
+    loss_agg_mode: str = "token-mean",
+    loss_scale_factor: int = 1,
 ) -> dict:
+    """The critic's update: the clipped value loss aggregated by ``loss_agg_mode`` (verl's critic follows the
+    actor's mode and scale factor)."""
+
     def loss_fn(module, mb, totals, layout):
         vpreds = forward_response(
             module, mb, kind="critic", rmpad=trainee.rmpad, prompt_width=prompt_width, layout=layout
@@ -442,6 +447,9 @@ def update_critic(
             mb["response_mask"],
             cliprange_value=cliprange_value,
             global_num_tokens=totals.tokens,
+            loss_agg_mode=loss_agg_mode,
+            global_num_seqs=totals.seqs,
+            loss_scale_factor=loss_scale_factor,
         )
         return vf["vf_loss"], [vf["vf_loss"], vf["vf_clipfrac"]]
 

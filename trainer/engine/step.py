@@ -64,6 +64,8 @@ def critic_update(roles: Roles, batch: dict, *, prompt_width: int, device: torch
         epochs=s.critic_epochs,
         prompt_width=prompt_width,
         device=device,
+        loss_agg_mode=s.actor_loss.loss_agg_mode,
+        loss_scale_factor=s.actor_loss.loss_scale_factor,
     )
 
 
