@@ -1,4 +1,6 @@
-"""gloo for every process group verl creates (it asks for ``"cpu:gloo,<device>:<backend>"``)."""
+"""gloo for every process group verl creates (it asks for ``"cpu:gloo,<device>:<backend>"``); FSDP2's CPU offload
+without pinned memory (verl always offloads the reference model with ``CPUOffloadPolicy(pin_memory=True)``, and
+pinning needs an accelerator)."""
 
 from __future__ import annotations
 
@@ -21,3 +23,18 @@ def patch() -> None:
 
     init_process_group._ppotune_cpu = True
     dist.init_process_group = init_process_group
+    _unpinned_offload()
+
+
+def _unpinned_offload() -> None:
+    """verl's FSDP engine builds the reference model (a KL in the reward or as a loss: GRPO recipes) with
+    ``CPUOffloadPolicy(pin_memory=True)``, which fails with no accelerator ("Cannot access accelerator device");
+    ``pin_memory=False`` runs (docs: facts measured on CPU)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+    from verl.workers.engine.fsdp import transformer_impl
+
+    def unpinned(*args, **kwargs):
+        kwargs["pin_memory"] = False
+        return CPUOffloadPolicy(*args, **kwargs)
+
+    transformer_impl.CPUOffloadPolicy = unpinned
