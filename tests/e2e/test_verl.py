@@ -296,3 +296,46 @@ def test_bad_engine_python_is_one_line_exit_2(cli, tmp_path):
     (line,) = r.stderr.strip().splitlines()
     assert "ppotune.python" in line and str(run) in line
     assert json.loads((tmp_path / "r.json").read_text())["status"] == "error"
+
+
+#: the tiny preset as a GRPO job (verl's keys): no critic, 2 responses per prompt, the KL as a loss
+GRPO = [
+    "algorithm.adv_estimator=grpo",
+    "actor_rollout_ref.rollout.n=2",
+    "actor_rollout_ref.actor.use_kl_loss=true",
+    "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+]
+
+
+def test_a_grpo_search_through_verl(cli, verl_run_file, tmp_path):
+    """A GRPO job's search with --engine verl, end to end (its baseline: one verl trial, 2 steps): the decision base
+    reads verl's GRPO config (no critic), the critic's knob is not searched, verl runs no critic phase, and the
+    export is the run file's GRPO keys as the trial ran them."""
+    run = yaml.safe_load(verl_run_file.read_text())
+    run["overrides"] = [*run["overrides"], *GRPO]
+    grpo = tmp_path / "grpo.yaml"
+    grpo.write_text(yaml.safe_dump(run))
+    space = tmp_path / "space.yaml"
+    space.write_text(
+        f"knobs:\n  {MICRO}: {{type: pow2, low: 1, high: 2, memory: increasing}}\n"
+        "  critic.ppo_micro_batch_size_per_gpu: {type: pow2, low: 1, high: 2, memory: increasing}\n"
+    )
+    out = tmp_path / "out"
+    args = ["--trials", 1, "--confirm", 0, "--probe", 0, "--steps", 2, "--warmup", 1, "--nproc", 1]
+    r = cli("search", grpo, "--engine", "verl", "--space", space, *args, "--out", out, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    study = optuna.load_study(study_name=None, storage=f"sqlite:///{out / 'study.db'}")
+    assert study.user_attrs["base_config"]["algorithm"]["adv_estimator"] == "grpo"
+    (trial,) = study.get_trials()
+    rec = TrialRecord.from_user_attrs(trial.user_attrs)
+    assert rec.status == Status.OK and rec.baseline and rec.engine == "verl", (rec.status, rec.error)
+    assert "critic.ppo_micro_batch_size_per_gpu" not in trial.params  # no critic: not searched
+    ran = json.loads(Path(rec.result_path).read_text())
+    assert all(o in ran["config"]["overrides"] for o in GRPO)
+    timing = ran["summary"]["timing_s"]
+    assert not timing.get("values") and not timing.get("update_critic"), timing  # verl built no critic
+    r = cli("export", "--storage", out, "--out", tmp_path / "e", "--engine-python", VERL_PY)
+    assert r.returncode == 0, r.stderr
+    exported = (tmp_path / "e" / "verl_overrides.txt").read_text().splitlines()
+    assert all(o in exported for o in GRPO)
+    assert wait_until(lambda: not ray_processes(), 20), ray_processes()
