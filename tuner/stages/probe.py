@@ -41,6 +41,7 @@ from trainer.config import (
     read_yaml_mapping,
 )
 from trainer.contracts import PHASES, ExitCode, Status
+from trainer.launch.cliflags import add_override_flag
 from tuner.trials.launch import add_hang_flags, next_numbered_dir, stop_on_signals
 from tuner.trials.memory import nvml_available
 from tuner.trials.runners import SubprocessRunner, TrialOutcome, TrialRequest, TrialRunner, VerlEngine
@@ -231,14 +232,7 @@ def probe(
 # --------------------------------------------------------------------------- CLI
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="the config to probe (a training config, e.g. ppotune export's best_config.yaml)")
-    p.add_argument(
-        "-o",
-        "--override",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a dotted override (repeatable), e.g. -o data.max_response_length=4096 (default: none)",
-    )
+    add_override_flag(p, what="the config")
     p.add_argument(
         "--nproc",
         type=int,
