@@ -14,7 +14,7 @@ import ast
 import pytest
 from test_vllm_rollout import ENGINE_VARIANTS
 
-from invariance import CHECKS_BF16, CHECKS_FP32, VARIANTS_1, VARIANTS_2, VARIANTS_BF16_2
+from invariance import CHECKS_BF16, CHECKS_FP32, GRPO, VARIANTS_1, VARIANTS_2, VARIANTS_BF16_2
 from support import REPO
 from trainer.config import FOLLOWS
 from tuner.space.registry import EXECUTION_KNOBS
@@ -22,10 +22,12 @@ from tuner.space.registry import EXECUTION_KNOBS
 VARIANTS = {**VARIANTS_2, **VARIANTS_BF16_2, **VARIANTS_1}
 CHECKED = {c.variant for c in CHECKS_FP32 + CHECKS_BF16}
 #: what the invariance variants vary that is not a knob: the algorithm itself (the suite's references for the
-#: entropy knobs, and the critic's mini-batch: a different algorithm it proves acts), and the training set-up
+#: entropy knobs, and the critic's mini-batch: a different algorithm it proves acts; the GRPO job the GRPO
+#: variants start from), and the training set-up
 NOT_KNOBS = {
     "actor_rollout_ref.actor.entropy_coeff",
     "critic.ppo_mini_batch_size",
+    *GRPO,
 }
 
 
