@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from trainer.config.rules import ADV_ESTIMATORS
 from trainer.engine import core, estimators
 
 VERL_PY = Path(__file__).resolve().parents[2] / ".venv-verl" / "bin" / "python"
@@ -42,16 +43,9 @@ for mode in inp["modes"]:
     out["agg_" + mode] = c.agg_loss(loss, mask, mode, loss_scale_factor=inp["scale"]).item()
 print(json.dumps(out))
 """
-OUTCOME = [
-    "grpo",
-    "grpo_vectorized",
-    "grpo_passk",
-    "rloo",
-    "rloo_vectorized",
-    "opo",
-    "gpg",
-    "reinforce_plus_plus_baseline",
-]
+#: the outcome estimators (one score per response, grouped by prompt): every estimator ppotune runs but GAE (values),
+#: reinforce++ (discounted per token, checked on its own below) and remax (a greedy baseline, below)
+OUTCOME = [e for e in ADV_ESTIMATORS if e not in ("gae", "reinforce_plus_plus", "remax")]
 KL = ["kl", "abs", "mse", "low_var_kl", "k1+", "k3+", "low_var_kl+"]
 MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 

@@ -72,7 +72,16 @@ def actor_mfu(
     (6·N·Σtokens + 6·ΣL²·head_dim·heads·layers) x epochs, over (seconds x world size x peak FLOP/s)."""
     if not peak or seconds <= 0:
         return None
-    flops = (6.0 * num_params * total_tokens + 6.0 * sum_seqlen_sq * head_dim * num_heads * num_layers) * epochs
+    flops = phase_flops(
+        num_params=num_params,
+        total_tokens=total_tokens,
+        sum_seqlen_sq=sum_seqlen_sq,
+        head_dim=head_dim,
+        num_heads=num_heads,
+        num_layers=num_layers,
+        actor_epochs=epochs,
+        critic_epochs=0,
+    )["update_actor"]
     return flops / (seconds * world_size * peak)
 
 
