@@ -198,7 +198,7 @@ class _StopAt:
     def trial_done(self, event: TrialEvent) -> None:
         self.spent += float(event.record.duration_s or 0.0)
         if self.spent >= self.cap_s:
-            self.search.stop_event.set()
+            self.search.session.stop_event.set()
 
     def message(self, text: str) -> None:
         pass

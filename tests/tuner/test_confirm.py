@@ -310,7 +310,7 @@ def test_an_interrupted_confirmation_resumes_where_it_stopped(setup):
     again.run()
     done = [(n, r.confirm_of) for n, r in _reruns(study) if r.status == Status.OK]
     assert [c for _, c in done] == [1, 2, 0, 2, 0, 1, 0, 1, 2]
-    assert again.runner.launched == 6 and sum(1 for _, r in _reruns(study) if r.status is None) == 0
+    assert again.session.runner.launched == 6 and sum(1 for _, r in _reruns(study) if r.status is None) == 0
     retry = [r for _, r in _reruns(study) if r.retry_of is not None]
     assert len(retry) == 1 and retry[0].confirm_of == 2 and retry[0].status == Status.OK
     conf = study.user_attrs[confirm.CONFIRMATION_ATTR]

@@ -525,21 +525,25 @@ def _search(
 def _run_search(search: Search, display: Display, spec, name: str, out_dir: Path, *, report: bool) -> int:
     """Run it (stopped cleanly by SIGINT/SIGTERM: the interrupted trials run again on the next run), then the
     summary, and the report when asked."""
-    search.heartbeat.start()
-    with stop_on_signals(search.stop_event) as got:
+    search.session.heartbeat.start()
+    with stop_on_signals(search.session.stop_event) as got:
         try:
             search.run()
         finally:
-            if isinstance(search.runner, WarmRunner):
-                search.runner.close(wait=False)  # the jobs exit while the summary is written; waited for later
-            search.heartbeat.stop()
+            if isinstance(search.session.runner, WarmRunner):
+                search.session.runner.close(wait=False)  # the jobs exit while the summary is written; waited for later
+            search.session.heartbeat.stop()
             display.close()
     if search.halt is not None:  # it cannot work: the reason, never "done"
-        print(f"ppotune search: stopped: {search.halt.reason} | {_counts(search.study)}", file=sys.stderr, flush=True)
-        close_storage(search.storage)
+        print(
+            f"ppotune search: stopped: {search.halt.reason} | {_counts(search.session.study)}",
+            file=sys.stderr,
+            flush=True,
+        )
+        close_storage(search.session.storage)
         return search.halt.exit_code
-    summary(search.study, search)
-    close_storage(search.storage)  # the database connections go back to the server now, not at exit
+    summary(search.session.study, search)
+    close_storage(search.session.storage)  # the database connections go back to the server now, not at exit
     if got:
         print(
             f"ppotune search: stopped by {signal.Signals(got[0]).name}; the interrupted trial(s) will run "

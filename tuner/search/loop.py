@@ -109,20 +109,16 @@ class Search:
         self.failures = FailureRule(o.max_failures_in_a_row)
         s.heartbeat_s, s.grace_s = o.heartbeat_s, o.grace_s
         s.observer = _Watched(s.observer, self._watch)
-        # the session's parts the loop reads, by their names
-        self.study, self.storage, self.lock, self.space = s.study, s.storage, s.lock, s.space
-        self.trial_flat, self.runner = s.trial_flat, s.runner
-        self.stop_event, self.heartbeat = s.stop_event, s.heartbeat
         self.policy = ProposalPolicy(
-            self.space,
-            self.trial_flat,
+            self.session.space,
+            self.session.trial_flat,
             sampler=o.sampler,
             seed=o.seed,
             local_every=o.local_every,
-            serialized=self.lock.exact or isinstance(self.storage, optuna.storages.InMemoryStorage),
+            serialized=self.session.lock.exact or isinstance(self.session.storage, optuna.storages.InMemoryStorage),
         )
         self.budget = Budget(trials=o.trials, timeout_s=o.timeout_s, confirm=o.confirm, probe=o.probe)
-        self.gate = MemoryGate(self.study, limit_gb=s.penalty_gb, enabled=o.predict_oom)
+        self.gate = MemoryGate(self.session.study, limit_gb=s.penalty_gb, enabled=o.predict_oom)
 
     def _watch(self, e: TrialEvent) -> None:
         """Every trial this process finished: a search that cannot work stops now (:class:`FailureRule`)."""
@@ -132,7 +128,7 @@ class Search:
         launched = bool(rec.duration_s) or (rec.status is not None and rec.status.launched)
         baseline = False
         if launched:
-            t = self.study.get_trials(deepcopy=False)[e.number]  # numbers are list positions
+            t = self.session.study.get_trials(deepcopy=False)[e.number]  # numbers are list positions
             baseline = TrialRecord.from_user_attrs(t.user_attrs).baseline
         halt = self.failures.seen(
             number=e.number, status=e.status, error=rec.error, launched=launched, baseline=baseline
@@ -140,7 +136,7 @@ class Search:
         if halt is not None:
             self.halt = halt
             self.stopped_reason = halt.reason
-            self.stop_event.set()  # no further trial; one in flight is interrupted (and runs again on resume)
+            self.session.stop_event.set()  # no further trial; one in flight is interrupted (and runs again on resume)
 
     # ---- running
     def run(self) -> None:
@@ -148,9 +144,9 @@ class Search:
         Re-raises the first unexpected error of a worker (the others stop). Raises ``ValueError``
         before any trial for a study whose params this space would suggest differently
         (:meth:`tuner.space.Space.foreign_params`: one written before power-of-two knobs were exponents)."""
-        foreign = self.space.foreign_params(self.study.get_trials(deepcopy=False))
+        foreign = self.session.space.foreign_params(self.session.study.get_trials(deepcopy=False))
         if foreign:
-            raise ValueError(f"study {self.study.study_name!r}: {foreign}")
+            raise ValueError(f"study {self.session.study.study_name!r}: {foreign}")
         errors: list[BaseException] = []
 
         def guarded(slot: int) -> None:
@@ -158,7 +154,7 @@ class Search:
                 self.worker(slot)
             except BaseException as e:  # noqa: BLE001 - reported below, the other workers stop
                 errors.append(e)
-                self.stop_event.set()
+                self.session.stop_event.set()
 
         self.session.sweep()
         workers = [
@@ -172,20 +168,20 @@ class Search:
                 w.join(timeout=0.2)
         if errors:
             raise errors[0]
-        if self.options.confirm and not self.stop_event.is_set():
+        if self.options.confirm and not self.session.stop_event.is_set():
             ConfirmationStage(self.session, budget=self.budget, selection=self.options.selection).run(
                 self.options.confirm
             )
-        if self.options.probe and not self.stop_event.is_set():
+        if self.options.probe and not self.session.stop_event.is_set():
             WorstCaseStage(self.session, budget=self.budget, selection=self.options.selection).run(self.options.probe)
 
     def worker(self, slot: int) -> None:
-        while not self.stop_event.is_set():
+        while not self.session.stop_event.is_set():
             prop = self.ask()
             if prop is None:
                 return
             if prop is WAIT:
-                self.stop_event.wait(min(WAIT_POLL_S, self.options.heartbeat_s))
+                self.session.stop_event.wait(min(WAIT_POLL_S, self.options.heartbeat_s))
                 continue
             try:
                 self.session.process(prop, slot)
@@ -202,7 +198,7 @@ class Search:
         lock (no other worker ever counts it as running), and the sampler is asked again: it costs
         nothing and does not count toward ``--trials``. :data:`tuner.search.budget.MAX_CONSECUTIVE_FREE` of
         them in a row stop this process."""
-        with self.lock():
+        with self.session.lock():
             while True:
                 got = self._ask_once()
                 if not isinstance(got, Proposal) or got.verdict.launch:
@@ -215,8 +211,8 @@ class Search:
 
     def _ask_once(self) -> "Proposal | _Wait | None":
         self.session.sweep_if_due()
-        trials = self.study.get_trials(deepcopy=False)
-        stopping = self.stop_event.is_set()
+        trials = self.session.study.get_trials(deepcopy=False)
+        stopping = self.session.stop_event.is_set()
         reason = (
             "interrupted" if stopping else self.budget.stop_reason(trials, free_in_a_row=self.session.free_in_a_row)
         )
@@ -225,16 +221,19 @@ class Search:
         if reason:
             self.stopped_reason = self.stopped_reason or reason
             return None
-        known = decide.known_configs(trials, self.space, self.trial_flat)
+        known = decide.known_configs(trials, self.session.space, self.session.trial_flat)
         if not any(t.state == TrialState.WAITING for t in trials):
             pick = self.policy.pick(
-                trials, known=known, startup=startup_trials(self.study.sampler), duplicates=self.session.dup_in_a_row
+                trials,
+                known=known,
+                startup=startup_trials(self.session.study.sampler),
+                duplicates=self.session.dup_in_a_row,
             )
             if pick.stop:
                 self.stopped_reason = pick.stop
                 return None
             if pick.point is not None:
-                self.study.enqueue_trial(self.space.to_params(pick.point.params), skip_if_exists=False)
+                self.session.study.enqueue_trial(self.session.space.to_params(pick.point.params), skip_if_exists=False)
             if pick.explored:
                 self.session.dup_in_a_row = 0
         trial = self.session.ask()
@@ -246,7 +245,9 @@ class Search:
         """Record ``trial`` as ``over_budget`` if another worker took the budget's last slot in the
         same moment (possible only without a cross-process lock: the gRPC proxy, MySQL)."""
         counted = TrialRecord.from_user_attrs(trial.user_attrs).counted
-        if not self.budget.taken_by_others(self.study.get_trials(deepcopy=False), trial.number, counted=counted):
+        if not self.budget.taken_by_others(
+            self.session.study.get_trials(deepcopy=False), trial.number, counted=counted
+        ):
             return False
         self.session.tell_over_budget(trial, self.options.trials)
         return True
