@@ -108,12 +108,12 @@ def run(args: argparse.Namespace) -> int:
         stopping.set()
         raise KeyboardInterrupt
 
-    old = signal.signal(signal.SIGTERM, on_signal)
-    print(f"ppotune storage-proxy: serving {spec.display} on grpc://{args.host}:{args.port}", flush=True)
     warning = exposure_warning(args.host, args.port)
-    if warning:
-        print(f"ppotune storage-proxy: warning: {warning}", file=sys.stderr, flush=True)
-    try:
+    old = signal.signal(signal.SIGTERM, on_signal)
+    try:  # from here on a SIGTERM lands in the except below, even one sent right after "serving" is read
+        print(f"ppotune storage-proxy: serving {spec.display} on grpc://{args.host}:{args.port}", flush=True)
+        if warning:
+            print(f"ppotune storage-proxy: warning: {warning}", file=sys.stderr, flush=True)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             optuna.storages.run_grpc_proxy_server(
