@@ -19,6 +19,12 @@ from support import TINY_BASE, processes_with, wait_until  # noqa: E402
 
 # verl's config files and source, unpacked from its wheel by scripts/install_test_deps.sh (verl is never installed
 # into this environment): what `export --validate-verl` and the docs test read, here and in the CLI's subprocesses
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # pytest -n N: the workers share the cores, so each process (the worker's torch, a trial's ranks) takes its share
+    # of threads; else OpenMP threads spin against the other worker's and a 1-minute test takes 10 (seen)
+    share = (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, share)))
+
 _VERL_UNPACKED = REPO / ".test_deps" / "verl" / "verl"
 if _VERL_UNPACKED.is_dir():
     os.environ.setdefault("PPOTUNE_VERL_ROOT", str(_VERL_UNPACKED))
@@ -176,3 +182,38 @@ def vllm_installed() -> None:
         why = status.read_text().strip() if status.exists() else "scripts/install_test_deps.sh was not run"
         last = (r.stderr.strip().splitlines() or ["?"])[-1]
         pytest.skip(f"vLLM is not importable ({last}); install: {why}")
+
+
+# --------------------------------------------------------------------------- two workers (pytest-xdist)
+#: files whose tests read the session's one real search (the ``real_search`` fixture): one worker runs them all,
+#: so the search runs once, not once per worker
+_REAL_SEARCH_READERS = {"test_validate.py", "test_report.py", "test_export.py", "test_notebook.py"}
+
+
+#: the longest groups, longest first (`--durations`, 2026-12-02): handed out first, so that no worker starts one
+#: of them while the other has run out of work (``--no-loadscope-reorder`` keeps this order); the rest follow
+_LONGEST_FIRST = (
+    "test_verl.py",
+    "real_search",
+    "test_cluster.py",
+    "test_train.py",
+    "test_search.py",
+    "test_vllm_rollout.py",
+    "test_fail_fast.py",
+    "test_offload_matrix.py",
+)
+
+
+def _group(item) -> str:
+    name = item.path.name
+    return "real_search" if name in _REAL_SEARCH_READERS else name
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Under ``pytest -n 2 --dist loadgroup`` (the README's test command) a file's tests stay on one worker, so a
+    module's fixture (one search, one verl study) runs once; the real search's readers share one worker too."""
+    rank = {g: i for i, g in enumerate(_LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(_group(item), len(rank)))  # stable: the rest keep their order
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(_group(item)))

@@ -25,7 +25,7 @@ from trainer.contracts import PHASES, Status
 from tuner.memory_model import MemoryModel, param_counts, samples_from_trials
 from tuner.trials.runners import SubprocessRunner, TrialRequest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # the memory model's stated error, from RSS peaks: run alone
 
 BASE = REPO / "benchmarks" / "data" / "grid_base.yaml"
 A, M = "actor_rollout_ref.actor.", "actor_rollout_ref.model."

@@ -118,6 +118,7 @@ def test_three_steps_with_vllm_rollout(tmp_path, vllm_installed, strategy, n):
         f"actor_rollout_ref.actor.strategy={strategy}",
         "actor_rollout_ref.rollout.name=vllm",
         "actor_rollout_ref.rollout.dtype=float32",
+        "actor_rollout_ref.rollout.enforce_eager=true",  # no torch.compile (test_vllm_rollout's FSDP1 run has it)
         f"actor_rollout_ref.rollout.n={n}",
         "ppotune.vllm_cpu_memory_gb=0.25",
         "--nproc",

@@ -22,7 +22,7 @@ from trainer.contracts import Status
 from tuner.trials.runners import SubprocessRunner, TrialRequest
 from tuner.trials.warm import WarmRunner
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # step times compared across trials: run alone
 
 ACTOR = "actor_rollout_ref.actor"
 COMPILED = {

@@ -45,6 +45,7 @@ ENGINE_VARIANTS = {
         "actor_rollout_ref.rollout.max_num_seqs": 4,
         "actor_rollout_ref.rollout.max_num_batched_tokens": 128,
         "actor_rollout_ref.rollout.enable_chunked_prefill": False,
+        "actor_rollout_ref.rollout.enforce_eager": True,  # vllm_large compiles (verl's default)
         "ppotune.vllm_cpu_memory_gb": 0.25,
     },
     "vllm_large": {
