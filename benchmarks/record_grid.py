@@ -16,6 +16,15 @@ An inferred OOM (never launched) is written with the seconds of the OOM it was i
 which is what launching it would have cost. Re-running the command resumes unfinished repeats.
 
     python benchmarks/record_grid.py [--out bench_out/grid] [--repeats 3] [--data benchmarks/data/grid_tiny_cpu.jsonl]
+
+``--every-config`` records another grid (``--base``, ``--space``, ``--cap-gb``, ``--data``) with no search at all:
+every config is launched in every repeat (no OOM is inferred from another), each repeat in its own shuffled order,
+through the runner the search uses, one line appended per trial as it ends (a re-run resumes). That is what
+counts how often each config runs out of memory near the cap (issue 25.5: the second grid, GRPO with the vLLM
+rollout, on benchmarks/data/grid2_base.yaml and grid2_space.yaml):
+
+    python benchmarks/record_grid.py --every-config --base benchmarks/data/grid2_base.yaml \
+        --space benchmarks/data/grid2_space.yaml --cap-gb CAP --data benchmarks/data/grid_grpo_vllm.jsonl
 """
 
 from __future__ import annotations
@@ -76,27 +85,76 @@ def export(out: Path, repeats: int, data: Path) -> int:
             seconds = rec.duration_s
             if rec.status == Status.INFERRED_OOM:
                 seconds = TrialRecord.from_user_attrs(trials[rec.inferred_from].user_attrs).duration_s
-            lines.append(
-                {
-                    "repeat": r,
-                    "number": t.number,
-                    "status": str(rec.status),
-                    "overrides": rec.overrides or {},
-                    "throughput": rec.throughput,
-                    "throughput_ci": rec.throughput_ci,
-                    "measured_steps": rec.measured_steps,
-                    "peak_memory_gb": rec.peak_memory_gb,
-                    "by_phase_gb": (rec.memory or {}).get("by_phase_gb") or None,
-                    "model_shape": rec.model_shape,
-                    "lengths": rec.lengths or None,
-                    "duration_s": seconds,
-                    "inferred_from": rec.inferred_from,
-                    "oom_phase": rec.oom_phase,
-                }
-            )
+            lines.append(row(r, t.number, rec, seconds))
     data.parent.mkdir(parents=True, exist_ok=True)
     data.write_text("".join(json.dumps(x, sort_keys=True) + "\n" for x in lines))
     return len(lines)
+
+
+def row(repeat: int, number: int, rec: TrialRecord, seconds: float | None) -> dict:
+    """One line of a grid's data file (the module docstring's fields)."""
+    return {
+        "repeat": repeat,
+        "number": number,
+        "status": str(rec.status),
+        "overrides": rec.overrides or {},
+        "throughput": rec.throughput,
+        "throughput_ci": rec.throughput_ci,
+        "measured_steps": rec.measured_steps,
+        "peak_memory_gb": rec.peak_memory_gb,
+        "by_phase_gb": (rec.memory or {}).get("by_phase_gb") or None,
+        "model_shape": rec.model_shape,
+        "lengths": rec.lengths or None,
+        "duration_s": seconds,
+        "inferred_from": rec.inferred_from,
+        "oom_phase": rec.oom_phase,
+    }
+
+
+def record_every_config(args: argparse.Namespace) -> int:
+    """Every config of the space, every repeat, through the search's own runner; appends to ``args.data``."""
+    import random
+    import threading
+
+    from trainer.config import apply_overrides, config_from_dict, config_to_dict, flatten
+    from tuner.space import base_flat_config, load_space
+    from tuner.trials.runners import SubprocessRunner, TrialRequest
+
+    space = load_space(args.space)
+    nested, _ = base_flat_config(str(args.base), nproc=args.nproc)
+    extra = {"trainer.total_training_steps": STEPS, "ppotune.warmup_steps": WARMUP}
+    extra["ppotune.memory_limit_gb"] = args.cap_gb
+    trial_base = config_to_dict(config_from_dict(apply_overrides(nested, extra)))
+    configs = list(space.grid(flatten(trial_base)))
+    data = Path(args.data)
+    done = set()
+    if data.is_file():
+        done = {(x["repeat"], x["number"]) for x in map(json.loads, data.read_text().splitlines())}
+    runner = SubprocessRunner(device_kind="cpu", nproc=args.nproc, grace_s=3.0, timeout_s=600)
+    os.environ["OMP_NUM_THREADS"] = "1"  # one core per rank: the trials are alike (as the search-based recording)
+    data.parent.mkdir(parents=True, exist_ok=True)
+    for r in range(args.repeats):
+        order = list(range(len(configs)))
+        random.Random(r).shuffle(order)  # a drift of the machine lands on other configs in each repeat
+        for number in order:
+            if (r, number) in done:
+                continue
+            cand = configs[number]
+            config = config_to_dict(config_from_dict(apply_overrides(trial_base, cand.overrides)))
+            req = TrialRequest(
+                number=number,
+                config=config,
+                identity=space.identity(cand.effective),
+                trial_dir=Path(args.out) / f"r{r}" / str(number),
+                overrides=cand.overrides,
+            )
+            outcome = runner.run(req, threading.Event())
+            rec = outcome.record
+            rec.status, rec.overrides = outcome.status, dict(cand.overrides)
+            with data.open("a") as f:
+                f.write(json.dumps(row(r, number, rec, rec.duration_s), sort_keys=True) + "\n")
+            print(f"r{r} #{number}: {rec.status} {rec.throughput} tok/s {rec.peak_memory_gb} GB", flush=True)
+    return len(configs) * args.repeats
 
 
 def main() -> int:
@@ -105,9 +163,21 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--data", default=str(DATA))
     ap.add_argument("--export-only", action="store_true", help="write the data file from what is recorded")
+    ap.add_argument("--every-config", action="store_true", help="launch every config in every repeat (no search)")
+    ap.add_argument("--base", default=str(BASE), help="--every-config: the base config")
+    ap.add_argument("--space", default=str(SPACE), help="--every-config: the space")
+    ap.add_argument("--cap-gb", type=float, default=None, help="--every-config: the memory cap (required)")
+    ap.add_argument("--nproc", type=int, default=NPROC)
     args = ap.parse_args()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    if args.every_config:
+        if args.cap_gb is None or args.data == str(DATA):
+            ap.error("--every-config needs --cap-gb and a --data file of its own (the first grid's is committed)")
+        t0 = time.monotonic()
+        n = record_every_config(args)
+        print(f"record_grid: {n} trials in {args.data} ({time.monotonic() - t0:.0f} s)")
+        return 0
     size = grid_size()
     t0 = time.monotonic()
     if not args.export_only:

@@ -191,7 +191,7 @@ _REAL_SEARCH_READERS = {"test_validate.py", "test_report.py", "test_export.py", 
 
 
 #: the longest groups, longest first (`--durations`, 2026-12-02): handed out first, so that no worker starts one
-#: of them while the other has run out of work (``--no-loadscope-reorder`` keeps this order); the rest follow
+#: of them while the other has run out of work (pytest_configure keeps this order); the rest follow
 _LONGEST_FIRST = (
     "test_verl.py",
     "real_search",
@@ -207,6 +207,16 @@ _LONGEST_FIRST = (
 def _group(item) -> str:
     name = item.path.name
     return "real_search" if name in _REAL_SEARCH_READERS else name
+
+
+def pytest_configure(config):
+    """``-n N`` (pytest-xdist) hands out these groups (not single tests) in the order below; without xdist (the GPU
+    machine has none) nothing changes."""
+    if getattr(config.option, "numprocesses", None):  # the controller: hands out groups
+        config.option.dist = "loadgroup"
+        config.option.loadscopereorder = False
+    if hasattr(config, "workerinput"):  # a worker: names each test's group in its id (xdist reads this option)
+        config.option.loadgroup = True
 
 
 @pytest.hookimpl(tryfirst=True)
