@@ -103,6 +103,14 @@ def running_trial_of(out: Path) -> int | None:
     return None
 
 
+def start_workers(tmp_path: Path, storage: str, trials: int, n: int) -> list[subprocess.Popen]:
+    """``n`` workers, node0 first: the others start once node0 runs a trial, so that node0 (the one the tests kill)
+    has a trial to be killed in however slowly the loaded machine starts it (it once found the budget spent)."""
+    first = start_worker(tmp_path, storage, trials, 0)
+    assert wait_until(lambda: running_trial_of(tmp_path / "node0") is not None or first.poll() is not None, 240)
+    return [first, *(start_worker(tmp_path, storage, trials, i) for i in range(1, n))]
+
+
 def kill_mid_trial(worker: subprocess.Popen, out: Path) -> tuple[int, float]:
     """SIGKILL the worker while one of its trials runs: (that trial's number, when)."""
     assert wait_until(lambda: running_trial_of(out) is not None or worker.poll() is not None, 240)
@@ -140,7 +148,7 @@ def test_four_workers_on_postgres_reach_exactly_the_budget_and_recover_a_killed_
     password shows in no output, file or trial log, the URL masked where it is named."""
     db = postgres.create_database()
     url = postgres.url(db)
-    workers = [start_worker(tmp_path, url, 8, i) for i in range(4)]
+    workers = start_workers(tmp_path, url, 8, 4)
     number, killed_at = kill_mid_trial(workers[0], tmp_path / "node0")
     outs = [w.communicate(timeout=900)[0] for w in workers[1:]]
     assert [w.returncode for w in workers[1:]] == [0, 0, 0], outs
@@ -174,7 +182,7 @@ def test_workers_through_the_grpc_proxy(tmp_path, postgres, storage_proxy, cli, 
     db = postgres.create_database()
     url = postgres.url(db)
     proxy = storage_proxy(url)
-    workers = [start_worker(tmp_path, proxy, 6, i) for i in range(4)]
+    workers = start_workers(tmp_path, proxy, 6, 4)
     number, killed_at = kill_mid_trial(workers[0], tmp_path / "node0")
     outs = [w.communicate(timeout=900)[0] for w in workers[1:]]
     assert [w.returncode for w in workers[1:]] == [0, 0, 0], outs
