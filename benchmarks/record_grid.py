@@ -145,7 +145,7 @@ def record_every_config(args: argparse.Namespace) -> int:
                 number=number,
                 config=config,
                 identity=space.identity(cand.effective),
-                trial_dir=Path(args.out) / f"r{r}" / str(number),
+                trial_dir=Path(args.out).resolve() / f"r{r}" / str(number),
                 overrides=cand.overrides,
             )
             outcome = runner.run(req, threading.Event())
