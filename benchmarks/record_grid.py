@@ -24,7 +24,11 @@ counts how often each config runs out of memory near the cap (issue 25.5: the se
 rollout, on benchmarks/data/grid2_base.yaml and grid2_space.yaml):
 
     python benchmarks/record_grid.py --every-config --base benchmarks/data/grid2_base.yaml \
-        --space benchmarks/data/grid2_space.yaml --cap-gb CAP --data benchmarks/data/grid_grpo_vllm.jsonl
+        --space benchmarks/data/grid2_space.yaml --cap-gb 1.0 --data benchmarks/data/grid_grpo_vllm.jsonl
+
+(The cap is RLIMIT_DATA above the post-start level, which counts vLLM's reservations too: at 0.8 GB the base config
+runs out of memory in set-up though its peak, on the objective's basis, is 0.53 GB; at 1.0 it fits, and micro-batch
+32 with 64 sequences in flight runs out in update_actor; 2026-12-02, the 2-core CPU VM.)
 """
 
 from __future__ import annotations
