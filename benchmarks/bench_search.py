@@ -55,7 +55,7 @@ sys.path.insert(0, str(REPO))
 
 import optuna  # noqa: E402
 
-from trainer.config import apply_overrides, config_from_dict, config_to_dict, flatten  # noqa: E402
+from trainer.config import flatten  # noqa: E402
 from trainer.contracts import CONSTRAINT_KEY, DIRECTIONS, Status, TrialRecord, parse_storage  # noqa: E402
 from tuner.search import decide  # noqa: E402
 from tuner.search.loop import Search, SearchOptions  # noqa: E402
@@ -66,6 +66,9 @@ from tuner.stages.confirm import DEFAULT_ROUNDS, MAX_FINALISTS, Rerun, paired_ra
 from tuner.study.lifecycle import StudyLock  # noqa: E402
 from tuner.study.storage import open_storage  # noqa: E402
 from tuner.trials.runners import Recorded, ReplayRunner, TrialRequest  # noqa: E402
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+from record_grid import recording_base  # noqa: E402  (the recorded grid's owner: what its trials ran)
 
 SPACE = textwrap.dedent("""
     description: benchmark space - 2 x 3 x 2 x 2 = 24 configs; the 1024-wide model OOMs under the cap
@@ -108,11 +111,6 @@ class Recording:
         return sum(statistics.mean(r.duration_s for r in rs) for rs in self.table.values())
 
 
-def _trial_base(base_nested: dict, *, steps: int, warmup: int, cap_gb: Optional[float]) -> dict:
-    extra = {"trainer.total_training_steps": steps, "ppotune.warmup_steps": warmup, "ppotune.memory_limit_gb": cap_gb}
-    return config_to_dict(config_from_dict(apply_overrides(base_nested, extra)))
-
-
 def from_studies(storage: str, names: list[str]) -> Recording:
     """One or more ``ppotune search`` studies of the same space and base: each a repeat of the grid."""
     spec = parse_storage(storage)
@@ -122,7 +120,7 @@ def from_studies(storage: str, names: list[str]) -> Recording:
     studies = [optuna.load_study(study_name=n, storage=opened) for n in names]
     attrs = studies[0].user_attrs
     space = space_from_dict(attrs["space"])
-    trial_base = _trial_base(
+    trial_base = recording_base(
         attrs["base_config"], steps=attrs["steps"], warmup=attrs["warmup"], cap_gb=attrs.get("memory_limit_gb")
     )
     flat = flatten(trial_base)
@@ -136,11 +134,10 @@ def from_studies(storage: str, names: list[str]) -> Recording:
 
 def from_jsonl(data: Path) -> Recording:
     """``benchmarks/record_grid.py``'s data file (one JSON line per recorded trial), with its space and base."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
     import record_grid as rg
 
     space = load_space(rg.SPACE)
-    trial_base = _trial_base(
+    trial_base = recording_base(
         base_flat_config(str(rg.BASE), nproc=rg.NPROC)[0], steps=rg.STEPS, warmup=rg.WARMUP, cap_gb=rg.CAP_GB
     )
     flat = flatten(trial_base)
@@ -163,7 +160,7 @@ def record_default(out: Path, reuse: bool) -> Recording:
     space_path = out / "bench_space.yaml"
     space_path.write_text(SPACE)
     space = load_space(space_path)
-    flat = flatten(_trial_base(base_flat_config(BASE, nproc=NPROC)[0], steps=STEPS, warmup=WARMUP, cap_gb=CAP_GB))
+    flat = flatten(recording_base(base_flat_config(BASE, nproc=NPROC)[0], steps=STEPS, warmup=WARMUP, cap_gb=CAP_GB))
     n_grid = space.size(flat)
     storage = f"sqlite:///{out / 'study.db'}"
     done = 0

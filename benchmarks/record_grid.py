@@ -115,6 +115,14 @@ def row(repeat: int, number: int, rec: TrialRecord, seconds: float | None) -> di
     }
 
 
+def recording_base(base_nested: dict, *, steps: int, warmup: int, cap_gb: float | None) -> dict:
+    """What every trial of a recording runs before its knobs: the base config with the recording's steps and cap."""
+    from trainer.config import apply_overrides, config_from_dict, config_to_dict
+
+    extra = {"trainer.total_training_steps": steps, "ppotune.warmup_steps": warmup, "ppotune.memory_limit_gb": cap_gb}
+    return config_to_dict(config_from_dict(apply_overrides(base_nested, extra)))
+
+
 def record_every_config(args: argparse.Namespace) -> int:
     """Every config of the space, every repeat, through the search's own runner; appends to ``args.data``."""
     import random
@@ -125,11 +133,9 @@ def record_every_config(args: argparse.Namespace) -> int:
     from tuner.trials.runners import SubprocessRunner, TrialRequest
 
     space = load_space(args.space)
-    nested, _ = base_flat_config(str(args.base), nproc=args.nproc)
-    extra = {"trainer.total_training_steps": STEPS, "ppotune.warmup_steps": WARMUP}
-    extra["ppotune.memory_limit_gb"] = args.cap_gb
-    trial_base = config_to_dict(config_from_dict(apply_overrides(nested, extra)))
-    configs = list(space.grid(flatten(trial_base)))
+    nested = base_flat_config(str(args.base), nproc=args.nproc)[0]
+    base = recording_base(nested, steps=STEPS, warmup=WARMUP, cap_gb=args.cap_gb)
+    configs = list(space.grid(flatten(base)))
     data = Path(args.data)
     done = set()
     if data.is_file():
@@ -144,7 +150,7 @@ def record_every_config(args: argparse.Namespace) -> int:
             if (r, number) in done:
                 continue
             cand = configs[number]
-            config = config_to_dict(config_from_dict(apply_overrides(trial_base, cand.overrides)))
+            config = config_to_dict(config_from_dict(apply_overrides(base, cand.overrides)))
             req = TrialRequest(
                 number=number,
                 config=config,

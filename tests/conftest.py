@@ -17,14 +17,14 @@ for p in (str(REPO), str(TESTS)):  # the packages under test, and tests/support.
 
 from support import TINY_BASE, processes_with, wait_until  # noqa: E402
 
-# verl's config files and source, unpacked from its wheel by scripts/install_test_deps.sh (verl is never installed
-# into this environment): what `export --validate-verl` and the docs test read, here and in the CLI's subprocesses
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # pytest -n N: the workers share the cores, so each process (the worker's torch, a trial's ranks) takes its share
     # of threads; else OpenMP threads spin against the other worker's and a 1-minute test takes 10 (seen)
     share = (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, share)))
 
+# verl's config files and source, unpacked from its wheel by scripts/install_test_deps.sh (verl is never installed
+# into this environment): what `export --validate-verl` and the docs test read, here and in the CLI's subprocesses
 _VERL_UNPACKED = REPO / ".test_deps" / "verl" / "verl"
 if _VERL_UNPACKED.is_dir():
     os.environ.setdefault("PPOTUNE_VERL_ROOT", str(_VERL_UNPACKED))
