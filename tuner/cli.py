@@ -144,7 +144,7 @@ def _unknown_flag(parser: argparse.ArgumentParser, argv: list[str]) -> str | Non
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv[0] if argv and argv[0] in _COMMANDS else None
-    parser = build_parser(only=command)
+    parser = build_parser(only=command or "")  # no command: no command's module imported (--version, --help)
     if command is None:
         if not argv or argv[0] in ("-h", "--help", "--version"):
             if argv and argv[0] == "--version":

@@ -229,7 +229,7 @@ def test_load_benchmark_loses_and_duplicates_nothing(tmp_path):
     pytest.importorskip("psycopg")
     out = tmp_path / "rows.json"
     r = subprocess.run(
-        [sys.executable, "benchmarks/bench_storage.py", "--workers", "4", "--trials-per-worker", "6", "--json", out],
+        [sys.executable, "benchmarks/bench_storage.py", "--workers", "3", "--trials-per-worker", "4", "--json", out],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -241,7 +241,7 @@ def test_load_benchmark_loses_and_duplicates_nothing(tmp_path):
     rows = json.loads(out.read_text())
     assert [row["storage"] for row in rows] == ["postgresql", "grpc"]
     for row in rows:
-        assert row["counted"] == row["budget"] == 24 and row["lost"] == 0 and row["configs_measured_twice"] == 0
+        assert row["counted"] == row["budget"] == 12 and row["lost"] == 0 and row["configs_measured_twice"] == 0
         assert row["unfinished"] == 0 and row["connections_left"] == 0 and not row["failed_workers"]
         assert row["trials_per_s"] > 0
 

@@ -1,5 +1,7 @@
-"""Warm-trial drift (issue 24): the same config measured as a warm job's first trial and again as a later one reads
-the same step time, within noise. REAL trials (the tiny preset, 2 CPU ranks, gloo) through the real warm runner.
+"""Warm-trial drift (issue 24): the same config as a warm job's first trial and again as later ones, with nothing
+left in the later trials that a cold run would not pay: no compile inside a measured step, every step measured.
+REAL trials (the tiny preset, 2 CPU ranks, gloo) through the real warm runner. The step times themselves are a
+timing claim: benchmarks/bench_warm_drift.py measures them over several jobs (benchmarks/README.md).
 
 The config is the one where drift was built in: ``use_torch_compile`` with chunked entropy and token-budget
 micro-batches. The compiled entropy is compiled once per shape family (trainer.engine.roles.compiled_entropy)
@@ -10,7 +12,6 @@ than in others. A measured step that compiles says so in the trial's notes (trai
 from __future__ import annotations
 
 import json
-import statistics
 import threading
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from trainer.contracts import Status
 from tuner.trials.runners import SubprocessRunner, TrialRequest
 from tuner.trials.warm import WarmRunner
 
-pytestmark = [pytest.mark.slow, pytest.mark.serial]  # step times compared across trials: run alone
+pytestmark = pytest.mark.slow
 
 ACTOR = "actor_rollout_ref.actor"
 COMPILED = {
@@ -33,9 +34,6 @@ COMPILED = {
     f"{ACTOR}.ppo_max_token_len_per_gpu": 160,
 }
 OTHER = {f"{ACTOR}.strategy": "fsdp2", f"{ACTOR}.ppo_micro_batch_size_per_gpu": 4}
-#: the later trial's median step time within this factor of the first trial's (2-core CPU, tiny model: steps of
-#: ~0.3 s whose run-to-run spread is ~10%; a compile inside a measured step costs seconds)
-DRIFT = 1.3
 
 
 def config(**flat) -> dict:
@@ -67,13 +65,15 @@ def _measured_step_s(outcome) -> list[float]:
     return [s["timing_s/step"] for s in result["steps"] if not s["warmup"]]
 
 
-def test_the_same_config_later_in_a_warm_job_measures_the_same(runs):
+def test_every_trial_runs_and_the_later_ones_measure_every_step(runs):
+    """The first trial measures after its warm-up step; a later trial of the same config has nothing to warm up:
+    all its steps are measured (its first one provisionally: trainer.rank.trial), the same batches as a cold run."""
     assert all(o.status == Status.OK for o in runs.values()), {n: o.status for n, o in runs.items()}
-    first = statistics.median(_measured_step_s(runs["first"]))
+    first = _measured_step_s(runs["first"])
+    assert len(first) == 5 and all(s > 0 for s in first)
     for name in ("later", "last"):
-        later = statistics.median(_measured_step_s(runs[name]))
-        print(f"{name}: median step {later:.3f} s against the first trial's {first:.3f} s ({later / first:.2f}x)")
-        assert 1 / DRIFT <= later / first <= DRIFT, (name, later, first)
+        steps = _measured_step_s(runs[name])
+        assert len(steps) >= 5 and all(s > 0 for s in steps), (name, steps)
 
 
 def test_no_measured_step_compiles(runs):

@@ -74,6 +74,7 @@ def test_files_and_overrides(preset, overrides):
         # a CPU-sized job on one rank: per-GPU mini-batch 4 x n 1 / 1 = 4, divided by micro-batch 2
         "algorithm.adv_estimator": "gae",
         "data.train_batch_size": "8",
+        "data.dataloader_num_workers": "0",  # no loader processes taking the 2 cores the steps run on
         "actor_rollout_ref.actor.ppo_mini_batch_size": "4",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "2",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": "2",

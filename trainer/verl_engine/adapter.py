@@ -370,7 +370,8 @@ def run_verl(spec: RunSpec, *, result_path: Optional[Path]) -> int:
     exit code (ExitCode)."""
     t0 = time.time()
     device = detect_device(spec.device)
-    workdir = Path(tempfile.mkdtemp(prefix="ppotune_verl_", dir=result_path.parent if result_path else None))
+    # absolute: verl's processes (Ray's workers) do not run in our working directory
+    workdir = Path(tempfile.mkdtemp(prefix="ppotune_verl_", dir=result_path.parent if result_path else None)).resolve()
     metrics = workdir / "metrics.jsonl"
     version = verl_version(spec.python)
     config = {"engine": "verl", "verl_version": version, "python": spec.python, "overrides": spec.overrides}
