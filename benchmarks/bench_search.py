@@ -134,11 +134,12 @@ def from_studies(storage: str, names: list[str]) -> Recording:
 
 def from_jsonl(data: Path) -> Recording:
     """``benchmarks/record_grid.py``'s data file (one JSON line per recorded trial), with its space and base."""
-    import record_grid as rg
+    from record_grid import grid_of
 
-    space = load_space(rg.SPACE)
+    grid = grid_of(data)
+    space = load_space(grid.space)
     trial_base = recording_base(
-        base_flat_config(str(rg.BASE), nproc=rg.NPROC)[0], steps=rg.STEPS, warmup=rg.WARMUP, cap_gb=rg.CAP_GB
+        base_flat_config(str(grid.base), nproc=grid.nproc)[0], steps=grid.steps, warmup=grid.warmup, cap_gb=grid.cap_gb
     )
     flat = flatten(trial_base)
     rows = [json.loads(line) for line in Path(data).read_text().splitlines() if line.strip()]
@@ -152,7 +153,7 @@ def from_jsonl(data: Path) -> Recording:
         seconds = float(row.get("duration_s") or 0.0)
         entry = Recorded(status, row.get("throughput"), row.get("peak_memory_gb"), seconds, i, phase)
         table.setdefault(space.identity({**flat, **row["overrides"]}), []).append(entry)
-    return Recording(space, trial_base, flat, rg.CAP_GB, table, str(data))
+    return Recording(space, trial_base, flat, grid.cap_gb, table, str(data))
 
 
 def record_default(out: Path, reuse: bool) -> Recording:
@@ -397,11 +398,13 @@ def main() -> int:
     grid_s = rec.grid_s()
     repeats = [len(rs) for rs in rec.table.values()]
     n_feasible = sum(1 for v in truth.values() if v > 0)
+    # near the cap an OOM is noisy: the configs that ran out of memory in some repeats and fitted in others
+    noisy = sum(1 for rs in rec.table.values() if 0 < sum(r.status == Status.OOM for r in rs) < len(rs))
     hint = max(1, round(LEVELS[-1] * len(grid)))  # the --trials a user would give for a quarter of the grid
     gaps = f", {missing} NOT recorded (answered crash)" if missing else ""
     print(
         f"recording: {rec.label}: {len(rec.table)} configs ({min(repeats)}-{max(repeats)} repeats each), "
-        f"{n_feasible} feasible; space size {len(grid)}{gaps}"
+        f"{n_feasible} feasible, {noisy} out of memory in some repeats and not in others; space size {len(grid)}{gaps}"
     )
     print(
         f"grid: best feasible throughput {best:.1f} tokens/s/GPU (median of its repeats); one launch of every "

@@ -23,8 +23,9 @@ through the runner the search uses, one line appended per trial as it ends (a re
 counts how often each config runs out of memory near the cap (issue 25.5: the second grid, GRPO with the vLLM
 rollout, on benchmarks/data/grid2_base.yaml and grid2_space.yaml):
 
-    python benchmarks/record_grid.py --every-config --base benchmarks/data/grid2_base.yaml \
-        --space benchmarks/data/grid2_space.yaml --cap-gb 1.0 --data benchmarks/data/grid_grpo_vllm.jsonl
+    python benchmarks/record_grid.py --every-config --grid grpo_vllm [--data bench_out/grid2/grid_grpo_vllm.jsonl]
+
+(``GRIDS`` below names each grid's base, space, cap and data file; bench_search.py finds a grid by its data file.)
 
 (The cap is RLIMIT_DATA above the post-start level, which counts vLLM's reservations too: at 0.8 GB the base config
 runs out of memory in set-up though its peak, on the objective's basis, is 0.53 GB; at 1.0 it fits, and micro-batch
@@ -39,6 +40,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -48,10 +50,45 @@ import optuna  # noqa: E402
 
 from trainer.contracts import Status, TrialRecord  # noqa: E402
 
-BASE = REPO / "benchmarks" / "data" / "grid_base.yaml"
-SPACE = REPO / "benchmarks" / "data" / "grid_space.yaml"
-DATA = REPO / "benchmarks" / "data" / "grid_tiny_cpu.jsonl"
+DATA_DIR = REPO / "benchmarks" / "data"
+BASE = DATA_DIR / "grid_base.yaml"
+SPACE = DATA_DIR / "grid_space.yaml"
+DATA = DATA_DIR / "grid_tiny_cpu.jsonl"
 CAP_GB, STEPS, WARMUP, NPROC = 0.15, 4, 1, 1
+
+
+@dataclass(frozen=True)
+class Grid:
+    """A recorded grid: what its trials ran (base, space, cap, ranks, steps) and its committed data file."""
+
+    base: Path
+    space: Path
+    data: Path
+    cap_gb: float
+    nproc: int = NPROC
+    steps: int = STEPS
+    warmup: int = WARMUP
+
+
+GRIDS = {
+    # the first grid: short, skewed prompts under a loose cap (a search's recording: OOMs inferred)
+    "tiny_cpu": Grid(BASE, SPACE, DATA, CAP_GB),
+    # the second (issue 25.5): GRPO with a vLLM rollout, long near-uniform prompts, every config every repeat
+    "grpo_vllm": Grid(
+        DATA_DIR / "grid2_base.yaml", DATA_DIR / "grid2_space.yaml", DATA_DIR / "grid_grpo_vllm.jsonl", 1.0
+    ),
+}
+
+
+def grid_of(data: str | Path) -> Grid:
+    """The grid a data file records (by its file name: a copy elsewhere, e.g. one being recorded, is found too)."""
+    name = Path(data).name
+    for grid in GRIDS.values():
+        if grid.data.name == name:
+            return grid
+    raise SystemExit(
+        f"{data}: not a recorded grid's data file (known: {', '.join(g.data.name for g in GRIDS.values())})"
+    )
 
 
 def grid_size() -> int:
@@ -132,15 +169,16 @@ def record_every_config(args: argparse.Namespace) -> int:
     from tuner.space import base_flat_config, load_space
     from tuner.trials.runners import SubprocessRunner, TrialRequest
 
-    space = load_space(args.space)
-    nested = base_flat_config(str(args.base), nproc=args.nproc)[0]
-    base = recording_base(nested, steps=STEPS, warmup=WARMUP, cap_gb=args.cap_gb)
+    grid = GRIDS[args.grid]
+    space = load_space(grid.space)
+    nested = base_flat_config(str(grid.base), nproc=grid.nproc)[0]
+    base = recording_base(nested, steps=grid.steps, warmup=grid.warmup, cap_gb=grid.cap_gb)
     configs = list(space.grid(flatten(base)))
-    data = Path(args.data)
+    data = Path(args.data or grid.data)
     done = set()
     if data.is_file():
         done = {(x["repeat"], x["number"]) for x in map(json.loads, data.read_text().splitlines())}
-    runner = SubprocessRunner(device_kind="cpu", nproc=args.nproc, grace_s=3.0, timeout_s=600)
+    runner = SubprocessRunner(device_kind="cpu", nproc=grid.nproc, grace_s=3.0, timeout_s=600)
     os.environ["OMP_NUM_THREADS"] = "1"  # one core per rank: the trials are alike (as the search-based recording)
     data.parent.mkdir(parents=True, exist_ok=True)
     for r in range(args.repeats):
@@ -171,19 +209,16 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench_out/grid")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--data", default=str(DATA))
+    ap.add_argument("--data", default=None, help="the data file (default: the grid's committed one)")
     ap.add_argument("--export-only", action="store_true", help="write the data file from what is recorded")
     ap.add_argument("--every-config", action="store_true", help="launch every config in every repeat (no search)")
-    ap.add_argument("--base", default=str(BASE), help="--every-config: the base config")
-    ap.add_argument("--space", default=str(SPACE), help="--every-config: the space")
-    ap.add_argument("--cap-gb", type=float, default=None, help="--every-config: the memory cap (required)")
-    ap.add_argument("--nproc", type=int, default=NPROC)
+    ap.add_argument("--grid", choices=sorted(set(GRIDS) - {"tiny_cpu"}), help="--every-config: the grid recorded")
     args = ap.parse_args()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     if args.every_config:
-        if args.cap_gb is None or args.data == str(DATA):
-            ap.error("--every-config needs --cap-gb and a --data file of its own (the first grid's is committed)")
+        if args.grid is None:
+            ap.error("--every-config needs --grid (the first grid is recorded by searches: no --every-config)")
         t0 = time.monotonic()
         n = record_every_config(args)
         print(f"record_grid: {n} trials in {args.data} ({time.monotonic() - t0:.0f} s)")
@@ -193,7 +228,7 @@ def main() -> int:
     if not args.export_only:
         for r in range(args.repeats):
             record(out, r, size)
-    n = export(out, args.repeats, Path(args.data))
+    n = export(out, args.repeats, Path(args.data or DATA))
     print(f"record_grid: {size} configs x {args.repeats} repeats -> {n} lines in {args.data} "
           f"({time.monotonic() - t0:.0f} s)")  # fmt: skip
     return 0

@@ -1,5 +1,8 @@
 """verl itself as the trial engine (`--engine verl`): real verl 0.9.1 on CPU, in its own venv (.venv-verl,
-made by scripts/install_test_deps.sh), through the CPU shim (trainer/verl_engine/cpu)."""
+made by scripts/install_test_deps.sh), through the CPU shim (trainer/verl_engine/cpu).
+
+The search every feature's test reads is a GRPO job's (what most verl users run: no critic, several responses per
+prompt, the KL as a loss); the PPO job with a critic runs verl in the memory-cap and hang tests."""
 
 from __future__ import annotations
 
@@ -81,6 +84,15 @@ def _train(cli, run_file: Path, result: Path, *extra) -> subprocess.CompletedPro
     )
 
 
+#: the tiny preset as a GRPO job (verl's keys): no critic, 2 responses per prompt, the KL as a loss
+GRPO = [
+    "algorithm.adv_estimator=grpo",
+    "actor_rollout_ref.rollout.n=2",
+    "actor_rollout_ref.actor.use_kl_loss=true",
+    "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+]
+CRITIC_MICRO = "critic.ppo_micro_batch_size_per_gpu"
+
 #: a trial of the 2-node search below runs one node of 1 GPU: the global sizes halved (tuner.world)
 TRIAL_WORLD = [
     "trainer.nnodes=1",
@@ -92,15 +104,23 @@ TRIAL_WORLD = [
 
 @pytest.fixture(scope="module")
 def verl_study(cli, verl_run_file, tmp_path_factory) -> Path:
-    """One small verl search that every feature's test reads: 2 trials of 1 GPU for a 2-node job
-    (--target-nodes 2), adaptive measurement (--precision), the worst-case probe of the pick (--probe 1), a report."""
+    """One small verl search of a GRPO job that every feature's test reads: 2 trials of 1 GPU for a 2-node job
+    (--target-nodes 2), adaptive measurement (--precision), the worst-case probe of the pick (--probe 1), a report.
+    Its space names the critic's micro-batch too, which a job without a critic does not search."""
     tmp = tmp_path_factory.mktemp("verl_study")
+    run = yaml.safe_load(verl_run_file.read_text())
+    run["overrides"] = [*run["overrides"], *GRPO]
+    grpo = tmp / "grpo.yaml"
+    grpo.write_text(yaml.safe_dump(run))
     space = tmp / "space.yaml"
-    space.write_text(f"knobs:\n  {MICRO}: {{type: pow2, low: 1, high: 2, memory: increasing}}\n")
+    space.write_text(
+        f"knobs:\n  {MICRO}: {{type: pow2, low: 1, high: 2, memory: increasing}}\n"
+        f"  {CRITIC_MICRO}: {{type: pow2, low: 1, high: 2, memory: increasing}}\n"
+    )
     out = tmp / "out"
     r = cli(
         "search",
-        verl_run_file,
+        grpo,
         "--engine",
         "verl",
         "--engine-python",
@@ -139,7 +159,7 @@ def verl_study(cli, verl_run_file, tmp_path_factory) -> Path:
 
 
 def _ok_trials(out: Path) -> tuple[optuna.Study, dict]:
-    study = optuna.load_study(study_name="run--space", storage=f"sqlite:///{out / 'study.db'}")
+    study = optuna.load_study(study_name=None, storage=f"sqlite:///{out / 'study.db'}")
     recs = {t.number: TrialRecord.from_user_attrs(t.user_attrs) for t in study.get_trials()}
     return study, {n: rec for n, rec in recs.items() if rec.status == Status.OK}
 
@@ -147,6 +167,9 @@ def _ok_trials(out: Path) -> tuple[optuna.Study, dict]:
 def test_verl_search_runs_the_trial_world_and_stops_once_measured(verl_study):
     study, ok = _ok_trials(verl_study)
     assert len(ok) == 2 and all(rec.engine == "verl" and rec.throughput > 0 for rec in ok.values())
+    # the decision base read verl's GRPO config: no critic, so the critic's knob was not searched
+    assert study.user_attrs["base_config"]["algorithm"]["adv_estimator"] == "grpo"
+    assert all(CRITIC_MICRO not in t.params for t in study.get_trials())
     assert study.user_attrs["engine"] == "verl" and (verl_study / "report" / "report.html").is_file()
     assert study.user_attrs["target"]["world"] == 2 and study.user_attrs["target"]["trial_world"] == 1
     for rec in ok.values():
@@ -174,8 +197,10 @@ def test_a_verl_trial_is_measured_from_verls_own_metrics(verl_study):
         assert s["num_measured_steps"] == n
         # verl's perf/throughput (all tokens / (step time x GPUs)), the median over the measured steps
         assert s["throughput"] == pytest.approx(statistics.median(x["perf/throughput"] for x in steps[1:]))
-        phases = {"gen", "old_log_prob", "values", "adv", "update_critic", "update_actor", "update_weights", "step"}
+        phases = {"gen", "old_log_prob", "adv", "update_actor", "update_weights", "step"}
         assert set(s["timing_s"]) >= phases
+        assert not s["timing_s"].get("values") and not s["timing_s"].get("update_critic")  # verl built no critic
+        assert all(o in res["config"]["overrides"] for o in GRPO)
         assert set(s["timing_s"]) - {"update_weights", "step", "reward", "ref"} <= set(PHASES)
         # the HF rollout's log-probs agree with the actor's recomputed ones: the weights were pushed
         assert all(x["training/rollout_probs_diff_max"] < 1e-2 for x in steps)
@@ -210,13 +235,14 @@ def test_verl_export_writes_production_and_validate_runs_it(cli, verl_study, tmp
     # the exported verl command is what the winning trial ran, less its world (production's: 2 nodes, the
     # global sizes as written) and less what a trial adds for itself
     knobs = [f"{k}={v}" for k, v in ok[chosen].overrides.items()]  # the chosen knobs (none: baseline)
-    assert exported[len(exported) - len(knobs) - 1] == "trainer.nnodes=2" and "trainer.nnodes=1" not in exported
+    assert "trainer.nnodes=2" in exported and "trainer.nnodes=1" not in exported  # the run file's own, rewritten
     assert "data.train_batch_size=8" in exported and "data.train_batch_size=4" not in exported
     base = exported[: len(exported) - len(knobs)]
     assert ran["overrides"] == base + TRIAL_WORLD + knobs
     added = ran["command"][3 + len(ran["overrides"]) :]
     assert ran["command"][3 : 3 + len(ran["overrides"])] == ran["overrides"] and all(o.startswith("++") for o in added)
     assert {override_key(o) for o in added} >= {"trainer.total_training_steps", "trainer.logger"}
+    assert all(o in exported for o in GRPO)  # the run file's GRPO keys, as the trial ran them
     script = (tmp_path / "e" / "verl_command.sh").read_text()
     assert f"exec {VERL_PY} -m verl.trainer.main_ppo" in script and all(line in script for line in exported[-2:])
 
@@ -296,46 +322,3 @@ def test_bad_engine_python_is_one_line_exit_2(cli, tmp_path):
     (line,) = r.stderr.strip().splitlines()
     assert "ppotune.python" in line and str(run) in line
     assert json.loads((tmp_path / "r.json").read_text())["status"] == "error"
-
-
-#: the tiny preset as a GRPO job (verl's keys): no critic, 2 responses per prompt, the KL as a loss
-GRPO = [
-    "algorithm.adv_estimator=grpo",
-    "actor_rollout_ref.rollout.n=2",
-    "actor_rollout_ref.actor.use_kl_loss=true",
-    "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
-]
-
-
-def test_a_grpo_search_through_verl(cli, verl_run_file, tmp_path):
-    """A GRPO job's search with --engine verl, end to end (its baseline: one verl trial, 2 steps): the decision base
-    reads verl's GRPO config (no critic), the critic's knob is not searched, verl runs no critic phase, and the
-    export is the run file's GRPO keys as the trial ran them."""
-    run = yaml.safe_load(verl_run_file.read_text())
-    run["overrides"] = [*run["overrides"], *GRPO]
-    grpo = tmp_path / "grpo.yaml"
-    grpo.write_text(yaml.safe_dump(run))
-    space = tmp_path / "space.yaml"
-    space.write_text(
-        f"knobs:\n  {MICRO}: {{type: pow2, low: 1, high: 2, memory: increasing}}\n"
-        "  critic.ppo_micro_batch_size_per_gpu: {type: pow2, low: 1, high: 2, memory: increasing}\n"
-    )
-    out = tmp_path / "out"
-    args = ["--trials", 1, "--confirm", 0, "--probe", 0, "--steps", 2, "--warmup", 1, "--nproc", 1]
-    r = cli("search", grpo, "--engine", "verl", "--space", space, *args, "--out", out, timeout=900)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
-    study = optuna.load_study(study_name=None, storage=f"sqlite:///{out / 'study.db'}")
-    assert study.user_attrs["base_config"]["algorithm"]["adv_estimator"] == "grpo"
-    (trial,) = study.get_trials()
-    rec = TrialRecord.from_user_attrs(trial.user_attrs)
-    assert rec.status == Status.OK and rec.baseline and rec.engine == "verl", (rec.status, rec.error)
-    assert "critic.ppo_micro_batch_size_per_gpu" not in trial.params  # no critic: not searched
-    ran = json.loads(Path(rec.result_path).read_text())
-    assert all(o in ran["config"]["overrides"] for o in GRPO)
-    timing = ran["summary"]["timing_s"]
-    assert not timing.get("values") and not timing.get("update_critic"), timing  # verl built no critic
-    r = cli("export", "--storage", out, "--out", tmp_path / "e", "--engine-python", VERL_PY)
-    assert r.returncode == 0, r.stderr
-    exported = (tmp_path / "e" / "verl_overrides.txt").read_text().splitlines()
-    assert all(o in exported for o in GRPO)
-    assert wait_until(lambda: not ray_processes(), 20), ray_processes()
