@@ -374,6 +374,7 @@ def median_interval(xs: list, coverage: float = 0.90) -> tuple[float, float]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=20)
+    ap.add_argument("--first-seed", type=int, default=0, help="seeds FIRST .. FIRST+SEEDS-1 (another seed set)")
     ap.add_argument("--out", default="bench_out", help="where the default grid is recorded")
     ap.add_argument("--reuse", action="store_true", help="reuse the default grid in --out if it is complete")
     ap.add_argument("--study-db", help="a recorded grid: Optuna storage (.db/.log file or URL)")
@@ -411,7 +412,8 @@ def main() -> int:
         f"config costs {grid_s:.0f} trial-s; budgets " + ", ".join(f"{x:.0%} = {x * grid_s:.0f} s" for x in LEVELS)
     )
     print(
-        f"replays: {a.seeds} seeds each; TPE built for --trials {hint}; each launch answered by one recorded "
+        f"replays: {a.seeds} seeds each ({a.first_seed}-{a.first_seed + a.seeds - 1}); TPE built for --trials {hint}; "
+        "each launch answered by one recorded "
         f"repeat at random; found = the TRUE throughput (median of repeats) of the config with the best "
         f"measured throughput so far / the grid's best"
     )
@@ -424,7 +426,7 @@ def main() -> int:
     for sampler in [s for s in a.samplers.split(",") if s]:
         found = {x: [] for x in LEVELS}
         secs, launched = [], []
-        for seed in range(a.seeds):
+        for seed in range(a.first_seed, a.first_seed + a.seeds):
             if sampler == "tpe-plain":
                 run = run_plain_tpe(seed, rec, hint=hint, cap_s=a.cap * grid_s)
             else:

@@ -195,12 +195,13 @@ def test_search_loop_over_a_replay_runner(setup):
         storage=storage, directions=list(DIRECTIONS), sampler=build_sampler("grid", seed=0, n_trials=6)
     )
     study.enqueue_trial(space.baseline_params(flat), user_attrs={"baseline": True})
-    study.enqueue_trial(space.to_params({MICRO: 1, GC: False}))
+    study.enqueue_trial(space.to_params({MICRO: 4, GC: True}))
     study.enqueue_trial(space.to_params({MICRO: 4, GC: False}))  # hungrier than an OOM: never launched
     study.enqueue_trial(space.baseline_params(flat))  # the sampler repeats the baseline: a duplicate
     table = _replay_table(space, flat)
-    # in this recording "micro-batch 1 without checkpointing" ran out of memory, in its first phase
-    table[space.identity(space.complete({MICRO: 1, GC: False}, flat).effective)] = [
+    # in this recording "micro-batch 4 with checkpointing" ran out of memory, in its first phase (the baseline,
+    # micro-batch 2 without, fits: not at least as hungry, it does not contradict the OOM: decide.ruling_oom)
+    table[space.identity(space.complete({MICRO: 4, GC: True}, flat).effective)] = [
         Recorded(Status.OOM, None, None, 3.0, 99, PHASES[0])
     ]
     runner = ReplayRunner(table, rng=random.Random(0))
@@ -230,10 +231,10 @@ def test_search_loop_over_a_replay_runner(setup):
     assert recs[0].constraint == pytest.approx(recs[0].peak_memory_gb / 64.0 - 1)
     assert len({space.identity({**flat, **r.overrides}) for r, t in zip(recs, trials) if decide.counted(t)}) == 4
     # Optuna holds the micro-batch as its exponent; the trials' overrides and the observer see the values
-    assert trials[1].params == {LOG2_PREFIX + MICRO: 0, GC: False} and recs[1].overrides[MICRO] == 1
+    assert trials[1].params == {LOG2_PREFIX + MICRO: 2, GC: True} and recs[1].overrides[MICRO] == 4
     assert [e.params for e in events.events][:3] == [
         {MICRO: 2, GC: False},
-        {MICRO: 1, GC: False},
+        {MICRO: 4, GC: True},
         {MICRO: 4, GC: False},
     ]
     assert [e.counted for e in events.events] == [True, True, False, False, True, True]
@@ -624,3 +625,69 @@ def test_the_budget_alone(monkeypatch):
     ]
     assert budget.stop_reason([*ok, frozen(2, "ok", {})], free_in_a_row=0) is not None
     assert not budget.taken_by_others(ok, 2, counted=False)  # a --confirm re-run is outside the budget
+
+
+# --------------------------------------------------------------------------- a noisy OOM is evidence, not a verdict
+REF = "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"
+NOISY_SPACE = SPACE + f"  {REF}: {{type: pow2, low: 1, high: 4, memory: increasing}}\n"
+
+
+def test_an_oom_that_a_fitted_hungrier_config_contradicts_rules_nothing_out():
+    """Near the cap the same config runs out of memory once and fits the next time: once a config at least as
+    hungry as the OOM's has run, the OOM infers nothing more."""
+    space, trial_base, flat = tiny_setup(NOISY_SPACE)
+    oom = frozen(0, "oom", {MICRO: 1, GC: False, REF: 1}, values=[0.0, 64.0], constraint=1.5, oom_phase="gen")
+    best = frozen(1, "ok", {MICRO: 1, GC: True, REF: 1}, values=[500.0, 1.0], throughput=500.0)
+    hungry = space.complete({MICRO: 4, GC: False, REF: 4}, flat)  # 2 + 2 steps from the incumbent
+    assert (
+        decide.distance(space, hungry.effective, decide.incumbent(decide.known_configs([oom, best], space, flat), flat))
+        > 1
+    )
+
+    def judged(*trials):
+        known = decide.known_configs(list(trials), space, flat)
+        return decide.judge(hungry, number=9, space=space, trial_base=trial_base, trial_flat=flat, known=known)
+
+    assert judged(oom, best).status == Status.INFERRED_OOM  # the OOM stands: nothing contradicts it
+    fitted = frozen(2, "ok", {MICRO: 2, GC: False, REF: 1}, values=[200.0, 1.0], throughput=200.0)  # hungrier, ran
+    assert judged(oom, best, fitted).launch
+    # a fitted config that is not at least as hungry (checkpointing on) contradicts nothing
+    lighter = frozen(3, "ok", {MICRO: 4, GC: True, REF: 4}, values=[200.0, 1.0], throughput=200.0)
+    assert judged(oom, best, lighter).status == Status.INFERRED_OOM
+
+
+def test_the_incumbents_neighbour_is_launched_rather_than_inferred_and_a_local_step_revisits_it():
+    space, trial_base, flat = tiny_setup(NOISY_SPACE)
+    best = frozen(0, "ok", {MICRO: 1, GC: False, REF: 2}, values=[500.0, 1.0], throughput=500.0)
+    oom = frozen(1, "oom", {MICRO: 2, GC: False, REF: 1}, values=[0.0, 64.0], constraint=1.5, oom_phase="gen")
+    trials = [best, oom]
+    known = decide.known_configs(trials, space, flat)
+    near = space.complete({MICRO: 2, GC: False, REF: 2}, flat)  # one step from the incumbent, hungrier than the OOM
+    far = space.complete({MICRO: 4, GC: False, REF: 2}, flat)  # two steps
+    args = dict(space=space, trial_base=trial_base, trial_flat=flat, known=known)
+    # the first time it is proposed, the OOM rules the neighbour out like any config at least as hungry
+    assert decide.judge(near, number=5, **args).status == Status.INFERRED_OOM
+    inferred = frozen(2, "inferred_oom", dict(near.overrides), values=[0.0, 64.0], constraint=1.5, inferred_from=1)
+    trials.append(inferred)
+    revisitable = decide.inferred_only(trials, space, flat)
+    assert revisitable == {space.identity(near.effective)}
+    # held only as an inferred OOM, one step from the incumbent: launched when proposed again; two steps: not
+    assert decide.judge(near, number=6, revisitable=revisitable, **args).launch
+    assert decide.judge(far, number=7, revisitable=revisitable | {space.identity(far.effective)}, **args).status == (
+        Status.INFERRED_OOM
+    )
+    # a local step proposes it again (the policy passes over configs held only as inferred OOMs)
+    policy = _policy(space, flat)
+    for turn in range(8):  # every local turn until it proposes the inferred neighbour
+        pick = policy.pick(trials, known=known, startup=1, duplicates=0)
+        assert pick.point is not None
+        if space.identity(pick.point.effective) == space.identity(near.effective):
+            break
+        trials.append(frozen(10 + turn, "ok", dict(pick.point.overrides), values=[1.0, 1.0], throughput=1.0))
+        trials.append(frozen(20 + turn, "ok", {}, values=[1.0, 1.0], throughput=1.0))  # the sampler's turn
+        known = decide.known_configs(trials, space, flat)
+    else:
+        raise AssertionError("no local step revisited the inferred neighbour")
+    # once it ran it is a measurement: never revisited again
+    trials.append(frozen(30, "oom", dict(near.overrides), values=[0.0, 64.0], constraint=1.5, oom_phase="gen"))
+    assert decide.inferred_only(trials, space, flat) == set()

@@ -9,7 +9,8 @@ sampler: :mod:`tuner.search.loop` does that and calls these.
 * :func:`judge` -- launch it, or record it at zero cost as ``invalid`` (space constraint or
   config validation), ``duplicate`` (already measured: answered with its twin's values),
   ``inferred_oom`` (at least as memory-hungry as a known OOM on every monotone knob, in the direction
-  of that OOM's kind: an offload knob moves device and host memory opposite ways) or ``predicted_oom``
+  of that OOM's kind, unless a measurement contradicts that OOM or the candidate is the incumbent's
+  neighbour: :func:`ruling_oom`) or ``predicted_oom``
   (the study's calibrated memory model puts it over the limit by more than the model's own error; a
   candidate over the limit within that error is launched, so the boundary is measured, not guessed).
   None of these consumes ``--trials``: the loop records it and asks the sampler again;
@@ -39,6 +40,8 @@ __all__ = [
     "Prediction",
     "known_configs",
     "seen_configs",
+    "ruling_oom",
+    "inferred_only",
     "distance",
     "incumbent",
     "judge",
@@ -253,6 +256,61 @@ def incumbent(known: dict[tuple, FrozenTrial], trial_flat: dict) -> Optional[dic
     return None if best is None else effective_of(best, trial_flat)
 
 
+def ruling_oom(
+    eff: dict, known: dict[tuple, FrozenTrial], space: Space, trial_flat: dict, revisitable: frozenset = frozenset()
+) -> Optional[FrozenTrial]:
+    """The launched OOM that rules out config ``eff`` without a launch (None: nothing does).
+
+    An OOM rules out every config at least as memory-hungry on every monotone knob (of the memory it ran out of:
+    an offload knob moves device and host memory opposite ways). Near the cap an OOM is noisy, though: the same
+    config runs out of memory in one run and fits in the next (benchmarks/README.md, the second grid). So one OOM
+    is evidence, not a verdict for ever:
+
+    * an OOM that a measurement contradicts rules out nothing: a config at least as hungry as the OOM's has run
+      (``ok``) since, so the OOM was the noise of a config at the boundary;
+    * a config inferred before (``revisitable``: :func:`inferred_only`) that is now the incumbent's neighbour (one
+      ordered step from the fastest measured config, where the search's local steps look) is launched: measured
+      once, and if it fits, the OOM that ruled it out is contradicted and rules out nothing more.
+    """
+    ooms, fitted = [], []
+    for t in known.values():
+        rec = TrialRecord.from_user_attrs(t.user_attrs)
+        if t.state != TrialState.COMPLETE or rec.status not in (Status.OOM, Status.OK):
+            continue
+        other = effective_of(t, trial_flat)
+        if other is not None:
+            (ooms if rec.status == Status.OOM else fitted).append((t, other, rec.oom_kind == "host"))
+    ruling = [
+        (t, other, host)
+        for t, other, host in ooms
+        if space.at_least_as_hungry(eff, other, host=host)
+        and not any(space.at_least_as_hungry(ran, other, host=host) for _, ran, _ in fitted)
+    ]
+    if not ruling:
+        return None
+    if space.identity(eff) in revisitable:
+        best = incumbent(known, trial_flat)
+        if best is not None and distance(space, eff, best) == 1:
+            return None
+    return ruling[0][0]
+
+
+def inferred_only(trials: Iterable[FrozenTrial], space: Space, trial_flat: dict) -> frozenset[tuple]:
+    """Identities of the configs the study holds only as inferred OOMs (never launched, never refused otherwise):
+    the ones :func:`ruling_oom` may let a local step revisit."""
+    inferred, other = set(), set()
+    for t in trials:
+        if t.state not in _IN_STUDY:
+            continue
+        rec = TrialRecord.from_user_attrs(t.user_attrs)
+        if rec.status in (Status.INTERRUPTED, Status.OVER_BUDGET) or rec.confirm_of is not None:
+            continue
+        eff = effective_of(t, trial_flat)
+        if eff is not None:
+            (inferred if rec.status == Status.INFERRED_OOM else other).add(space.identity(eff))
+    return frozenset(inferred - other)
+
+
 # --------------------------------------------------------------------------- the graded constraint
 def constraint(record: TrialRecord, *, limit_gb: float, source: Optional[float] = None) -> Optional[float]:
     """The value told to Optuna as ``CONSTRAINT_KEY`` (<= 0 feasible; > 0 infeasible, larger = further over).
@@ -318,11 +376,13 @@ def judge(
     known: dict[tuple, FrozenTrial],
     is_confirm: bool = False,
     predict: Optional[Callable[[dict], Optional[Prediction]]] = None,
+    revisitable: frozenset = frozenset(),
 ) -> Verdict:
     """Launch ``cand`` (trial ``number``) or record it at zero cost; see the module docstring.
 
     A ``--confirm`` re-run is checked for validity only: it repeats a measured config on purpose.
     ``predict``: the study's memory model, given the candidate's flat config (None: no model yet).
+    ``revisitable``: the configs the study holds only as inferred OOMs (:func:`inferred_only`, :func:`ruling_oom`).
     """
     invalid = INVALID_CONSTRAINT
     if cand.error:
@@ -352,19 +412,15 @@ def judge(
             values=tuple(prev.values) if twin else None,
             constraint=constraint_of(prev) if twin else None,
         )
-    for t in known.values():
-        if t.state != TrialState.COMPLETE or TrialRecord.from_user_attrs(t.user_attrs).status != Status.OOM:
-            continue
-        eff = effective_of(t, trial_flat)
-        host = TrialRecord.from_user_attrs(t.user_attrs).oom_kind == "host"
-        if eff is not None and space.at_least_as_hungry(cand.effective, eff, host=host):
-            return Verdict(
-                Status.INFERRED_OOM,
-                f"inferred OOM: at least as memory-hungry as trial {t.number} "
-                "(an OOM) on every monotone knob; not launched",
-                source=t.number,
-                constraint=constraint(TrialRecord(status=Status.INFERRED_OOM), limit_gb=0.0, source=constraint_of(t)),
-            )
+    t = ruling_oom(cand.effective, known, space, trial_flat, revisitable)
+    if t is not None:
+        return Verdict(
+            Status.INFERRED_OOM,
+            f"inferred OOM: at least as memory-hungry as trial {t.number} (an OOM) on every monotone knob; "
+            "not launched",
+            source=t.number,
+            constraint=constraint(TrialRecord(status=Status.INFERRED_OOM), limit_gb=0.0, source=constraint_of(t)),
+        )
     pred = predict(flatten(config)) if predict is not None else None
     if pred is not None and pred.over:
         return Verdict(

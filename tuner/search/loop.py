@@ -221,7 +221,8 @@ class Search:
         if reason:
             self.stopped_reason = self.stopped_reason or reason
             return None
-        known = decide.known_configs(trials, self.session.space, self.session.trial_flat)
+        space, flat = self.session.space, self.session.trial_flat
+        known = decide.known_configs(trials, space, flat)
         if not any(t.state == TrialState.WAITING for t in trials):
             pick = self.policy.pick(
                 trials,
@@ -239,7 +240,8 @@ class Search:
         trial = self.session.ask()
         if self.asked_over_budget(trial):
             return WAIT
-        return self.session.propose(trial, known, predict=self.gate.predictor(trials))
+        revisitable = decide.inferred_only(trials, space, flat)
+        return self.session.propose(trial, known, predict=self.gate.predictor(trials), revisitable=revisitable)
 
     def asked_over_budget(self, trial: optuna.trial.Trial) -> bool:
         """Record ``trial`` as ``over_budget`` if another worker took the budget's last slot in the

@@ -118,7 +118,9 @@ class ProposalPolicy:
             point = self.unmeasured(seen)
             return Pick(point=point) if point is not None else Pick(stop="no unmeasured config left")
         if self.local_turn(trials, startup):
-            return Pick(point=self.unmeasured_neighbour(seen, decide.incumbent(known, self.trial_flat)))
+            # an inferred OOM one step from the incumbent is revisited: launched once (decide.ruling_oom)
+            held = seen - decide.inferred_only(trials, self.space, self.trial_flat)
+            return Pick(point=self.unmeasured_neighbour(held, decide.incumbent(known, self.trial_flat)))
         if duplicates >= EXPLORE_AFTER_DUPLICATES:
             return Pick(point=self.unmeasured(seen, near=decide.incumbent(known, self.trial_flat)), explored=True)
         return Pick()

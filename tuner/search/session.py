@@ -113,18 +113,27 @@ class TrialSession:
             warnings.simplefilter("ignore", UserWarning)
             return self.study.ask()
 
-    def propose(self, trial: optuna.trial.Trial, known: dict, predict: Optional[Callable] = None) -> Proposal:
-        """Claim ``trial`` and judge its config; a trial that cannot even be prepared (e.g. enqueued params
-        outside the space) is judged invalid, never left RUNNING."""
+    def propose(
+        self,
+        trial: optuna.trial.Trial,
+        known: dict,
+        predict: Optional[Callable] = None,
+        revisitable: frozenset = frozenset(),
+    ) -> Proposal:
+        """Claim ``trial`` and judge its config (``revisitable``: :func:`tuner.search.decide.inferred_only`); a
+        trial that cannot even be prepared (e.g. enqueued params outside the space) is judged invalid, never left
+        RUNNING."""
         try:
-            return self._propose(trial, known, predict)
+            return self._propose(trial, known, predict, revisitable)
         except Exception as e:  # noqa: BLE001 - recorded as an invalid trial, at zero cost
             cand = Candidate(params=from_params(trial.params), overrides={}, effective={})
             reason = f"tuner: could not prepare the trial: {type(e).__name__}: {e}"
             confirm_of = TrialRecord.from_user_attrs(trial.user_attrs).confirm_of
             return Proposal(trial, cand, decide.Verdict(Status.INVALID, reason), confirm_of=confirm_of)
 
-    def _propose(self, trial: optuna.trial.Trial, known: dict, predict: Optional[Callable]) -> Proposal:
+    def _propose(
+        self, trial: optuna.trial.Trial, known: dict, predict: Optional[Callable], revisitable: frozenset
+    ) -> Proposal:
         asked = TrialRecord.from_user_attrs(trial.user_attrs)  # what was enqueued with it
         st.claim(trial)
         if self.heartbeat is not None:
@@ -146,6 +155,7 @@ class TrialSession:
             known=known,
             is_confirm=asked.confirm_of is not None,
             predict=predict,
+            revisitable=revisitable,
         )
         return Proposal(trial, cand, verdict, baseline=baseline, confirm_of=asked.confirm_of)
 
