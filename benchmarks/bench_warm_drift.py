@@ -56,36 +56,35 @@ SEQUENCE = (("first", COMPILED), ("other", OTHER), ("later", COMPILED), ("last",
 
 
 def run_job(jobs_dir: Path, steps: int) -> dict:
-    """One warm job through the sequence: {name: (measured step seconds, compile notes)}."""
+    """One warm job through :data:`SEQUENCE`: {name: TrialOutcome}, each trial from its own thread (as a search's
+    slot runs it)."""
     cold = SubprocessRunner(device_kind="cpu", nproc=2, grace_s=3.0, startup_timeout_s=300, step_timeout_s=120)
     warm = WarmRunner(cold=cold, jobs_dir=jobs_dir / "jobs")
     got = {}
     try:
         for number, (name, knobs) in enumerate(SEQUENCE):
-            flat = {
-                "trainer.total_training_steps": steps,
-                "ppotune.warmup_steps": 1,
-                "ppotune.min_measured_steps": steps - 1,
-                **knobs,
-            }
+            flat = {"trainer.total_training_steps": steps, "ppotune.warmup_steps": 1, **knobs}
+            flat["ppotune.min_measured_steps"] = steps - 1
             cfg = config_to_dict(load_config(BASE, [f"{k}={json.dumps(v)}" for k, v in flat.items()]))
             trial_dir = jobs_dir / "trials" / str(number)
             req = TrialRequest(number=number, config=cfg, identity=(number,), trial_dir=trial_dir)
-            box = {}
-            worker = threading.Thread(target=lambda r=req: box.setdefault("out", warm.run(r, threading.Event())))
+            worker = threading.Thread(target=lambda r=req, n=name: got.__setitem__(n, warm.run(r, threading.Event())))
             worker.start()
             worker.join()
-            out = box["out"]
-            if out.status != Status.OK:
-                raise SystemExit(f"bench_warm_drift: trial {name} ended {out.status.value}: {out.record.error}")
-            result = json.loads(Path(out.record.result_path).read_text())
-            got[name] = (
-                [s["timing_s/step"] for s in result["steps"] if not s["warmup"]],
-                [n for n in out.record.notes if n.startswith("torch.compile:")],
-            )
     finally:
         warm.close()
     return got
+
+
+def measured_step_s(outcome) -> list[float]:
+    """A trial's measured step times (its result file's steps less the warm-up ones)."""
+    result = json.loads(Path(outcome.record.result_path).read_text())
+    return [s["timing_s/step"] for s in result["steps"] if not s["warmup"]]
+
+
+def compiles(outcome) -> list[str]:
+    """The trial's notes of a torch.compile inside a measured step (trainer.rank.trial)."""
+    return [n for n in outcome.record.notes if n.startswith("torch.compile:")]
 
 
 def main() -> int:
@@ -98,10 +97,13 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench_warm_drift_") as tmp:
         for j in range(args.jobs):
             got = run_job(Path(tmp) / str(j), args.steps)
-            first = statistics.median(got["first"][0])
-            row = {"job": j, "first_s": first, "compiles": sum(len(c) for _, c in got.values())}
+            bad = {n: o.status.value for n, o in got.items() if o.status != Status.OK}
+            if bad:
+                raise SystemExit(f"bench_warm_drift: job {j}: trials not ok: {bad}")
+            first = statistics.median(measured_step_s(got["first"]))
+            row = {"job": j, "first_s": first, "compiles": sum(len(compiles(o)) for o in got.values())}
             for name in ("other", "later", "last"):
-                row[f"{name}_s"] = statistics.median(got[name][0])
+                row[f"{name}_s"] = statistics.median(measured_step_s(got[name]))
             row["later/first"], row["last/first"] = row["later_s"] / first, row["last_s"] / first
             rows.append(row)
             print(

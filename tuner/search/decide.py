@@ -210,7 +210,11 @@ def seen_configs(trials: Iterable[FrozenTrial], space: Space, trial_flat: dict) 
     """Identities of every config the study holds: measured, running, or rejected before launch
     (invalid, inferred OOM). An interrupted trial's config is held by its retry; an over-budget ask
     was never judged; a ``--confirm`` re-run repeats a config already there."""
-    seen = set()
+    return {ident for ident, _ in _held(trials, space, trial_flat)}
+
+
+def _held(trials: Iterable[FrozenTrial], space: Space, trial_flat: dict) -> Iterable[tuple[tuple, Optional[Status]]]:
+    """(identity, status) of each trial that holds its config in the study (see :func:`seen_configs`)."""
     for t in trials:
         if t.state not in _IN_STUDY:
             continue
@@ -219,8 +223,7 @@ def seen_configs(trials: Iterable[FrozenTrial], space: Space, trial_flat: dict) 
             continue
         eff = effective_of(t, trial_flat)
         if eff is not None:
-            seen.add(space.identity(eff))
-    return seen
+            yield space.identity(eff), rec.status
 
 
 def distance(space: Space, eff_a: dict, eff_b: dict) -> float:
@@ -299,15 +302,8 @@ def inferred_only(trials: Iterable[FrozenTrial], space: Space, trial_flat: dict)
     """Identities of the configs the study holds only as inferred OOMs (never launched, never refused otherwise):
     the ones :func:`ruling_oom` may let a local step revisit."""
     inferred, other = set(), set()
-    for t in trials:
-        if t.state not in _IN_STUDY:
-            continue
-        rec = TrialRecord.from_user_attrs(t.user_attrs)
-        if rec.status in (Status.INTERRUPTED, Status.OVER_BUDGET) or rec.confirm_of is not None:
-            continue
-        eff = effective_of(t, trial_flat)
-        if eff is not None:
-            (inferred if rec.status == Status.INFERRED_OOM else other).add(space.identity(eff))
+    for ident, status in _held(trials, space, trial_flat):
+        (inferred if status == Status.INFERRED_OOM else other).add(ident)
     return frozenset(inferred - other)
 
 
