@@ -10,11 +10,12 @@ The attribute is data read back from a storage: :func:`selection_of` takes it on
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
-
-import pandas as pd
+from typing import TYPE_CHECKING, Any, Mapping
 
 from trainer.contracts import DEFAULT_HEADROOM
+
+if TYPE_CHECKING:  # rank_trials takes the results' frame; the search, which only reads the selection, loads no pandas
+    import pandas as pd
 
 __all__ = ["PICKS", "DEFAULT_PICK", "SELECTION_ATTR", "Selection", "selection_of", "rank_trials", "headroom_problem"]
 
