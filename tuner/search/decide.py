@@ -9,8 +9,8 @@ sampler: :mod:`tuner.search.loop` does that and calls these.
 * :func:`judge` -- launch it, or record it at zero cost as ``invalid`` (space constraint or
   config validation), ``duplicate`` (already measured: answered with its twin's values),
   ``inferred_oom`` (at least as memory-hungry as a known OOM on every monotone knob, in the direction
-  of that OOM's kind, unless a measurement contradicts that OOM or the candidate is the incumbent's
-  neighbour: :func:`ruling_oom`) or ``predicted_oom``
+  of that OOM's kind, unless a measurement contradicts that OOM or the candidate, held only as an inferred
+  OOM, is proposed again as the incumbent's neighbour: :func:`ruling_oom`) or ``predicted_oom``
   (the study's calibrated memory model puts it over the limit by more than the model's own error; a
   candidate over the limit within that error is launched, so the boundary is measured, not guessed).
   None of these consumes ``--trials``: the loop records it and asks the sampler again;
@@ -266,8 +266,8 @@ def ruling_oom(
 
     An OOM rules out every config at least as memory-hungry on every monotone knob (of the memory it ran out of:
     an offload knob moves device and host memory opposite ways). Near the cap an OOM is noisy, though: the same
-    config runs out of memory in one run and fits in the next (benchmarks/README.md, the second grid). So one OOM
-    is evidence, not a verdict for ever:
+    config runs out of memory in one run and fits in the next (on a reviewer's recorded grid of long, uniform prompts
+    under a tight cap, 11 of 101 configs did, over 2 repeats). So one OOM is evidence, not a verdict for ever:
 
     * an OOM that a measurement contradicts rules out nothing: a config at least as hungry as the OOM's has run
       (``ok``) since, so the OOM was the noise of a config at the boundary;
