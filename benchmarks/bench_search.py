@@ -300,10 +300,13 @@ def seconds_to(run: Run, truth: dict, target: float) -> float:
 
 
 # --------------------------------------------------------------------------- the confirmation, replayed
-def confirmed_pick(run: Run, k: int, rec: Recording, seed: int, rounds: int) -> tuple[Optional[tuple], float]:
+def confirmed_pick(
+    run: Run, k: int, rec: Recording, seed: int, rounds: int, finalists_cap: int = MAX_FINALISTS
+) -> tuple[Optional[tuple], float]:
     """What ``ppotune search --confirm R`` would pick after the first ``k`` events of ``run``, and what the
-    re-runs cost: the (up to MAX_FINALISTS) configs with the best measured throughput so far are re-run
-    ``rounds`` times each with the baseline, every re-run answered by one recorded repeat at random; the pick
+    re-runs cost: the (up to ``finalists_cap``: MAX_FINALISTS by default) configs with the best measured
+    throughput so far are re-run ``rounds`` times each with the baseline, every re-run answered by one recorded
+    repeat at random; the pick
     is the finalist with the highest median of its paired ratios to the same round's baseline
     (:func:`tuner.stages.confirm.paired_ratios`). A simplification of the search's own rule, which takes the Pareto
     points under the headroom plus any trial within noise of the best: the replay keeps no intervals."""
@@ -311,7 +314,7 @@ def confirmed_pick(run: Run, k: int, rec: Recording, seed: int, rounds: int) -> 
     for _, ident, measured in run.events[:k]:
         if measured is not None:
             best[ident] = max(best.get(ident, 0.0), measured)
-    finalists = sorted(best, key=lambda i: -best[i])[:MAX_FINALISTS]
+    finalists = sorted(best, key=lambda i: -best[i])[:finalists_cap]
     if not finalists:
         return None, 0.0
     base = rec.space.identity(rec.flat)
@@ -332,11 +335,13 @@ def confirmed_pick(run: Run, k: int, rec: Recording, seed: int, rounds: int) -> 
     return max(finalists, key=score), cost
 
 
-def confirmed_curve(run: Run, rec: Recording, seed: int, rounds: int) -> list[tuple[float, Optional[tuple]]]:
+def confirmed_curve(
+    run: Run, rec: Recording, seed: int, rounds: int, finalists_cap: int = MAX_FINALISTS
+) -> list[tuple[float, Optional[tuple]]]:
     """(search seconds + confirmation seconds, pick) for every prefix of the search."""
     out = []
     for k in range(1, len(run.events) + 1):
-        pick, cost = confirmed_pick(run, k, rec, seed, rounds)
+        pick, cost = confirmed_pick(run, k, rec, seed, rounds, finalists_cap)
         out.append((run.events[k - 1][0] + cost, pick))
     return out
 
@@ -382,6 +387,8 @@ def main() -> int:
     ap.add_argument("--data", help="a recorded grid: benchmarks/record_grid.py's JSON-lines file")
     ap.add_argument("--cap", type=float, default=1.0, help="stop each replay after this share of the grid's seconds")
     ap.add_argument("--samplers", default=",".join(SAMPLERS), help=f"comma-separated, of {', '.join(SAMPLERS)}")
+    ap.add_argument("--confirm-rounds", type=int, default=DEFAULT_ROUNDS, help="+confirm: the rounds replayed")
+    ap.add_argument("--finalists", type=int, default=MAX_FINALISTS, help="+confirm: at most this many finalists")
     a = ap.parse_args()
     t0 = time.monotonic()
     if a.study_db:
@@ -432,7 +439,7 @@ def main() -> int:
             else:
                 run = run_search(sampler.split("+")[0], seed, rec, hint=hint, cap_s=a.cap * grid_s)
             if sampler.endswith("+confirm"):
-                curve = confirmed_curve(run, rec, seed, DEFAULT_ROUNDS)
+                curve = confirmed_curve(run, rec, seed, a.confirm_rounds, a.finalists)
                 for x in LEVELS:
                     found[x].append(confirmed_found_at(curve, truth, x * grid_s) / best)
                 secs.append(confirmed_seconds_to(curve, truth, TARGET * best))
