@@ -275,27 +275,28 @@ def ruling_oom(
       ordered step from the fastest measured config, where the search's local steps look) is launched: measured
       once, and if it fits, the OOM that ruled it out is contradicted and rules out nothing more.
     """
-    ooms, fitted = [], []
+    ooms, fitted = [], []  # (trial, its config, a host OOM?) / the configs that ran
     for t in known.values():
         rec = TrialRecord.from_user_attrs(t.user_attrs)
-        if t.state != TrialState.COMPLETE or rec.status not in (Status.OOM, Status.OK):
-            continue
-        other = effective_of(t, trial_flat)
-        if other is not None:
-            (ooms if rec.status == Status.OOM else fitted).append((t, other, rec.oom_kind == "host"))
-    ruling = [
-        (t, other, host)
-        for t, other, host in ooms
-        if space.at_least_as_hungry(eff, other, host=host)
-        and not any(space.at_least_as_hungry(ran, other, host=host) for _, ran, _ in fitted)
-    ]
-    if not ruling:
-        return None
-    if space.identity(eff) in revisitable:
+        other = effective_of(t, trial_flat) if t.state == TrialState.COMPLETE else None
+        if other is not None and rec.status == Status.OOM:
+            ooms.append((t, other, rec.oom_kind == "host"))
+        elif other is not None and rec.status == Status.OK:
+            fitted.append(other)
+    ruling = next(
+        (
+            t
+            for t, other, host in ooms
+            if space.at_least_as_hungry(eff, other, host=host)
+            and not any(space.at_least_as_hungry(ran, other, host=host) for ran in fitted)
+        ),
+        None,
+    )
+    if ruling is not None and space.identity(eff) in revisitable:
         best = incumbent(known, trial_flat)
         if best is not None and distance(space, eff, best) == 1:
             return None
-    return ruling[0][0]
+    return ruling
 
 
 def inferred_only(trials: Iterable[FrozenTrial], space: Space, trial_flat: dict) -> frozenset[tuple]:
