@@ -69,16 +69,22 @@ def test_what_a_trial_adds(tmp_path):
     gpu = run_overrides(spec, device="cuda", workdir=tmp_path)
     added = gpu[len(spec.overrides) :]
     assert {override_key(o) for o in added} == set(TRIAL_KEYS) and all(o.startswith("++") for o in added)
-    assert "++trainer.total_training_steps=3" in added
+    assert "++trainer.total_training_steps=3" in added and "++ray_kwargs.ray_init.include_dashboard=False" in added
     cpu = run_overrides(spec, device="cpu", workdir=tmp_path)
     keys = {override_key(o) for o in cpu[len(spec.overrides) :]}
     assert keys >= set(CPU_KEYS) and "++actor_rollout_ref.actor.strategy=fsdp2" in cpu
     assert "++ray_kwargs.ray_init.num_gpus=2" in cpu
     assert any("rollout.name=vllm: no effect on CPU" in n for n in spec.notes)
     # a value the user set wins (e.g. too few CPUs on purpose)
-    own = load_run(_run_file(tmp_path, "overrides: ['++ray_kwargs.ray_init.num_cpus=1']\n"))
+    own = load_run(
+        _run_file(
+            tmp_path,
+            "overrides: ['++ray_kwargs.ray_init.num_cpus=1', '++ray_kwargs.ray_init.include_dashboard=true']\n",
+        )
+    )
+    ran = run_overrides(own, device="cpu", workdir=tmp_path)
     assert not any(
-        o.startswith("++ray_kwargs.ray_init.num_cpus=8") for o in run_overrides(own, device="cpu", workdir=tmp_path)
+        o.startswith(("++ray_kwargs.ray_init.num_cpus=8", "++ray_kwargs.ray_init.include_dashboard=F")) for o in ran
     )
     fsdp1 = load_run(_run_file(tmp_path, "overrides: [critic.strategy=fsdp]\n"))
     with pytest.raises(ConfigError, match="critic.strategy"):
