@@ -16,12 +16,21 @@ for p in (str(REPO), str(TESTS)):  # the packages under test, and tests/support.
         sys.path.insert(0, p)
 
 from support import TINY_BASE, processes_with, wait_until  # noqa: E402
+from trainer.launch.proc import usable_cpus  # noqa: E402
 
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    # pytest -n N: the workers share the cores, so each process (the worker's torch, a trial's ranks) takes its share
-    # of threads; else OpenMP threads spin against the other worker's and a 1-minute test takes 10 (seen)
-    share = (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, share)))
+# Each process (the worker's torch, a trial's ranks, vLLM, verl's) takes its share of the cores this run may use:
+# the affinity capped by the cgroup's CPU quota, not os.cpu_count() (a container's host count). Under pytest -n N
+# the workers share them; else OpenMP threads spin against the other worker's and a 1-minute test takes 10 (seen)
+USABLE_CPUS = usable_cpus()
+
+
+def pytest_terminal_summary(terminalreporter, config) -> None:
+    """One line on the cores the run had (CI's log shows it beside the times)."""
+    terminalreporter.write_line(
+        f"cpus: {USABLE_CPUS} usable (os.cpu_count() {os.cpu_count()}); "
+        f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')} per test process"
+    )
+
 
 # verl's config files and source, unpacked from its wheel by scripts/install_test_deps.sh (verl is never installed
 # into this environment): what `export --validate-verl` and the docs test read, here and in the CLI's subprocesses
@@ -211,7 +220,10 @@ def _group(item) -> str:
 
 def pytest_configure(config):
     """``-n N`` (pytest-xdist) hands out these groups (not single tests) in the order below; without xdist (the GPU
-    machine has none) nothing changes."""
+    machine has none) nothing changes. The threads' share is set here, in the controller before xdist starts its
+    workers, which inherit it (a value already set wins)."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT") or getattr(config.option, "numprocesses", None) or 1
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, USABLE_CPUS // int(workers))))
     if getattr(config.option, "numprocesses", None):  # the controller: hands out groups
         config.option.dist = "loadgroup"
         config.option.loadscopereorder = False

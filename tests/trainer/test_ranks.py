@@ -15,6 +15,7 @@ import pytest
 
 import trainer.launch.ranks as ranks_mod
 from support import processes_with, wait_until
+from trainer.launch.proc import quota_cpus, usable_cpus
 from trainer.launch.ranks import RankGroup
 
 # a rank: prints what it was given, then does what RANK_<r> says (exit:N | sleep | ignore-term | signal:N)
@@ -111,3 +112,15 @@ def subprocess_gone(pid: int) -> bool:
     except ProcessLookupError:
         return True
     return False
+
+
+def test_the_threads_split_the_cores_the_cgroup_quota_allows():
+    """A container limited by quota (docker --cpus 2) on a big host: os.cpu_count() is the host's, cpu.max says 2."""
+    assert quota_cpus("200000 100000") == 2 and quota_cpus("150000 100000") == 2  # 1.5 CPUs: 2 threads can run
+    assert quota_cpus("50000 100000") == 1 and quota_cpus("100000 100000") == 1
+    assert quota_cpus("max 100000") is None and quota_cpus("-1 100000") is None  # no quota (v2, v1)
+    assert quota_cpus("") is None and quota_cpus("x 100000") is None
+    assert 1 <= usable_cpus() <= (os.cpu_count() or 1)
+    env = ranks_mod.rank_env({}, rank=0, nproc=2, port=1)
+    assert env["OMP_NUM_THREADS"] == str(max(1, usable_cpus() // 2))
+    assert ranks_mod.rank_env({"OMP_NUM_THREADS": "3"}, rank=0, nproc=2, port=1)["OMP_NUM_THREADS"] == "3"

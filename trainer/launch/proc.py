@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import math
 import os
 import signal
 import sys
@@ -19,6 +20,8 @@ __all__ = [
     "leave_rank",
     "signals_caught",
     "with_pythonpath",
+    "usable_cpus",
+    "quota_cpus",
     "PR_SET_PDEATHSIG",
     "PR_SET_CHILD_SUBREAPER",
 ]
@@ -60,6 +63,38 @@ def signals_caught(signals: Sequence[int]) -> Iterator[list[int]]:
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+
+
+def quota_cpus(cpu_max: str) -> int | None:
+    """The CPUs a cgroup's CPU quota allows, from cgroup v2's ``cpu.max`` text (``"200000 100000"``: 2 CPUs;
+    ``"max 100000"``: no quota, None). cgroup v1's ``cfs_quota_us`` and ``cfs_period_us`` read the same way."""
+    parts = cpu_max.split()
+    if len(parts) != 2 or parts[0] in ("max", "-1"):
+        return None
+    try:
+        quota, period = int(parts[0]), int(parts[1])
+    except ValueError:
+        return None
+    return max(1, math.ceil(quota / period)) if quota > 0 and period > 0 else None
+
+
+def usable_cpus() -> int:
+    """The CPUs this process can keep busy: its affinity, capped by its cgroup's CPU quota. ``os.cpu_count()``
+    counts the host's CPUs, which in a container limited by quota (``docker --cpus 2``) can be far more than it
+    may use: a thread per host CPU in each of several processes then spins against the quota."""
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    for files in (
+        ("/sys/fs/cgroup/cpu.max",),
+        ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu/cpu.cfs_period_us"),
+    ):
+        try:
+            text = " ".join(Path(f).read_text().strip() for f in files)
+        except OSError:
+            continue
+        quota = quota_cpus(text)
+        if quota is not None:
+            n = min(n, quota)
+    return max(1, n)
 
 
 def with_pythonpath(env: dict, first: str | Path) -> dict:

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from trainer.launch.proc import die_with_parent, with_pythonpath
+from trainer.launch.proc import die_with_parent, usable_cpus, with_pythonpath
 
 __all__ = ["RankGroup", "rank_env", "FAIL_GRACE_S"]
 
@@ -68,9 +68,10 @@ def _free_port() -> int:
 
 def rank_env(base: dict, *, rank: int, nproc: int, port: int) -> dict:
     """The environment of local rank ``rank`` of ``nproc`` on one node (what ``torchrun --standalone`` sets
-    that the ranks read), with ``OMP_NUM_THREADS`` splitting the cores unless the caller set it."""
+    that the ranks read), with ``OMP_NUM_THREADS`` splitting the usable cores (:func:`usable_cpus`) unless the
+    caller set it."""
     env = dict(base)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    env.setdefault("OMP_NUM_THREADS", str(max(1, usable_cpus() // nproc)))
     env.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
