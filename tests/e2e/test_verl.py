@@ -300,8 +300,9 @@ def test_verl_hang_is_killed_with_no_ray_process_left(verl_run_file, tmp_path):
     hang = tmp_path / "hang.yaml"
     hang.write_text(yaml.safe_dump(run))
     cmd = train_command(hang, result_path=tmp_path / "r.json", engine="verl") + ["--nproc", "1", "--steps", "2"]
-    r = launch_trial(cmd, trial_dir=tmp_path, result_path=tmp_path / "r.json", timeout_s=30, grace_s=5)
+    r = launch_trial(cmd, trial_dir=tmp_path, result_path=tmp_path / "r.json", timeout_s=20, grace_s=5)
     assert r.status == Status.HANG and r.leftover_pids == []
+    assert "Started a local Ray instance" in Path(r.log_path).read_text()  # killed with Ray's processes up
     assert wait_until(lambda: not ray_processes(), 20), ray_processes()
 
 
