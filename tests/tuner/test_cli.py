@@ -228,11 +228,14 @@ def test_dry_run_refuses_what_the_search_refuses(tmp_path, monkeypatch, capsys):
     argv = ["search", "configs/tiny_cpu.yaml", "--space", "search_spaces/tiny_cpu.yaml", "--trials", "10"]
     assert main([*argv, "--out", str(tmp_path / "o"), "--storage", "foo://x", "--dry-run"]) == 2
     assert _err(capsys).startswith("ppotune search: error: ") and not list(tmp_path.iterdir())
+    assert main([*argv, "--out", str(tmp_path / "o"), "--finalists", "0", "--dry-run"]) == 2
+    assert "--finalists must be >= 1" in _err(capsys) and not list(tmp_path.iterdir())
 
 
 def test_the_estimate_uses_the_studys_own_trials():
-    runs = plan.runs_of(trials=10, done=4, confirm=3, probe=3)
+    runs = plan.runs_of(trials=10, done=4, confirm=3, probe=3, finalists=3)
     assert (runs.trials, runs.reruns, runs.probes, runs.total) == (6, 12, 3, 21)
+    assert plan.runs_of(trials=10, done=4, confirm=3, probe=3, finalists=1).reruns == 6  # 3 rounds x (1 + baseline)
     est = plan.estimate(runs, parallel=2, device="cpu", steps=8, durations=[10.0, 20.0, 30.0])
     assert est.measured and est.seconds == 20.0 * (3 + 12 + 3) and "median 20 s per run over 3 runs" in est.line()
     guess = plan.estimate(runs, parallel=1, device="cpu", steps=8)

@@ -392,7 +392,8 @@ def test_the_searchs_pick_and_headroom_decide_what_is_confirmed_and_probed(setup
     search = _search(setup, study, storage, ReplayRunner(_table(space, flat), rng=random.Random(0)), rounds=0)
     search.run()
     # the trials: #0 the baseline (200 tokens/s, 3 GB), #1 (320, 5), #2 (100, 2), #3 (160, 3), #4 (80, 2)
-    assert ConfirmationStage(search.session).plan(1)[0] == [1, 2]  # 10% of 10 GB free: every trial fits
+    assert ConfirmationStage(search.session).plan(1, finalists=3)[0] == [1, 2]  # 10% of 10 GB free: all fit
+    assert ConfirmationStage(search.session).plan(1, finalists=1)[0] == [1]  # --finalists 1: the pick's first choice
     assert ConfirmationStage(search.session, selection=Selection(headroom=0.55)).plan(1)[0] == [2]  # #1 is over
     assert WorstCaseStage(search.session).plan(2) == [1, 0]  # the fastest first
     assert WorstCaseStage(search.session, selection=Selection(pick="min-memory")).plan(2) == [2, 4]

@@ -611,10 +611,11 @@ def test_the_budget_alone(monkeypatch):
 
     clock = [1000.0]
     monkeypatch.setattr("tuner.search.budget.time", type("Clock", (), {"monotonic": staticmethod(lambda: clock[0])}))
-    budget = Budget(trials=3, timeout_s=100.0, confirm=1, probe=1, started=clock[0])
+    budget = Budget(trials=3, timeout_s=100.0, confirm=1, finalists=3, probe=1, started=clock[0])
     ok = [frozen(i, "ok", {}, duration_s=10.0) for i in range(2)]
     # 1 confirmation round (at most 3 finalists + the baseline) and 1 probe: 5 runs of the median 10 s kept
     assert budget.reserve_s(ok) == 50.0 and budget.stop_reason(ok, free_in_a_row=0) is None
+    assert Budget(trials=3, timeout_s=100.0, confirm=2, finalists=1, probe=0).reserve_s(ok) == 40.0  # 2 x (1 + 1)
     clock[0] += 60.0
     assert budget.stop_reason(ok, free_in_a_row=0).startswith("--timeout 100 s")
     said = []

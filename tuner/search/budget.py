@@ -19,7 +19,7 @@ from optuna.trial import TrialState
 
 from trainer.contracts import ExitCode, Status
 from tuner.search import decide
-from tuner.stages.confirm import MAX_FINALISTS
+from tuner.stages.confirm import DEFAULT_FINALISTS
 from tuner.study import lifecycle as st
 
 __all__ = [
@@ -39,12 +39,14 @@ MAX_FAILURES_IN_A_ROW = 3  # launched trials in a row failing with the same erro
 @dataclass
 class Budget:
     """The budget of one search process: ``trials`` counted trials in the study (all processes together),
-    no new run after ``timeout_s`` seconds, of which the confirmation's ``confirm`` rounds and ``probe``
-    worst-case probes keep their estimated share (:func:`tuner.search.decide.after_search_s`)."""
+    no new run after ``timeout_s`` seconds, of which the confirmation's ``confirm`` rounds of up to ``finalists``
+    finalists and the baseline, and the ``probe`` worst-case probes, keep their estimated share
+    (:func:`tuner.search.decide.after_search_s`)."""
 
     trials: int
     timeout_s: Optional[float] = None
     confirm: int = 0
+    finalists: int = DEFAULT_FINALISTS
     probe: int = 0
     started: float = field(default_factory=time.monotonic)
 
@@ -67,7 +69,7 @@ class Budget:
         """Seconds of ``--timeout`` kept for the confirmation's re-runs and the worst-case probes."""
         if self.timeout_s is None:
             return 0.0
-        reruns = self.confirm * (MAX_FINALISTS + 1)
+        reruns = self.confirm * (self.finalists + 1)
         return decide.after_search_s(trials, runs=reruns + self.probe, timeout_s=self.timeout_s)
 
     def over_timeout(self) -> bool:

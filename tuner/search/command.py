@@ -46,6 +46,7 @@ from tuner.search.policy import build_sampler
 from tuner.search.progress import ConsoleObserver, Display, seed_display, summary
 from tuner.search.session import TrialSession
 from tuner.space import Space, base_flat_config, comparable_space, load_space
+from tuner.stages.confirm import DEFAULT_FINALISTS
 from tuner.study import lifecycle as st
 from tuner.study.schema import name_problem, override_keys_of, read_study_attrs, read_trial
 from tuner.study.selection import SELECTION_ATTR, Selection, selection_of
@@ -97,6 +98,7 @@ def options_from_args(args: argparse.Namespace, *, seed: Optional[int] = None) -
         timeout_s=args.timeout,
         parallel=args.parallel,
         confirm=args.confirm,
+        finalists=getattr(args, "finalists", DEFAULT_FINALISTS),
         probe=getattr(args, "probe", 0),
         predict_oom=not getattr(args, "no_memory_model", False),
         local_every=getattr(args, "local_every", 2),

@@ -11,7 +11,7 @@ from trainer.launch.cliflags import add_override_flag
 from trainer.summary import MIN_MEASURED_STEPS
 from tuner.search.budget import MAX_FAILURES_IN_A_ROW
 from tuner.search.policy import SAMPLERS
-from tuner.stages.confirm import DEFAULT_ROUNDS, MAX_FINALISTS
+from tuner.stages.confirm import DEFAULT_FINALISTS, DEFAULT_ROUNDS, MAX_FINALISTS
 from tuner.study import lifecycle as st
 from tuner.study.selection import DEFAULT_PICK, PICKS
 from tuner.trials.launch import add_hang_flags, positive_seconds
@@ -20,7 +20,7 @@ __all__ = ["add_arguments"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    for flags in (_study_flags, _trial_flags, _search_flags, _output_flags):
+    for flags in (_study_flags, _trial_flags, _search_flags, _stage_flags, _output_flags):
         flags(p)
 
 
@@ -134,7 +134,7 @@ def _trial_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _search_flags(p: argparse.ArgumentParser) -> None:
-    """How the search proposes, and what runs after it."""
+    """How the search proposes, and when it stops."""
     p.add_argument(
         "--sampler",
         choices=list(SAMPLERS),
@@ -159,14 +159,41 @@ def _search_flags(p: argparse.ArgumentParser) -> None:
         "default: random)",
     )
     p.add_argument(
+        "--max-failures-in-a-row",
+        type=int,
+        default=MAX_FAILURES_IN_A_ROW,
+        metavar="N",
+        help="stop the search when N launched trials in a row fail (crash, or a config the trainer refuses) with the "
+        f"same error: a search that cannot work stops, never ends 'done' (default {MAX_FAILURES_IN_A_ROW}; 0: never). "
+        "A failed baseline trial stops it at once",
+    )
+    p.add_argument(
+        "--no-memory-model",
+        action="store_true",
+        help="launch every candidate: no predicted_oom from the study's calibrated memory model (on by default "
+        "once 3 trials are measured: a candidate predicted over the memory limit by more than the model's "
+        "leave-one-out error is recorded, not launched)",
+    )
+
+
+def _stage_flags(p: argparse.ArgumentParser) -> None:
+    """What runs after the search: the confirmation, the worst-case probe, and what they are for."""
+    p.add_argument(
         "--confirm",
         type=int,
         default=DEFAULT_ROUNDS,
         metavar="R",
-        help="after the search, re-run the finalists (Pareto points under --memory-headroom, the --pick's first "
-        "choice, and trials within "
-        f"noise of the best, at most {MAX_FINALISTS}) interleaved with the baseline for R rounds; export ranks them "
-        f"by the median of paired throughput ratios to the baseline (default {DEFAULT_ROUNDS}; 0: off)",
+        help="after the search, re-run the finalists (the --pick's first choice, then Pareto points under "
+        "--memory-headroom and trials within noise of the best, at most --finalists) interleaved with the baseline "
+        "for R rounds; export ranks them by the median of paired throughput ratios to the baseline "
+        f"(default {DEFAULT_ROUNDS}; 0: off)",
+    )
+    p.add_argument(
+        "--finalists",
+        type=int,
+        default=DEFAULT_FINALISTS,
+        metavar="F",
+        help=f"at most F finalists confirmed, each costing R re-runs (default {DEFAULT_FINALISTS})",
     )
     p.add_argument(
         "--probe",
@@ -193,22 +220,6 @@ def _search_flags(p: argparse.ArgumentParser) -> None:
         help="the fraction of device memory a recommended config keeps free (peak <= (1-F) x device memory): "
         "what is confirmed and probed, recorded in the study as report's and export's default "
         f"(default: {DEFAULT_HEADROOM:g})",
-    )
-    p.add_argument(
-        "--max-failures-in-a-row",
-        type=int,
-        default=MAX_FAILURES_IN_A_ROW,
-        metavar="N",
-        help="stop the search when N launched trials in a row fail (crash, or a config the trainer refuses) with the "
-        f"same error: a search that cannot work stops, never ends 'done' (default {MAX_FAILURES_IN_A_ROW}; 0: never). "
-        "A failed baseline trial stops it at once",
-    )
-    p.add_argument(
-        "--no-memory-model",
-        action="store_true",
-        help="launch every candidate: no predicted_oom from the study's calibrated memory model (on by default "
-        "once 3 trials are measured: a candidate predicted over the memory limit by more than the model's "
-        "leave-one-out error is recorded, not launched)",
     )
 
 

@@ -36,6 +36,7 @@ from tuner.search.budget import MAX_FAILURES_IN_A_ROW, Budget, FailureRule, Halt
 from tuner.search.gate import MemoryGate
 from tuner.search.policy import SAMPLERS, ProposalPolicy, startup_trials
 from tuner.search.session import Proposal, SearchObserver, TrialEvent, TrialSession
+from tuner.stages.confirm import DEFAULT_FINALISTS
 from tuner.stages.confirmation import ConfirmationStage
 from tuner.stages.worst_case import WorstCaseStage
 from tuner.study import lifecycle as st
@@ -57,6 +58,7 @@ class SearchOptions:
     parallel: int = 1  # trials at once in this process
     confirm: int = 0  # after the search, rounds of finalists re-run interleaved with the baseline
 
+    finalists: int = DEFAULT_FINALISTS  # at most this many finalists confirmed
     probe: int = 0  # then the worst-case probe (tuner.stages.probe) of this many configs export would recommend
     predict_oom: bool = True  # skip candidates the study's memory model puts over the limit beyond its error
     local_every: int = 2  # after the sampler's start-up, every N-th proposal is the incumbent's nearest neighbour
@@ -74,6 +76,8 @@ class SearchOptions:
             raise ValueError(f"--sampler must be one of {list(SAMPLERS)}, got {self.sampler!r}")
         if self.confirm < 0:
             raise ValueError("--confirm must be >= 0")
+        if self.finalists < 1:
+            raise ValueError("--finalists must be >= 1")
         if self.probe < 0:
             raise ValueError("--probe must be >= 0")
         if self.local_every < 0:
@@ -117,7 +121,9 @@ class Search:
             local_every=o.local_every,
             serialized=self.session.lock.exact or isinstance(self.session.storage, optuna.storages.InMemoryStorage),
         )
-        self.budget = Budget(trials=o.trials, timeout_s=o.timeout_s, confirm=o.confirm, probe=o.probe)
+        self.budget = Budget(
+            trials=o.trials, timeout_s=o.timeout_s, confirm=o.confirm, finalists=o.finalists, probe=o.probe
+        )
         self.gate = MemoryGate(self.session.study, limit_gb=s.penalty_gb, enabled=o.predict_oom)
 
     def _watch(self, e: TrialEvent) -> None:
@@ -170,7 +176,7 @@ class Search:
             raise errors[0]
         if self.options.confirm and not self.session.stop_event.is_set():
             ConfirmationStage(self.session, budget=self.budget, selection=self.options.selection).run(
-                self.options.confirm
+                self.options.confirm, finalists=self.options.finalists
             )
         if self.options.probe and not self.session.stop_event.is_set():
             WorstCaseStage(self.session, budget=self.budget, selection=self.options.selection).run(self.options.probe)

@@ -1,7 +1,7 @@
 """``ppotune search --dry-run``: what a search would run and about how long, said before anything runs.
 
 The runs: the trials still to run (``--trials`` less the study's counted ones when resuming), the confirmation's
-re-runs (``--confirm R`` rounds of at most :data:`tuner.stages.confirm.MAX_FINALISTS` finalists and the
+re-runs (``--confirm R`` rounds of at most ``--finalists F`` finalists and the
 baseline: an upper bound) and the worst-case probes (``--probe K``). The time: from the study's own measured
 trials when it has some (their median wall time each), else a stated guess (start-up plus the trial's steps at a
 per-step guess per device kind), labelled as such. Pure: the command gathers the inputs and prints the lines.
@@ -19,7 +19,7 @@ from typing import Iterable, Optional
 from trainer.contracts import DEFAULT_OUT_DIR, TrialRecord
 from tuner.search.decide import count_progress
 from tuner.space.grid import GRID_LIMIT
-from tuner.stages.confirm import MAX_FINALISTS
+from tuner.stages.confirm import DEFAULT_FINALISTS
 
 __all__ = [
     "duration",
@@ -80,12 +80,13 @@ class Estimate:
         return f"estimated wall time: about {duration(self.seconds)} ({kind}: {self.basis})"
 
 
-def runs_of(*, trials: int, done: int, confirm: int, probe: int) -> Runs:
-    """``--trials`` less the ``done`` ones, ``--confirm`` rounds of every finalist and the baseline, ``--probe``."""
+def runs_of(*, trials: int, done: int, confirm: int, probe: int, finalists: int = DEFAULT_FINALISTS) -> Runs:
+    """``--trials`` less the ``done`` ones, ``--confirm`` rounds of up to ``--finalists`` finalists and the
+    baseline, ``--probe``."""
     return Runs(
         trials=max(0, trials - done),
         done=done,
-        reruns=confirm * (MAX_FINALISTS + 1) if confirm else 0,
+        reruns=confirm * (finalists + 1) if confirm else 0,
         probes=max(0, probe),
     )
 
@@ -129,7 +130,7 @@ def done_of(trials: Iterable) -> int:
 def plan_lines(args, options, space, flat: dict, device: str, trials: list, state: str, name: str, spec) -> list[str]:
     """``--dry-run``'s lines: the study, the space, the trials, the runs and the estimate."""
     o = options
-    runs = runs_of(trials=o.trials, done=done_of(trials), confirm=o.confirm, probe=o.probe)
+    runs = runs_of(trials=o.trials, done=done_of(trials), confirm=o.confirm, probe=o.probe, finalists=o.finalists)
     engine = getattr(args, "engine", "ppotune")
     durations = measured_durations(trials)
     est = estimate(runs, parallel=o.parallel, device=device, steps=args.steps, durations=durations, engine=engine)
@@ -144,7 +145,7 @@ def plan_lines(args, options, space, flat: dict, device: str, trials: list, stat
         f"({args.warmup} warm-up), {o.parallel} at a time; sampler {o.sampler}; "
         f"recommends {o.selection.flags()}",
         f"runs: {runs.trials} trials + {runs.reruns} confirmation re-runs (at most: --confirm {o.confirm} rounds x "
-        f"up to {MAX_FINALISTS} finalists and the baseline) + {runs.probes} worst-case probes "
+        f"up to {o.finalists} finalists and the baseline) + {runs.probes} worst-case probes "
         f"= {runs.total} runs at most",
         est.line(),
     ]

@@ -28,6 +28,7 @@ __all__ = [
     "CONFIRMATION_ATTR",
     "DEFAULT_ROUNDS",
     "MAX_FINALISTS",
+    "DEFAULT_FINALISTS",
     "Candidate",
     "Rerun",
     "within_noise",
@@ -47,8 +48,12 @@ __all__ = [
 CONFIRMATION_ATTR = "confirmation"
 #: ``ppotune search --confirm R`` default: interleaved rounds (0 turns confirmation off)
 DEFAULT_ROUNDS = 3
-#: at most this many finalists are re-run (each costs ``rounds`` trials, plus the baseline's)
+#: the configs export would take first that the worst-case probe runs by default (``--probe``), and the
+#: finalists' cap a caller of :func:`pick_finalists` gets unless it says otherwise
 MAX_FINALISTS = 3
+#: ``ppotune search --finalists F`` default: at most this many finalists are re-run (each costs ``rounds`` trials,
+#: plus the baseline's)
+DEFAULT_FINALISTS = MAX_FINALISTS
 
 T = TypeVar("T", bound=Hashable)
 

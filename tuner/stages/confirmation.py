@@ -33,7 +33,7 @@ class ConfirmationStage:
         self.budget = budget
         self.selection = selection or Selection()
 
-    def run(self, rounds: int) -> None:
+    def run(self, rounds: int, *, finalists: int = rules.DEFAULT_FINALISTS) -> None:
         """Confirm the finalists side by side, then store the aggregate in the study attribute ``confirmation``.
 
         Each re-run is a trial of its own (``confirm_of`` = the finalist's or the baseline's number)
@@ -43,7 +43,7 @@ class ConfirmationStage:
         interrupted re-run, enqueued again by the interruption, is run first."""
         s = self.session
         with s.lock():
-            plan = self.plan(rounds)
+            plan = self.plan(rounds, finalists=finalists)
         if plan is None:
             return
         finalists, baseline, order = plan
@@ -66,8 +66,11 @@ class ConfirmationStage:
     def _past_timeout(self) -> bool:
         return self.budget is not None and self.budget.past_timeout("confirm", self.session.say)
 
-    def plan(self, rounds: int) -> Optional[tuple[list[int], Optional[int], list[list[int]]]]:
-        """(finalists, baseline number or None, the interleaved schedule), or None: nothing to confirm.
+    def plan(
+        self, rounds: int, *, finalists: int = rules.DEFAULT_FINALISTS
+    ) -> Optional[tuple[list[int], Optional[int], list[list[int]]]]:
+        """(at most ``finalists`` finalists, baseline number or None, the interleaved schedule), or None: nothing
+        to confirm.
 
         Finalists come from the search's own trials (re-runs left out), under the selection's headroom filter
         (export's), so a resumed search finds the same ones; the pick's first choice is always among them."""
@@ -90,10 +93,11 @@ class ConfirmationStage:
         ]
         base = df.loc[df["baseline"] & measured_feasible(df), "number"]
         baseline = int(base.iloc[0]) if len(base) else None
-        finalists = rules.pick_finalists(cands, exclude=[baseline] if baseline is not None else [])
+        cap = finalists
+        finalists = rules.pick_finalists(cands, exclude=[baseline] if baseline is not None else [], cap=cap)
         top = rank_trials(df, fit.mask, front, self.selection.pick)[:1]
         if top and top[0] != baseline and top[0] not in finalists:  # min-memory, knee: what export takes first
-            finalists = top + finalists[: rules.MAX_FINALISTS - 1]
+            finalists = top + finalists[: cap - 1]
         if not finalists:
             self.session.say("confirm: no finalist besides the baseline fits the memory limit; nothing to do")
             return None
