@@ -15,9 +15,9 @@ The baseline trial is left out, so every trial is the sampler's own choice. Thre
   categoricals, invalid configs FAIL and count, every proposal launched (duplicates re-run, no OOM
   inference), OOM/hang COMPLETE with a binary constraint;
 * ``random``: ``tuner.search.loop.Search`` with Optuna's random sampler (rejections free, no config twice);
-* ``ours+confirm``: ``ours`` followed by ``--confirm 3`` (its default), replayed: the best measured configs
-  re-run 3 rounds with the baseline, the pick by the median paired ratio; the re-runs' seconds count in the
-  budget (the search stops earlier to leave room for them).
+* ``ours+confirm``: ``ours`` followed by ``--confirm R --finalists F`` (their defaults, or ``--confirm-rounds``
+  and ``--finalists`` here), replayed: the F best measured configs re-run R rounds with the baseline, the pick by
+  the median paired ratio; the re-runs' seconds count in the budget (the search stops earlier to leave room).
 
 For each, over ``--seeds`` seeds: the true quality of the config the search would pick (the one
 with the highest measured throughput so far; its true value is the median of its recorded
@@ -62,7 +62,7 @@ from tuner.search.loop import Search, SearchOptions  # noqa: E402
 from tuner.search.policy import build_sampler  # noqa: E402
 from tuner.search.session import TrialEvent, TrialSession  # noqa: E402
 from tuner.space import Space, base_flat_config, load_space, space_from_dict  # noqa: E402
-from tuner.stages.confirm import DEFAULT_ROUNDS, MAX_FINALISTS, Rerun, paired_ratios  # noqa: E402
+from tuner.stages.confirm import DEFAULT_FINALISTS, DEFAULT_ROUNDS, Rerun, paired_ratios  # noqa: E402
 from tuner.study.lifecycle import StudyLock  # noqa: E402
 from tuner.study.storage import open_storage  # noqa: E402
 from tuner.trials.runners import Recorded, ReplayRunner, TrialRequest  # noqa: E402
@@ -301,10 +301,10 @@ def seconds_to(run: Run, truth: dict, target: float) -> float:
 
 # --------------------------------------------------------------------------- the confirmation, replayed
 def confirmed_pick(
-    run: Run, k: int, rec: Recording, seed: int, rounds: int, finalists_cap: int = MAX_FINALISTS
+    run: Run, k: int, rec: Recording, seed: int, rounds: int, finalists_cap: int = DEFAULT_FINALISTS
 ) -> tuple[Optional[tuple], float]:
     """What ``ppotune search --confirm R`` would pick after the first ``k`` events of ``run``, and what the
-    re-runs cost: the (up to ``finalists_cap``: MAX_FINALISTS by default) configs with the best measured
+    re-runs cost: the (up to ``finalists_cap``: ``--finalists``' default) configs with the best measured
     throughput so far are re-run ``rounds`` times each with the baseline, every re-run answered by one recorded
     repeat at random; the pick
     is the finalist with the highest median of its paired ratios to the same round's baseline
@@ -336,7 +336,7 @@ def confirmed_pick(
 
 
 def confirmed_curve(
-    run: Run, rec: Recording, seed: int, rounds: int, finalists_cap: int = MAX_FINALISTS
+    run: Run, rec: Recording, seed: int, rounds: int, finalists_cap: int = DEFAULT_FINALISTS
 ) -> list[tuple[float, Optional[tuple]]]:
     """(search seconds + confirmation seconds, pick) for every prefix of the search."""
     out = []
@@ -388,7 +388,7 @@ def main() -> int:
     ap.add_argument("--cap", type=float, default=1.0, help="stop each replay after this share of the grid's seconds")
     ap.add_argument("--samplers", default=",".join(SAMPLERS), help=f"comma-separated, of {', '.join(SAMPLERS)}")
     ap.add_argument("--confirm-rounds", type=int, default=DEFAULT_ROUNDS, help="+confirm: the rounds replayed")
-    ap.add_argument("--finalists", type=int, default=MAX_FINALISTS, help="+confirm: at most this many finalists")
+    ap.add_argument("--finalists", type=int, default=DEFAULT_FINALISTS, help="+confirm: at most this many finalists")
     a = ap.parse_args()
     t0 = time.monotonic()
     if a.study_db:
