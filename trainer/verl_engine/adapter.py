@@ -22,10 +22,11 @@ A run file is the verl config as Hydra overrides, verl's keys only, plus how to 
       worst_case: false              # the worst-case probe (trainer.verl_engine.worst_case)
 
 What a trial adds to the user's overrides (and export leaves out): ``TRIAL_KEYS`` (step count,
-no validation or checkpoints, the file logger, no Ray dashboard unless the run file asks for one). A run with ``precision`` (or a study's ``front``) reads verl's
-per-step JSONL as it is written and ends verl once :func:`trainer.summary.stop_reason` says it has measured
-enough, as our own trainer does (status ok, ``stopped_early`` in the summary). On a CPU-only machine it also
-loads the CPU shim (:mod:`trainer.verl_engine.cpu`, verl 0.9.1 only) and adds ``CPU_KEYS``: nothing of it on a GPU.
+no validation or checkpoints, the file logger, no Ray dashboard unless the run file asks for one).
+A run with ``precision`` (or a study's ``front``) reads verl's per-step JSONL as it is written and
+ends verl once :func:`trainer.summary.stop_reason` says it has measured enough, as our own trainer
+does (status ok, ``stopped_early`` in the summary). On a CPU-only machine it also loads the CPU shim
+(:mod:`trainer.verl_engine.cpu`, verl 0.9.1 only) and adds ``CPU_KEYS``: nothing of it on a GPU.
 """
 
 from __future__ import annotations

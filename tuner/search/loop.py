@@ -57,7 +57,6 @@ class SearchOptions:
     timeout_s: Optional[float] = None  # start no new trial after this long
     parallel: int = 1  # trials at once in this process
     confirm: int = 0  # after the search, rounds of finalists re-run interleaved with the baseline
-
     finalists: int = DEFAULT_FINALISTS  # at most this many finalists confirmed
     probe: int = 0  # then the worst-case probe (tuner.stages.probe) of this many configs export would recommend
     predict_oom: bool = True  # skip candidates the study's memory model puts over the limit beyond its error
