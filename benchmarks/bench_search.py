@@ -19,6 +19,9 @@ The baseline trial is left out, so every trial is the sampler's own choice. Thre
   and ``--finalists`` here), replayed: the F best measured configs re-run R rounds with the baseline, the pick by
   the median paired ratio; the re-runs' seconds count in the budget (the search stops earlier to leave room).
 
+What the local steps and the speed hints add, on request: ``--samplers ours-nolocal`` (``--local-every 0``: TPE
+with the search's rejections, no local step) and ``--no-speed-hints`` (the space's ``speed`` hints left out).
+
 For each, over ``--seeds`` seeds: the true quality of the config the search would pick (the one
 with the highest measured throughput so far; its true value is the median of its recorded
 repeats) relative to the grid's best, once 10%, 15% and 25% of the grid's trial-seconds are spent,
@@ -54,6 +57,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import optuna  # noqa: E402
+import yaml  # noqa: E402
 
 from trainer.config import flatten  # noqa: E402
 from trainer.contracts import CONSTRAINT_KEY, DIRECTIONS, Status, TrialRecord, parse_storage  # noqa: E402
@@ -85,6 +89,8 @@ STUDY = "bench-grid"
 LEVELS = (0.10, 0.15, 0.25)  # shares of the grid's trial-seconds
 TARGET = 0.97  # "found": the pick's true throughput is at least this share of the grid's best
 SAMPLERS = ("ours", "ours+confirm", "tpe-plain", "random")
+#: also on request (``--samplers``): ``ours`` without its local steps (``--local-every 0``: what they add)
+VARIANTS = ("ours-nolocal",)
 
 
 # --------------------------------------------------------------------------- the recording
@@ -132,12 +138,22 @@ def from_studies(storage: str, names: list[str]) -> Recording:
     return Recording(space, trial_base, flat, penalty, table, f"{spec.display} studies {', '.join(names)}")
 
 
-def from_jsonl(data: Path) -> Recording:
-    """``benchmarks/record_grid.py``'s data file (one JSON line per recorded trial), with its space and base."""
+def without_speed_hints(path: Path) -> Space:
+    """The space file with every knob's ``speed`` hint left out (local steps then take the seeded grid order)."""
+    raw = yaml.safe_load(Path(path).read_text())
+    for spec in (raw.get("knobs") or {}).values():
+        if isinstance(spec, dict):
+            spec.pop("speed", None)
+    return space_from_dict(raw, source=str(path))
+
+
+def from_jsonl(data: Path, *, hints: bool = True) -> Recording:
+    """``benchmarks/record_grid.py``'s data file (one JSON line per recorded trial), with its space and base
+    (``hints=False``: its knobs' speed hints left out)."""
     from record_grid import grid_of
 
     grid = grid_of(data)
-    space = load_space(grid.space)
+    space = load_space(grid.space) if hints else without_speed_hints(grid.space)
     trial_base = recording_base(
         base_flat_config(str(grid.base), nproc=grid.nproc)[0], steps=grid.steps, warmup=grid.warmup, cap_gb=grid.cap_gb
     )
@@ -205,14 +221,16 @@ class _StopAt:
 def run_search(sampler: str, seed: int, rec: Recording, *, hint: int, cap_s: float) -> Run:
     """``ppotune search``'s own loop (tuner.search.loop.Search), every launch answered by the replay runner."""
     storage = optuna.storages.InMemoryStorage()
-    name = "tpe" if sampler == "ours" else sampler
+    name = "tpe" if sampler in ("ours", "ours-nolocal") else sampler
     study = optuna.create_study(
         storage=storage, directions=list(DIRECTIONS), sampler=build_sampler(name, seed=seed, n_trials=hint)
     )
     runner = ReplayRunner(rec.table, rng=random.Random(seed))
     stop = _StopAt(cap_s)
     search = Search(
-        options=SearchOptions(trials=10 * len(rec.table), sampler=name, seed=seed),
+        options=SearchOptions(
+            trials=10 * len(rec.table), sampler=name, seed=seed, local_every=0 if sampler == "ours-nolocal" else 2
+        ),
         session=TrialSession(
             study=study,
             storage=storage,
@@ -386,7 +404,10 @@ def main() -> int:
     ap.add_argument("--study", action="append", default=[], help="its study (repeat the flag for repeats; default all)")
     ap.add_argument("--data", help="a recorded grid: benchmarks/record_grid.py's JSON-lines file")
     ap.add_argument("--cap", type=float, default=1.0, help="stop each replay after this share of the grid's seconds")
-    ap.add_argument("--samplers", default=",".join(SAMPLERS), help=f"comma-separated, of {', '.join(SAMPLERS)}")
+    ap.add_argument(
+        "--samplers", default=",".join(SAMPLERS), help=f"comma-separated, of {', '.join(SAMPLERS + VARIANTS)}"
+    )
+    ap.add_argument("--no-speed-hints", action="store_true", help="--data: the space's speed hints left out")
     ap.add_argument("--confirm-rounds", type=int, default=DEFAULT_ROUNDS, help="+confirm: the rounds replayed")
     ap.add_argument("--finalists", type=int, default=DEFAULT_FINALISTS, help="+confirm: at most this many finalists")
     a = ap.parse_args()
@@ -394,7 +415,7 @@ def main() -> int:
     if a.study_db:
         rec = from_studies(a.study_db, a.study)
     elif a.data:
-        rec = from_jsonl(Path(a.data))
+        rec = from_jsonl(Path(a.data), hints=not a.no_speed_hints)
     else:
         out = Path(a.out).resolve()
         out.mkdir(parents=True, exist_ok=True)
