@@ -218,12 +218,16 @@ class _StopAt:
         pass
 
 
-def run_search(sampler: str, seed: int, rec: Recording, *, hint: int, cap_s: float) -> Run:
+def run_search(
+    sampler: str, seed: int, rec: Recording, *, hint: int, cap_s: float, startup: Optional[int] = None
+) -> Run:
     """``ppotune search``'s own loop (tuner.search.loop.Search), every launch answered by the replay runner."""
     storage = optuna.storages.InMemoryStorage()
     name = "tpe" if sampler in ("ours", "ours-nolocal") else sampler
     study = optuna.create_study(
-        storage=storage, directions=list(DIRECTIONS), sampler=build_sampler(name, seed=seed, n_trials=hint)
+        storage=storage,
+        directions=list(DIRECTIONS),
+        sampler=build_sampler(name, seed=seed, n_trials=hint, startup=startup),
     )
     runner = ReplayRunner(rec.table, rng=random.Random(seed))
     stop = _StopAt(cap_s)
@@ -410,6 +414,7 @@ def main() -> int:
     ap.add_argument("--no-speed-hints", action="store_true", help="--data: the space's speed hints left out")
     ap.add_argument("--confirm-rounds", type=int, default=DEFAULT_ROUNDS, help="+confirm: the rounds replayed")
     ap.add_argument("--finalists", type=int, default=DEFAULT_FINALISTS, help="+confirm: at most this many finalists")
+    ap.add_argument("--startup", type=int, help="ours: TPE's random start-up trials (default: the search's rule)")
     a = ap.parse_args()
     t0 = time.monotonic()
     if a.study_db:
@@ -458,7 +463,7 @@ def main() -> int:
             if sampler == "tpe-plain":
                 run = run_plain_tpe(seed, rec, hint=hint, cap_s=a.cap * grid_s)
             else:
-                run = run_search(sampler.split("+")[0], seed, rec, hint=hint, cap_s=a.cap * grid_s)
+                run = run_search(sampler.split("+")[0], seed, rec, hint=hint, cap_s=a.cap * grid_s, startup=a.startup)
             if sampler.endswith("+confirm"):
                 curve = confirmed_curve(run, rec, seed, a.confirm_rounds, a.finalists)
                 for x in LEVELS:

@@ -113,7 +113,7 @@ def real_search(tmp_path_factory, cli) -> Path:
         1,
         "--out",
         out,
-        "--confirm",  # one interleaved round (the default 3 would triple the confirmation's cost here)
+        "--confirm",  # one interleaved round (the default; said here as the fixture's claims need one)
         1,
         "--report",
         timeout=1800,

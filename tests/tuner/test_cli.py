@@ -219,7 +219,7 @@ def test_dry_run_launches_nothing_and_writes_nothing(tmp_path, monkeypatch, caps
     assert not out.exists() and not list(tmp_path.iterdir())
     assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
     assert "52 configs after conditions and constraints, 6 knobs; fixed: none" in text
-    assert "runs: 10 trials + 12 confirmation re-runs" in text and "+ 3 worst-case probes = 25 runs at most" in text
+    assert "runs: 10 trials + 3 confirmation re-runs" in text and "+ 3 worst-case probes = 16 runs at most" in text
     assert "estimated wall time: about" in text and "a guess, not measured" in text
 
 

@@ -46,14 +46,18 @@ __all__ = [
 
 #: the study user attribute holding :func:`aggregate`'s result
 CONFIRMATION_ATTR = "confirmation"
-#: ``ppotune search --confirm R`` default: interleaved rounds (0 turns confirmation off)
-DEFAULT_ROUNDS = 3
+#: ``ppotune search --confirm R`` default: interleaved rounds (0 turns confirmation off). One round of the two
+#: best and the baseline (R1 F2) is what the recorded grids favour (benchmarks/README.md, "Samplers"): 3 rounds of 3
+#: finalists cost 12 re-runs, 8-10% of a grid's trial-seconds, and reached 97% of the best later (24% and 18% of
+#: grids 1 and 2, against 14% and 7%); one finalist cannot change the pick. More rounds give an interval
+#: (``--confirm 3``); one round gives a paired ratio.
+DEFAULT_ROUNDS = 1
 #: the configs export would take first that the worst-case probe runs by default (``--probe``), and the
 #: finalists' cap a caller of :func:`pick_finalists` gets unless it says otherwise
 MAX_FINALISTS = 3
 #: ``ppotune search --finalists F`` default: at most this many finalists are re-run (each costs ``rounds`` trials,
 #: plus the baseline's)
-DEFAULT_FINALISTS = MAX_FINALISTS
+DEFAULT_FINALISTS = 2
 
 T = TypeVar("T", bound=Hashable)
 
@@ -143,8 +147,9 @@ def log_interval(values: Sequence[float]) -> tuple[Optional[float], Optional[tup
 
     Honest about what it is: ratios and throughputs are multiplicative, so the interval is symmetric in
     log space; it assumes roughly log-normal round-to-round noise and is an interval for the typical
-    (geometric) value around the median, not a distribution-free interval for the median. With the
-    default 3 rounds t(0.95, 2) = 2.92, so it is wide on purpose; one value has no interval (None)."""
+    (geometric) value around the median, not a distribution-free interval for the median. With 3
+    rounds (``--confirm 3``) t(0.95, 2) = 2.92, so it is wide on purpose; one value (the default one round) has no
+    interval (None)."""
     xs = [float(v) for v in values if v is not None and v > 0]
     if not xs:
         return None, None
