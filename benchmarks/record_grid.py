@@ -25,6 +25,10 @@ rollout, on benchmarks/data/grid2_base.yaml and grid2_space.yaml):
 
     python benchmarks/record_grid.py --every-config --grid grpo_vllm [--data bench_out/grid2/grid_grpo_vllm.jsonl]
 
+and the third, the first grid's job and space under a tight cap (2 repeats, ~24 min):
+
+    python benchmarks/record_grid.py --every-config --grid tiny_tight --repeats 2 [--data FILE]
+
 (``GRIDS`` below names each grid's base, space, cap and data file; bench_search.py finds a grid by its data file.)
 
 (The cap is RLIMIT_DATA above the post-start level, which counts vLLM's reservations too, and the trials run one
@@ -79,6 +83,9 @@ GRIDS = {
     "grpo_vllm": Grid(
         DATA_DIR / "grid2_base.yaml", DATA_DIR / "grid2_space.yaml", DATA_DIR / "grid_grpo_vllm.jsonl", 0.9
     ),
+    # the third: the first grid's job and space under a tight cap (0.11 GB, from 0.15), where its fastest fitting
+    # configs sit at the memory boundary; cold trials, every config every repeat
+    "tiny_tight": Grid(BASE, SPACE, DATA_DIR / "grid_tiny_tight.jsonl", 0.11),
 }
 
 
