@@ -90,8 +90,10 @@ part_vllm() {
 #    Playwright's own browser download is never used. The check starts it as the test does (tests/browser.py).
 browser_ok() {
   python -c 'import sys; sys.path.insert(0, "tests")
-from browser import chromium
-with chromium() as browser: print("chromium", browser.version, "under Playwright")'
+from browser import BrowserUnavailable, chromium
+try:
+    with chromium() as browser: print("chromium", browser.version, "under Playwright")
+except BrowserUnavailable as e: sys.exit(f"browser: {e}")'
 }
 part_browser() {
   if browser_ok 2>/dev/null; then

@@ -79,7 +79,9 @@ class PageLoad:
         )
 
 
-_BROKEN_IMAGES = "[...document.images].filter(i => !i.complete || !i.naturalWidth).map(i => i.alt || i.src.slice(0, 80))"
+_BROKEN_IMAGES = (
+    "[...document.images].filter(i => !i.complete || !i.naturalWidth).map(i => i.alt || i.src.slice(0, 80))"
+)
 _DANGLING_LINKS = (
     "[...document.querySelectorAll('a[href^=\"#\"]')]"
     ".filter(a => a.hash && !document.getElementById(a.hash.slice(1))).map(a => a.getAttribute('href'))"
