@@ -11,6 +11,15 @@ status() {  # status PART ok|"unavailable: why"
   [ "$2" = ok ] || echo "install_test_deps: $1: $2" >&2
 }
 
+# apt_install PACKAGE...: Debian's packages, as root; one apt-get at a time (the parts below run side by side and
+# apt holds a lock), the package lists updated once per run
+apt_install() {
+  [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 || return 1
+  flock .test_deps/apt.lock sh -c '{ [ -f .test_deps/apt.updated ] || { apt-get update -qq && touch .test_deps/apt.updated; }; } \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null' apt_install "$@"
+}
+rm -f .test_deps/apt.updated
+
 # 1. verl's config files and source, for `ppotune export --validate-verl` and the docs test (read, never imported):
 #    unpacked from verl's wheel into .test_deps/verl, which tests/conftest.py hands over as PPOTUNE_VERL_ROOT.
 #    Not installed into this environment: verl 0.9.1 wants transformers<5.11, Ray, tensordict and torchdata, and
@@ -53,8 +62,7 @@ pg_ok() { ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || command -v init
 part_postgres() {
   if pg_ok; then
     status postgres ok
-  elif [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
-      && apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null && pg_ok; then
+  elif apt_install postgresql && pg_ok; then
     status postgres ok
   else
     status postgres "unavailable: no initdb/pg_ctl, and apt-get install postgresql failed (needs root on Debian/Ubuntu)"
@@ -77,10 +85,30 @@ part_vllm() {
   fi
 }
 
-# The four parts touch different places (.test_deps/verl, .venv-verl, the system's packages, this environment), so
-# they run side by side: on CI's 2 cores most of each is waiting on downloads and unpacking. Each part's output
-# goes to .test_deps/<part>.log and is shown when all have ended, one part after the other.
-PARTS=(verl_configs verl_venv postgres vllm)
+# 5. A headless browser for the report's browser test (tests/tuner/test_report_browser.py) and
+#    scripts/screenshots.py: Debian's chromium, driven by Playwright (the dev extra) through its executable path;
+#    Playwright's own browser download is never used. The check starts it as the test does (tests/browser.py).
+browser_ok() {
+  python -c 'import sys; sys.path.insert(0, "tests")
+from browser import BrowserUnavailable, chromium
+try:
+    with chromium() as browser: print("chromium", browser.version, "under Playwright")
+except BrowserUnavailable as e: sys.exit(f"browser: {e}")'
+}
+part_browser() {
+  if browser_ok 2>/dev/null; then
+    status browser ok
+  elif apt_install chromium && browser_ok; then
+    status browser ok
+  else
+    status browser "unavailable: apt-get install chromium failed (needs root on Debian/Ubuntu) or Playwright (the dev extra) cannot start it (see .test_deps/browser.log)"
+  fi
+}
+
+# The five parts touch different places (.test_deps/verl, .venv-verl, the system's packages, this environment), so
+# they run side by side: on CI's 2 cores most of each is waiting on downloads and unpacking (the two apt parts take
+# turns). Each part's output goes to .test_deps/<part>.log and is shown when all have ended, one after the other.
+PARTS=(verl_configs verl_venv postgres vllm browser)
 for part in "${PARTS[@]}"; do
   "part_$part" > ".test_deps/$part.log" 2>&1 &
 done

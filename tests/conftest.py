@@ -196,7 +196,13 @@ def vllm_installed() -> None:
 # --------------------------------------------------------------------------- two workers (pytest-xdist)
 #: files whose tests read the session's one real search (the ``real_search`` fixture): one worker runs them all,
 #: so the search runs once, not once per worker
-_REAL_SEARCH_READERS = {"test_validate.py", "test_report.py", "test_export.py", "test_notebook.py"}
+_REAL_SEARCH_READERS = {
+    "test_validate.py",
+    "test_report.py",
+    "test_report_browser.py",
+    "test_export.py",
+    "test_notebook.py",
+}
 
 
 #: the longest groups, longest first (`--durations`, 2026-12-02): handed out first, so that no worker starts one
