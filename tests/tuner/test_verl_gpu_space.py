@@ -22,9 +22,9 @@ RUNS = {"ppo": REPO / "configs" / "verl_gpu_ppo.yaml", "grpo": REPO / "configs" 
 PLACEHOLDER = "/REPLACE/"
 
 
-def _stand_in(run_file, tmp_path):
-    """The run file with its REPLACE paths under ``tmp_path``, each file there (the decision base checks that the
-    data files exist; nothing reads them)."""
+def _stand_in(run_file, tmp_path, preset):
+    """The run file with its REPLACE paths under ``tmp_path``, each a link to the tiny verl preset's model or data
+    file (the run file is read as the search reads it: its data files and model directories are checked first)."""
     text = run_file.read_text()
     assert PLACEHOLDER in text, f"{run_file}: the paths the user replaces are marked {PLACEHOLDER}"
     lines = [line.split("=", 1)[1] for line in text.splitlines() if PLACEHOLDER in line and "=" in line]
@@ -32,13 +32,21 @@ def _stand_in(run_file, tmp_path):
     for path in lines:
         target = tmp_path / path.strip().removeprefix(PLACEHOLDER)
         target.parent.mkdir(parents=True, exist_ok=True)
-        if target.suffix == ".parquet":
-            target.touch()
-        else:
-            target.mkdir(exist_ok=True)
+        if not target.exists():
+            source = preset / "data" / "train.parquet" if target.suffix == ".parquet" else preset / "model"
+            target.symlink_to(source)
     out = tmp_path / run_file.name
     out.write_text(text.replace(PLACEHOLDER, f"{tmp_path}/"))
     return out
+
+
+@pytest.fixture(scope="module")
+def preset(cli, tmp_path_factory, verl_python):
+    """The tiny verl preset's model and data, standing in for the example jobs' (nothing runs them)."""
+    d = tmp_path_factory.mktemp("stand_in") / "preset"
+    r = cli("make-preset", "verl", "--out", d, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return d
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +59,8 @@ def verl_python():
 
 
 @pytest.mark.parametrize("job", ["ppo", "grpo"])
-def test_each_example_job_composes_with_verl_and_passes_space_check(job, tmp_path, cli, verl_python):
-    run = _stand_in(RUNS[job], tmp_path)
+def test_each_example_job_composes_with_verl_and_passes_space_check(job, tmp_path, cli, verl_python, preset):
+    run = _stand_in(RUNS[job], tmp_path, preset)
     spec = load_run(run, python=verl_python)
     nested = decision_base(spec, device="cuda")  # verl's ppo_trainer composed with the run file, read into ours
     assert nested["trainer"]["n_gpus_per_node"] == 8 and nested["data"]["max_response_length"] == 1024

@@ -64,6 +64,8 @@ __all__ = [
     "RunSpec",
     "load_run",
     "run_overrides",
+    "run_device",
+    "decision_base",
     "verl_env",
     "steps_from_jsonl",
     "lengths_of",
@@ -220,6 +222,12 @@ def detect_device(want: str) -> str:
         return "cpu"
 
 
+def run_device(spec: RunSpec) -> str:
+    """``cpu`` or ``cuda``: what a run of ``spec`` runs on (its ``ppotune.device``; auto: a GPU when NVML sees one).
+    Every reading of a run file (``space check``, ``search`` and its ``--dry-run``, ``probe``, the run) asks this."""
+    return detect_device(spec.device)
+
+
 def run_overrides(spec: RunSpec, *, device: str, workdir: Path) -> list[str]:
     """The user's overrides, then what a trial adds (``++``: set whether or not verl's config has the key)."""
     out = list(spec.overrides)
@@ -335,13 +343,15 @@ def compose_verl(spec: RunSpec, overrides: Optional[list[str]] = None) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def decision_base(spec: RunSpec, *, device: str) -> dict:
-    """The config a trial on ``device`` runs, as ppotune's typed config (every key both have, verl's values),
-    validated: what the search's constraints, config checks and memory rules reason about. Raises ConfigError."""
+def decision_base(spec: RunSpec, *, device: Optional[str] = None) -> dict:
+    """The config a trial on ``device`` (default :func:`run_device`) runs, as ppotune's typed config (every key both
+    have, verl's values), validated: what the search's constraints, config checks and memory rules reason about.
+    The overrides are the run's own (:func:`run_overrides`: on a CPU with ``CPU_KEYS``). Raises ConfigError."""
     import copy
 
     from trainer.config import PPOConfig, config_from_dict, config_to_dict, unflatten
 
+    device = device or run_device(spec)
     effective = run_overrides(copy.deepcopy(spec), device=device, workdir=Path(tempfile.gettempdir()))
     verl_flat = flatten(compose_verl(spec, effective))
     ours = flatten(config_to_dict(PPOConfig()))
@@ -373,7 +383,7 @@ def run_verl(spec: RunSpec, *, result_path: Optional[Path]) -> int:
     """Run verl for ``spec.steps`` steps (fewer when it has measured enough), write the result JSON, return the
     exit code (ExitCode)."""
     t0 = time.time()
-    device = detect_device(spec.device)
+    device = run_device(spec)
     # absolute: verl's processes (Ray's workers) do not run in our working directory
     workdir = Path(tempfile.mkdtemp(prefix="ppotune_verl_", dir=result_path.parent if result_path else None)).resolve()
     metrics = workdir / "metrics.jsonl"

@@ -171,7 +171,6 @@ def _base_config(args: argparse.Namespace, space: Space) -> tuple[dict, Optional
         memory_limit_gb=args.memory_limit_gb,
         target_nodes=args.target_nodes,
         target_gpus_per_node=args.target_gpus_per_node,
-        device="cuda" if nvml_available() else "cpu",
     )
 
 

@@ -11,7 +11,7 @@ Not for verl trials: the calibrated memory model (:data:`MEMORY_MODEL_NOTE`).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 from trainer.config import flatten
 from trainer.launch.preflight import preflight_verl
@@ -58,14 +58,19 @@ def verl_search(
     memory_limit_gb: Optional[float],
     target_nodes: Optional[int] = None,
     target_gpus_per_node: Optional[int] = None,
-    device: str = "cpu",
+    extra: Sequence[str] = (),
 ) -> tuple[dict, VerlEngine, WorldPlan]:
     """(the decision base: verl's config at the trial's world read into ppotune's typed config, how trials run, the
     world plan). verl composes the production config first (its world and global sizes, whatever the run file
-    leaves to verl's defaults), then the trial's. Raises ValueError (ConfigError: one line naming file and key)."""
+    leaves to verl's defaults), then the trial's, with the keys a run on its device adds (the CPU keys on a CPU:
+    :func:`trainer.verl_engine.adapter.run_device`). The one reading of a run file: ``search`` (and ``--dry-run``)
+    and ``space check`` call it. ``extra``: Hydra overrides after the run file's (``-o``). Raises ValueError
+    (ConfigError: one line naming file and key)."""
     from trainer.verl_engine import adapter
 
-    spec = adapter.load_run(base_config, python=python, steps=steps, warmup=warmup, memory_limit_gb=memory_limit_gb)
+    spec = adapter.load_run(
+        base_config, list(extra), python=python, steps=steps, warmup=warmup, memory_limit_gb=memory_limit_gb
+    )
     preflight_verl(spec.get, source=base_config)  # its data, model and tokenizer, before verl composes
     production = flatten(adapter.compose_verl(spec))
     plan = plan_world(
@@ -81,7 +86,7 @@ def verl_search(
     world = trial_overrides(plan)
     trial = tuple(world_overrides({k: v for k, v in world.items() if {**production, **prod}.get(k) != v}))
     spec.overrides = [*base, *trial]
-    nested = adapter.decision_base(spec, device=device)
+    nested = adapter.decision_base(spec)
     engine = VerlEngine(
         python=spec.python,
         base_overrides=base,
