@@ -91,7 +91,7 @@ GRPO = [
     "actor_rollout_ref.actor.use_kl_loss=true",
     "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
 ]
-CRITIC_MICRO = "critic.ppo_micro_batch_size_per_gpu"
+CRITIC_KNOB = "critic.model.enable_gradient_checkpointing"
 
 #: a trial of the 2-node search below runs one node of 1 GPU: the global sizes halved (tuner.world)
 TRIAL_WORLD = [
@@ -106,7 +106,7 @@ TRIAL_WORLD = [
 def verl_study(cli, verl_run_file, tmp_path_factory) -> Path:
     """One small verl search of a GRPO job that every feature's test reads: 2 trials of 1 GPU for a 2-node job
     (--target-nodes 2), adaptive measurement (--precision), the worst-case probe of the pick (--probe 1), a report.
-    Its space names the critic's micro-batch too, which a job without a critic does not search."""
+    Its space names a critic knob too, which a job without a critic does not search."""
     tmp = tmp_path_factory.mktemp("verl_study")
     run = yaml.safe_load(verl_run_file.read_text())
     run["overrides"] = [*run["overrides"], *GRPO]
@@ -115,7 +115,7 @@ def verl_study(cli, verl_run_file, tmp_path_factory) -> Path:
     space = tmp / "space.yaml"
     space.write_text(
         f"knobs:\n  {MICRO}: {{type: pow2, low: 1, high: 2, memory: increasing}}\n"
-        f"  {CRITIC_MICRO}: {{type: pow2, low: 1, high: 2, memory: increasing}}\n"
+        f"  {CRITIC_KNOB}: {{type: bool, memory: decreasing}}\n"
     )
     out = tmp / "out"
     r = cli(
@@ -169,7 +169,7 @@ def test_verl_search_runs_the_trial_world_and_stops_once_measured(verl_study):
     assert len(ok) == 2 and all(rec.engine == "verl" and rec.throughput > 0 for rec in ok.values())
     # the decision base read verl's GRPO config: no critic, so the critic's knob was not searched
     assert study.user_attrs["base_config"]["algorithm"]["adv_estimator"] == "grpo"
-    assert all(CRITIC_MICRO not in t.params for t in study.get_trials())
+    assert all(CRITIC_KNOB not in t.params for t in study.get_trials())
     assert study.user_attrs["engine"] == "verl" and (verl_study / "report" / "report.html").is_file()
     assert study.user_attrs["target"]["world"] == 2 and study.user_attrs["target"]["trial_world"] == 1
     for rec in ok.values():

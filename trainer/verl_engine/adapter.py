@@ -66,6 +66,7 @@ __all__ = [
     "run_overrides",
     "run_device",
     "decision_base",
+    "critic_as_verl_runs",
     "verl_env",
     "steps_from_jsonl",
     "lengths_of",
@@ -354,6 +355,7 @@ def decision_base(spec: RunSpec, *, device: Optional[str] = None) -> dict:
     device = device or run_device(spec)
     effective = run_overrides(copy.deepcopy(spec), device=device, workdir=Path(tempfile.gettempdir()))
     verl_flat = flatten(compose_verl(spec, effective))
+    verl_flat.update(critic_as_verl_runs(verl_flat))
     ours = flatten(config_to_dict(PPOConfig()))
     taken = {}
     for key in ours:
@@ -364,6 +366,29 @@ def decision_base(spec: RunSpec, *, device: Optional[str] = None) -> dict:
             except ConfigError:
                 pass
     return config_to_dict(config_from_dict(unflatten(taken), source=spec.source))
+
+
+#: verl 0.9.1's defaults for what its composed config leaves out: CriticConfig.ppo_infer_max_token_len_per_gpu
+#: (workers/config/critic.py) and EngineConfig.use_dynamic_bsz (workers/config/engine.py)
+_CRITIC_INFER_BUDGET, _ENGINE_DYNAMIC_BSZ = 32768, True
+
+
+def critic_as_verl_runs(verl_flat: dict) -> dict:
+    """ppotune's critic batching keys as verl 0.9.1 runs its critic (a TrainingWorker on the engine config
+    ``critic.fsdp``): dynamic bsz and micro-batches from ``critic.fsdp``, the values pass's budget
+    ``critic.ppo_infer_max_token_len_per_gpu``, the update's the same on the v1 trainer (its default) and
+    ``critic.ppo_max_token_len_per_gpu`` on the legacy one (``trainer/ppo/v1/trainer_base.py:PPOTrainer._setup``,
+    ``trainer/ppo/ray_trainer.py:RayPPOTrainer.init_workers``). The decision base and the memory model then reason
+    about the critic verl runs, not the keys it ignores (``tuner.space.registry.VERL_NO_OPS``)."""
+    infer = verl_flat.get("critic.ppo_infer_max_token_len_per_gpu") or _CRITIC_INFER_BUDGET
+    v1 = str(verl_flat.get("trainer.use_v1", True)).lower() == "true"
+    return {
+        "critic.use_dynamic_bsz": verl_flat.get("critic.fsdp.use_dynamic_bsz", _ENGINE_DYNAMIC_BSZ),
+        "critic.ppo_micro_batch_size_per_gpu": verl_flat.get("critic.fsdp.micro_batch_size_per_gpu"),
+        "critic.forward_micro_batch_size_per_gpu": verl_flat.get("critic.fsdp.infer_micro_batch_size_per_gpu"),
+        "critic.ppo_max_token_len_per_gpu": infer if v1 else verl_flat["critic.ppo_max_token_len_per_gpu"],
+        "critic.forward_max_token_len_per_gpu": infer,
+    }
 
 
 # --------------------------------------------------------------------------- verl's metrics -> our result

@@ -155,12 +155,9 @@ def _base_config(args: argparse.Namespace, space: Space) -> tuple[dict, Optional
         )
         nested = base_flat_config(args.base_config, extra={**over, **space.fixed, **trial_overrides(plan)})[0]
         return nested, None, plan
-    if space.fixed:
-        raise ValueError(
-            f"{args.space}: fixed: --engine verl takes its settings from the verl base config; "
-            f"put {', '.join(space.fixed)} there"
-        )
-    from tuner.trials.verl import verl_search
+    from tuner.trials.verl import check_verl_space, verl_search
+
+    check_verl_space(space)
 
     return verl_search(
         args.base_config,

@@ -80,18 +80,14 @@ def check(
 def _verl_base(space, run_file: str | None, nproc: int | None, over: dict, *, python: str | None) -> dict:
     """A verl run file as the search's decision base, read exactly as ``ppotune search --engine verl`` reads it
     (:func:`tuner.trials.verl.verl_search`: composed by verl for the device a trial runs on, the CPU keys on a CPU),
-    with ``-o`` as Hydra overrides. ``fixed:`` keys are refused, as by search."""
+    with ``-o`` as Hydra overrides. A space search refuses is refused (:func:`tuner.trials.verl.check_verl_space`)."""
     from trainer.config import flatten
     from trainer.verl_engine.overrides import hydra_value
-    from tuner.trials.verl import verl_search
+    from tuner.trials.verl import check_verl_space, verl_search
 
     if run_file is None:
         raise ValueError("--engine verl: give the verl run file: ppotune space check RUN --space SPACE --engine verl")
-    if space.fixed:
-        raise ValueError(
-            f"{space.source}: fixed: --engine verl takes its settings from the verl run file; "
-            f"put {', '.join(space.fixed)} there"
-        )
+    check_verl_space(space)
     extra = [f"{k}={hydra_value(v)}" for k, v in over.items()]
     nested, _, _ = verl_search(
         run_file, python=python, nproc=nproc, steps=3, warmup=1, memory_limit_gb=None, extra=extra

@@ -19,7 +19,7 @@ from trainer.verl_engine.overrides import hydra_value, override_key
 from tuner.trials.runners import VerlEngine
 from tuner.world import WorldPlan, plan_world, production_overrides, trial_overrides
 
-__all__ = ["MEMORY_MODEL_NOTE", "verl_search", "world_overrides"]
+__all__ = ["MEMORY_MODEL_NOTE", "check_verl_space", "verl_search", "world_overrides"]
 
 #: Why a verl search runs without the memory model (``predicted_oom``): it fits per-phase peaks, and verl records
 #: none. Inferred OOMs (a config at least as hungry as a known OOM on every monotone knob) still apply.
@@ -28,6 +28,22 @@ MEMORY_MODEL_NOTE = (
     "verl records none (its perf/max_memory_* are per-role allocator peaks never reset, GPU only; on CPU the "
     "tuner sees one resident-memory peak of the whole Ray tree)"
 )
+
+
+def check_verl_space(space) -> None:
+    """ValueError (one line naming the space and the key) for a space a verl search cannot run: ``fixed:`` keys (verl
+    takes its settings from the run file) and keys verl 0.9.1 does not read (:data:`tuner.space.registry.VERL_NO_OPS`:
+    every trial would measure noise, and the export would hand production a knob that does nothing)."""
+    from tuner.space.registry import verl_no_op_problem
+
+    if space.fixed:
+        raise ValueError(
+            f"{space.source}: fixed: --engine verl takes its settings from the verl run file; "
+            f"put {', '.join(space.fixed)} there"
+        )
+    why = verl_no_op_problem([k.key for k in space.knobs] + [d.key for d in space.derived])
+    if why:
+        raise ValueError(f"{space.source}: {why}")
 
 
 def world_overrides(values: dict) -> list[str]:
