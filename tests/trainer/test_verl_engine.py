@@ -96,11 +96,14 @@ def test_environment_loads_the_shim_only_on_cpu(tmp_path):
     cpu = verl_env(spec, device="cpu", metrics_path=tmp_path / "m.jsonl")
     assert (
         cpu["VERL_PLATFORM"] == "cpu"
-        and cpu["VERL_USE_EXTERNAL_MODULES"] == "trainer.verl_engine.cpu,trainer.verl_engine.cap"
+        and cpu["VERL_USE_EXTERNAL_MODULES"]
+        == "trainer.verl_engine.cpu,trainer.verl_engine.cap,trainer.verl_engine.plugin"
     )
     assert cpu["VERL_FILE_LOGGER_PATH"] == str(tmp_path / "m.jsonl") and cpu["PPOTUNE_MEMORY_LIMIT_GB"] == "1.0"
     gpu = verl_env(load_run(_run_file(tmp_path, "overrides: []\n")), device="cuda", metrics_path=tmp_path / "m")
     assert "VERL_PLATFORM" not in gpu and "trainer.verl_engine.cpu" not in gpu.get("VERL_USE_EXTERNAL_MODULES", "")
+    # the per-pass peaks and micro-batches are measured on either device (trainer.verl_engine.plugin)
+    assert gpu["VERL_USE_EXTERNAL_MODULES"] == "trainer.verl_engine.plugin" and gpu["PPOTUNE_VERL_PHASE_LOG"]
 
 
 def _line(step: int, **data) -> str:

@@ -42,12 +42,11 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from trainer.config import ConfigError, flatten, read_yaml_mapping
-from trainer.contracts import RESULT_SCHEMA_VERSION, ExitCode
+from trainer.config import ConfigError, flatten
+from trainer.contracts import ExitCode
 from trainer.launch.proc import (
     PR_SET_CHILD_SUBREAPER,
     die_with_parent,
@@ -56,9 +55,10 @@ from trainer.launch.proc import (
     with_pythonpath,
     write_json_atomic,
 )
-from trainer.summary import MIN_MEASURED_STEPS, summarize_steps
 from trainer.verl_engine.metrics import Enough, lengths_of, steps_from_jsonl
-from trainer.verl_engine.overrides import override_key
+from trainer.verl_engine.result import verl_result
+from trainer.verl_engine.run_file import RunSpec, load_run
+from trainer.verl_engine.schedule import LOG_ENV, SWEEP_ENV
 
 __all__ = [
     "RunSpec",
@@ -81,6 +81,7 @@ SUPPORTED_VERL = "0.9.1"  # the version the CPU shim is written against (a GPU r
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # trainer/: what verl's processes import from us
 SHIM_MODULE = "trainer.verl_engine.cpu"
 CAP_MODULE = "trainer.verl_engine.cap"
+PLUGIN_MODULE = "trainer.verl_engine.plugin"
 #: keys a trial sets for itself (left out of what export recommends)
 TRIAL_KEYS = (
     "trainer.total_training_steps",
@@ -104,10 +105,6 @@ CPU_KEYS = (
     "ray_kwargs.ray_init.num_gpus",
     "ray_kwargs.ray_init.num_cpus",
 )
-#: what a run file's ``ppotune:`` section may say
-RUN_OPTIONS = frozenset(
-    {"python", "steps", "warmup", "memory_limit_gb", "device", "precision", "min_measured_steps", "front", "worst_case"}
-)
 STRATEGY_KEYS = ("actor_rollout_ref.actor.strategy", "actor_rollout_ref.ref.strategy", "critic.strategy")
 _OOM = re.compile(
     r"CUDA out of memory|OutOfMemoryError|can't allocate memory|DefaultCPUAllocator|MemoryError|"
@@ -115,97 +112,6 @@ _OOM = re.compile(
 )
 _TAIL_LINES = 80
 OOM_GRACE_S = 30.0  # after an OOM line, how long verl gets to end by itself before it is ended
-
-
-# --------------------------------------------------------------------------- the run file
-@dataclass
-class RunSpec:
-    """One verl run: the user's overrides and how to run them."""
-
-    overrides: list[str]
-    python: str = sys.executable
-    steps: int = 3
-    warmup: int = 1
-    memory_limit_gb: Optional[float] = None
-    device: str = "auto"
-    precision: Optional[float] = None  # stop once the 90% interval is within +/- this share of the median
-    min_measured_steps: int = MIN_MEASURED_STEPS
-    front: list = field(default_factory=list)  # [trial, throughput low, peak GB] points that prune this run
-    worst_case: bool = False  # the worst-case probe: generated full-length prompts, EOS ignored
-    source: Optional[str] = None
-    notes: list[str] = field(default_factory=list)
-
-    def get(self, key: str) -> Optional[str]:
-        """The last value the overrides give ``key`` (as written), or None."""
-        for o in reversed(self.overrides):
-            if override_key(o) == key:
-                return o.split("=", 1)[1]
-        return None
-
-    @property
-    def nproc(self) -> int:
-        return int(self.get("trainer.n_gpus_per_node") or 8) * int(self.get("trainer.nnodes") or 1)
-
-
-def _as_overrides(data: Any, source: str) -> list[str]:
-    if isinstance(data, list):
-        bad = [o for o in data if not isinstance(o, str) or "=" not in o]
-        if bad:
-            raise ConfigError("overrides", f"each override is key=value, got {bad[0]!r}", source=source)
-        return list(data)
-    if isinstance(data, dict):
-        return [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in flatten(data).items()]
-    raise ConfigError("overrides", "a list of key=value strings or a mapping of verl keys", source=source)
-
-
-def load_run(path: Optional[str | Path], extra: list[str] = (), **flags: Any) -> RunSpec:
-    """Run file + ``key=value`` overrides + flags (``python``, ``steps``, ``warmup``, ``memory_limit_gb``,
-    ``device``, ``nproc``; None = not given) -> a checked :class:`RunSpec`."""
-    source = str(path) if path is not None else None
-    data = read_yaml_mapping(path, what="a run file (overrides: [...], ppotune: {...})") if path is not None else {}
-    run_opts = data.pop("ppotune", None) or {}
-    if not isinstance(run_opts, dict):
-        raise ConfigError("ppotune", "must be a mapping", source=source)
-    unknown = set(run_opts) - RUN_OPTIONS
-    if unknown:
-        raise ConfigError(f"ppotune.{sorted(unknown)[0]}", "unknown key", source=source)
-    overrides = _as_overrides(data.get("overrides", {k: v for k, v in data.items() if k != "overrides"}), source)
-    overrides += _as_overrides(list(extra), source)
-    nproc = flags.pop("nproc", None)
-    if nproc is not None:
-        overrides.append(f"trainer.n_gpus_per_node={int(nproc)}")
-    opts = {**run_opts, **{k: v for k, v in flags.items() if v is not None}}
-    spec = RunSpec(overrides=overrides, source=source, **opts)
-    spec.python = os.path.abspath(spec.python)  # not resolve(): a venv's python is a symlink that must stay one
-    if not Path(spec.python).is_file() or not os.access(spec.python, os.X_OK):
-        raise ConfigError(
-            "ppotune.python", f"no executable interpreter at {spec.python} (--engine-python)", source=source
-        )
-    if spec.steps < 1:
-        raise ConfigError("ppotune.steps", f"must be >= 1, got {spec.steps}", source=source)
-    if not 0 <= spec.warmup < spec.steps:
-        raise ConfigError("ppotune.warmup", f"must be in [0, steps={spec.steps}), got {spec.warmup}", source=source)
-    if spec.memory_limit_gb is not None and spec.memory_limit_gb <= 0:
-        raise ConfigError("ppotune.memory_limit_gb", "must be > 0", source=source)
-    if spec.device not in ("auto", "cpu", "cuda"):
-        raise ConfigError("ppotune.device", f"must be auto, cpu or cuda, got {spec.device!r}", source=source)
-    _check_measuring(spec)
-    return spec
-
-
-def _check_measuring(spec: RunSpec) -> None:
-    """The run options that decide when a run has measured enough (as ``trainer.config``'s rules for ours)."""
-    if spec.precision is not None and not 0 < spec.precision < 1:
-        raise ConfigError("ppotune.precision", f"must be in (0, 1) or null, got {spec.precision}", source=spec.source)
-    if not isinstance(spec.min_measured_steps, int) or spec.min_measured_steps < 2:
-        raise ConfigError("ppotune.min_measured_steps", "must be an integer >= 2", source=spec.source)
-    good = isinstance(spec.front, list) and all(
-        isinstance(p, (list, tuple)) and len(p) == 3 and all(isinstance(x, (int, float)) for x in p) for p in spec.front
-    )
-    if not good:
-        raise ConfigError("ppotune.front", "must be a list of [trial, throughput, peak GB] triples", source=spec.source)
-    if not isinstance(spec.worst_case, bool):
-        raise ConfigError("ppotune.worst_case", "must be true or false", source=spec.source)
 
 
 # --------------------------------------------------------------------------- the command
@@ -233,7 +139,7 @@ def run_overrides(spec: RunSpec, *, device: str, workdir: Path) -> list[str]:
     """The user's overrides, then what a trial adds (``++``: set whether or not verl's config has the key)."""
     out = list(spec.overrides)
     out += [
-        f"++trainer.total_training_steps={spec.steps}",
+        f"++trainer.total_training_steps={spec.total_steps}",
         "++trainer.val_before_train=False",
         "++trainer.test_freq=-1",
         "++trainer.save_freq=-1",
@@ -305,6 +211,8 @@ def verl_env(spec: RunSpec, *, device: str, metrics_path: Path) -> dict[str, str
     if spec.memory_limit_gb is not None:
         env["PPOTUNE_MEMORY_LIMIT_GB"] = repr(float(spec.memory_limit_gb))
         modules.append(CAP_MODULE)
+    env[LOG_ENV] = str(metrics_path.parent / "phases.jsonl")  # per-pass peaks and micro-batches (the plugin)
+    modules.append(PLUGIN_MODULE)
     if modules:
         env["VERL_USE_EXTERNAL_MODULES"] = ",".join(dict.fromkeys(modules))
     return env
@@ -416,7 +324,18 @@ def run_verl(spec: RunSpec, *, result_path: Optional[Path]) -> int:
     config = {"engine": "verl", "verl_version": version, "python": spec.python, "overrides": spec.overrides}
 
     def finish(status: str, error: Optional[str], rows: list, tail: Optional[str], code: int, stopped=None) -> int:
-        result = _result(spec, device, version, config, status, error, rows, tail, t0, stopped)
+        result = verl_result(
+            spec,
+            device=device,
+            version=version,
+            config=config,
+            status=status,
+            error=error,
+            rows=rows,
+            tail=tail,
+            t0=t0,
+            stopped=stopped,
+        )
         if result_path:
             write_json_atomic(result_path, result)
         shutil.rmtree(workdir, ignore_errors=True)
@@ -439,16 +358,21 @@ def run_verl(spec: RunSpec, *, result_path: Optional[Path]) -> int:
     print("$ " + " ".join(cmd), flush=True)
     watch = Enough(spec, metrics, device)
     env = verl_env(spec, device=device, metrics_path=metrics)
+    if spec.sweep:  # the plugin reads the schedule; a sweep measures every setting for its steps (no early stop)
+        (workdir / "sweep.json").write_text(spec.schedule.to_json())
+        env[SWEEP_ENV] = str(workdir / "sweep.json")
+        spec.notes.append(f"in-run sweep: {len(spec.sweep)} settings of the per-step knobs in one verl run")
     returncode, text, oom_line = _stream(cmd, env=env, cwd=workdir, enough=watch)
-    rows = steps_from_jsonl(metrics.read_text() if metrics.is_file() else "", warmup=spec.warmup, device=device)
+    text_rows = metrics.read_text() if metrics.is_file() else ""
+    rows = steps_from_jsonl(text_rows, warmup=spec.warmup, device=device, schedule=spec.schedule)
     measured = [r for r in rows if not r["warmup"]]
     if watch.stopped and measured:  # it measured enough: ended by us, not by a failure
         return finish("ok", None, rows, None, ExitCode.OK, watch.stopped)
-    if returncode == 0 and len(rows) >= spec.steps and measured:
+    if returncode == 0 and len(rows) >= spec.total_steps and measured:
         return finish("ok", None, rows, None, ExitCode.OK)
     status, error = classify_failure(returncode, "\n".join([*oom_line, text]))  # an OOM line from anywhere in the log
     if returncode == 0 and status == "error":
-        error = f"verl exited 0 after {len(rows)} of {spec.steps} steps"
+        error = f"verl exited 0 after {len(rows)} of {spec.total_steps} steps"
     return finish(status, error, rows, text, ExitCode.OOM if status == "oom" else ExitCode.ERROR)
 
 
@@ -525,45 +449,6 @@ def _stream(cmd: list[str], *, env: dict[str, str], cwd: Path, enough=lambda: No
             signal.signal(s, h)
         kill_descendants()
     return returncode, "\n".join(tail), oom_line
-
-
-def _result(
-    spec: RunSpec,
-    device: str,
-    version: Optional[str],
-    config: dict,
-    status: str,
-    error: Optional[str],
-    rows: list[dict],
-    tail: Optional[str],
-    t0: float,
-    stopped: Optional[str] = None,
-) -> dict:
-    """The run's result JSON (trainer/result_schema.json), as ppotune's own trainer writes it."""
-    summary = summarize_steps(rows, device_type=device)
-    summary["lengths"] = lengths_of([r for r in rows if not r["warmup"]] or rows)
-    if stopped:
-        summary["stopped_early"] = stopped
-    return {
-        "schema_version": RESULT_SCHEMA_VERSION,
-        "status": status,
-        "error": error,
-        "oom_rank": None,
-        "oom_phase": None,
-        "config": config,
-        "steps": rows,
-        "summary": summary,
-        "environment": {
-            "device": device,
-            "world_size": spec.nproc,
-            "backend": "nccl" if device == "cuda" else "gloo",
-            "python": spec.python,
-            "verl": version,
-        },
-        "notes": [f"engine: verl {version} ({spec.python})", *spec.notes],
-        "log_tail": tail,
-        "wall_s": time.time() - t0,
-    }
 
 
 def run(args: Any) -> int:

@@ -279,6 +279,10 @@ def _runner(args: argparse.Namespace, inputs: _Inputs, device: dict, out_dir: Pa
         startup_timeout_s=args.startup_timeout,
         step_timeout_s=args.step_timeout,
     )
+    if inputs.verl is not None and inputs.verl.sweep_settings > 1:
+        from tuner.trials.sweep import SweepRunner  # configs differing only in per-step knobs share a verl run
+
+        return SweepRunner(inner=runner, settings=inputs.verl.sweep_settings)
     if args.cold or inputs.verl is not None:
         return runner
     warm = WarmRunner(cold=runner, jobs_dir=out_dir / "jobs")

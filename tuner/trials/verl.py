@@ -110,5 +110,6 @@ def verl_search(
         warmup=warmup,
         memory_limit_gb=memory_limit_gb,
         world=trial,
+        sweep_settings=spec.sweep_settings,
     )
     return nested, engine, plan
