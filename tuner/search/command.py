@@ -488,10 +488,6 @@ def _search(
     )
     if inputs.plan.scaled:
         print(f"ppotune search: {inputs.plan.describe()}", flush=True)
-    if inputs.verl is not None and options.predict_oom:
-        from tuner.trials.verl import MEMORY_MODEL_NOTE
-
-        print(f"ppotune search: note: {MEMORY_MODEL_NOTE}", flush=True)
     display = Display(options.trials, done=min(done, options.trials), parallel=options.parallel)
     seed_display(display, trials)
     tracker = None

@@ -6,7 +6,8 @@ node of ``--nproc`` GPUs with the global batch sizes scaled to production's per-
 overrides (the user's, plus its world and sizes where the target flags change them) are the study's
 ``engine_overrides`` and what export writes; a trial appends the trial world (:attr:`VerlEngine.world`).
 
-Not for verl trials: the calibrated memory model (:data:`MEMORY_MODEL_NOTE`).
+The calibrated memory model serves a verl search as it serves ours: ppotune's plugin inside verl
+(:mod:`trainer.verl_engine.plugin`) records each pass's peak, the token lengths' percentiles and the actor's shape.
 """
 
 from __future__ import annotations
@@ -19,16 +20,7 @@ from trainer.verl_engine.overrides import hydra_value, override_key
 from tuner.trials.runners import VerlEngine
 from tuner.world import WorldPlan, plan_world, production_overrides, trial_overrides
 
-__all__ = ["MEMORY_MODEL_NOTE", "check_verl_space", "verl_search", "world_overrides"]
-
-#: Why a verl search runs without the memory model (``predicted_oom``): it fits per-phase peaks, and verl records
-#: none. Inferred OOMs (a config at least as hungry as a known OOM on every monotone knob) still apply.
-MEMORY_MODEL_NOTE = (
-    "no memory model for verl trials (predicted_oom off; inferred OOMs still apply): it fits per-phase peaks and "
-    "verl records none (its perf/max_memory_* are per-role allocator peaks never reset, GPU only; on CPU the "
-    "tuner sees one resident-memory peak of the whole Ray tree)"
-)
-
+__all__ = ["check_verl_space", "verl_search", "world_overrides"]
 
 def check_verl_space(space) -> None:
     """ValueError (one line naming the space and the key) for a space a verl search cannot run: ``fixed:`` keys (verl
