@@ -19,7 +19,7 @@ import psutil
 import pytest
 import yaml
 
-from support import REPO, wait_until
+from support import REPO, verl_preset_run, wait_until
 from trainer.contracts import PHASES, Status, TrialRecord
 from trainer.verl_engine.adapter import SUPPORTED_VERL
 from trainer.verl_engine.overrides import override_key
@@ -58,13 +58,7 @@ def verl_python() -> Path:
 @pytest.fixture(scope="session")
 def verl_run_file(tmp_path_factory, verl_python, cli) -> Path:
     """The tiny verl preset (`ppotune make-preset verl`: sized for a 1-rank CPU run) as a run file."""
-    d = tmp_path_factory.mktemp("verl_preset")
-    r = cli("make-preset", "verl", "--out", d / "preset", timeout=300)
-    assert r.returncode == 0, r.stderr
-    overrides = yaml.safe_load((d / "preset" / "preset.yaml").read_text())["overrides"]
-    run = d / "run.yaml"
-    run.write_text(yaml.safe_dump({"overrides": overrides, "ppotune": {"python": str(verl_python)}}))
-    return run
+    return verl_preset_run(cli, tmp_path_factory.mktemp("verl_preset"), verl_python)
 
 
 def _train(cli, run_file: Path, result: Path, *extra) -> subprocess.CompletedProcess:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from support import REPO
+from support import REPO, verl_preset_run
 from trainer.config import flatten
 from trainer.verl_engine.adapter import load_run, run_device
 from tuner.trials.verl import verl_search
@@ -23,13 +23,7 @@ def preset_run(cli, tmp_path_factory):
         reason = f"verl venv not installed ({VERL_PY} is missing: scripts/install_test_deps.sh)"
         print(f"SKIPPED: {reason}")
         pytest.skip(reason)
-    d = tmp_path_factory.mktemp("verl_run_file")
-    r = cli("make-preset", "verl", "--out", d / "preset", timeout=300)
-    assert r.returncode == 0, r.stderr
-    overrides = yaml.safe_load((d / "preset" / "preset.yaml").read_text())["overrides"]
-    run = d / "run.yaml"
-    run.write_text(yaml.safe_dump({"overrides": overrides, "ppotune": {"python": str(VERL_PY)}}))
-    return run
+    return verl_preset_run(cli, tmp_path_factory.mktemp("verl_run_file"), VERL_PY)
 
 
 def test_space_check_search_and_dry_run_read_the_preset_alike(cli, preset_run):

@@ -9,24 +9,11 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from trainer.contracts import RESULT_SCHEMA_VERSION
+from trainer.contracts import RESULT_SCHEMA_VERSION, SHAPE_KEYS
 from trainer.summary import summarize_steps
 from trainer.verl_engine.metrics import lengths_of
 
-__all__ = ["verl_result", "actor_shape", "SHAPE_FIELDS"]
-
-#: the HF config fields a result records under ``model`` (trainer.engine.roles.SHAPE_KEYS, read from config.json)
-SHAPE_FIELDS = (
-    "model_type",
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "tie_word_embeddings",
-)
+__all__ = ["verl_result", "actor_shape"]
 
 
 def actor_shape(model_path: Optional[str]) -> Optional[dict]:
@@ -38,7 +25,7 @@ def actor_shape(model_path: Optional[str]) -> Optional[dict]:
     except (OSError, ValueError):
         return None
     cfg = cfg.get("text_config") or cfg  # a multimodal checkpoint nests its language model's
-    return {k: cfg[k] for k in SHAPE_FIELDS if cfg.get(k) is not None} or None
+    return {k: cfg[k] for k in (*SHAPE_KEYS, "head_dim") if cfg.get(k) is not None} or None
 
 
 def _summary(rows: list[dict], device: str, stopped: Optional[str] = None) -> dict:
