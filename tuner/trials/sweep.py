@@ -110,7 +110,10 @@ class SweepRunner:
         mine = next(i for i, (c, _) in enumerate(group) if c is prop.cand)
         fixed = {k: v for k, v in prop.cand.overrides.items() if not is_per_step(k)}
         run = dataclasses.replace(request, overrides={**fixed, **per_step[0]}, sweep=tuple(per_step))
-        whole = self.inner.run(run, stop)
+        inner = self.inner  # --trial-timeout bounds a trial: a run of several gets it once per setting
+        if inner.timeout_s is not None:
+            inner = dataclasses.replace(inner, timeout_s=inner.timeout_s * len(group))
+        whole = inner.run(run, stop)
         outcomes = split_outcome(whole, [c for c, _ in group], session.space)
         for i, (c, _) in enumerate(group):
             if i != mine and outcomes[i] is not None:
