@@ -147,7 +147,8 @@ def split_outcome(whole: TrialOutcome, cands: list, space: Space) -> list[Option
     for cand, s in zip(cands, settings):
         if s["status"] == "not_run":
             inferred = oom is not None and space.at_least_as_hungry(cand.effective, oom.effective)
-            out.append(TrialOutcome(Status.INFERRED_OOM, TrialRecord(duration_s=0.0)) if inferred else None)
+            why = "inferred OOM: at least as hungry as the setting that ran out of memory in the same verl run"
+            out.append(TrialOutcome(Status.INFERRED_OOM, TrialRecord(duration_s=0.0, error=why)) if inferred else None)
             continue
         failed = whole.status if whole.status != Status.OK else Status.CRASH  # the run's own verdict: hang, crash
         status = {"ok": Status.OK, "oom": Status.OOM}.get(s["status"], failed)
