@@ -95,13 +95,13 @@ TRIAL_KEYS = (
 )
 #: keys the CPU shim needs (verl 0.9.1 on a machine with no accelerator; never set on a GPU)
 CPU_KEYS = (
-    "trainer.use_v1",
     "actor_rollout_ref.rollout.name",
     "actor_rollout_ref.rollout.tensor_model_parallel_size",
     "actor_rollout_ref.rollout.agent.num_workers",
     "reward.num_workers",
     "actor_rollout_ref.model.use_remove_padding",
     "critic.model.use_remove_padding",
+    "transfer_queue.backend.SimpleStorage.num_data_storage_units",
     "ray_kwargs.ray_init.num_gpus",
     "ray_kwargs.ray_init.num_cpus",
 )
@@ -167,19 +167,22 @@ def run_overrides(spec: RunSpec, *, device: str, workdir: Path) -> list[str]:
             if (spec.get(key) or "").lower() == "true":
                 spec.notes.append(f"{key}: no effect on CPU (no flash-attn varlen kernel; run padded)")
         out += [
-            "++trainer.use_v1=False",
             "++actor_rollout_ref.rollout.name=hf",
             "++actor_rollout_ref.rollout.tensor_model_parallel_size=1",
             "++actor_rollout_ref.rollout.agent.num_workers=1",
             "++reward.num_workers=1",
             "++actor_rollout_ref.model.use_remove_padding=False",
             "++critic.model.use_remove_padding=False",
+            # verl's default trainer (v1) keeps a step's batch in TransferQueue, one storage actor of 1 logical
+            # CPU each (8 by default): one is enough on one node of a few ranks
+            "++transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
         ]
-        # Ray must see one logical GPU per trainer rank, and each placement bundle asks 3 CPUs (with too few
-        # verl waits forever, with no error); a value the user set wins
+        # Ray must see one logical GPU per trainer rank, and each placement bundle asks 3 CPUs, plus
+        # TransferQueue's controller and storage actor (with too few verl waits forever, with no error); a value
+        # the user set wins
         for key, value in (
             ("ray_kwargs.ray_init.num_gpus", spec.nproc),
-            ("ray_kwargs.ray_init.num_cpus", max(8, 4 * spec.nproc + 4)),
+            ("ray_kwargs.ray_init.num_cpus", max(8, 4 * spec.nproc + 4) + 2),
         ):
             if spec.get(key) is None:
                 out.append(f"++{key}={value}")
