@@ -63,17 +63,27 @@ class _State:
 _STATE: Optional[_State] = None
 
 
-def install() -> None:
-    """Wrap verl 0.9.1's ``func_generator`` (what binds a worker group's methods) and ``Tracking.log``."""
+def _state() -> _State:
     global _STATE
-    from verl.single_controller.ray import base
-    from verl.utils import tracking
+    if _STATE is None:
+        _STATE = _State()
+    return _STATE
 
-    _STATE = _State()
+
+def _patch_binding(base) -> None:
+    """verl 0.9.1's ``func_generator``: what binds a worker group's methods."""
     if not getattr(base.func_generator, "_ppotune", False):
         base.func_generator = _binding(base.func_generator)
+
+
+def _patch_tracking(tracking) -> None:
+    """verl 0.9.1's ``Tracking.log``: each step's metrics row."""
     if not getattr(tracking.Tracking.log, "_ppotune", False):
         tracking.Tracking.log = _logging(tracking.Tracking.log)
+
+
+#: what :mod:`trainer.verl_engine.plugin` patches in the trainer's process, once each module is imported
+PATCHES = {"verl.single_controller.ray.base": _patch_binding, "verl.utils.tracking": _patch_tracking}
 
 
 def _pass_of(method_name: str) -> Optional[str]:
@@ -99,7 +109,7 @@ def _tagged(functor, pass_name: str):
     def call(*args, **kwargs):
         batch = args[0] if args else next(iter(kwargs.values()), None)
         name = "ref" if pass_name == "old_log_prob" and _has(batch, "no_lora_adapter") else pass_name
-        keys = _STATE.batch_keys(name)
+        keys = _state().batch_keys(name)
         _put(batch, keys)
         try:
             return functor(*args, **kwargs)
@@ -136,8 +146,8 @@ def _logging(original):
     @functools.wraps(original)
     def log(self, data, step, *args, **kwargs):
         if isinstance(data, dict) and "perf/throughput" in data:  # a training step's row (not validation's)
-            data = {**data, **_STATE.row(step)}
-            _STATE.step = step + 1
+            data = {**data, **_state().row(step)}
+            _state().step = step + 1
         return original(self, data, step, *args, **kwargs)
 
     log._ppotune = True

@@ -16,27 +16,32 @@ GIB = float(1 << 30)
 _MICRO_BATCHES = [0]  # micro-batches verl cut since the current call began (calls run one at a time per process)
 
 
-def install() -> None:
-    """Wrap verl 0.9.1's ``TrainingWorker.infer_batch`` / ``train_mini_batch`` (every role's passes go through them)
-    and the FSDP engine's ``prepare_micro_batches`` (to count what each call cuts)."""
-    from verl.workers import engine_workers
-    from verl.workers.engine.fsdp import transformer_impl
-
+def _patch_workers(engine_workers) -> None:
+    """verl 0.9.1's ``TrainingWorker.infer_batch`` / ``train_mini_batch``: every role's passes go through them."""
     cls = engine_workers.TrainingWorker
     for name in ("infer_batch", "train_mini_batch"):
         if not getattr(getattr(cls, name), "_ppotune", False):
             setattr(cls, name, _measured(getattr(cls, name)))
+
+
+def _patch_engine(transformer_impl) -> None:
+    """The FSDP engine's ``prepare_micro_batches``: counts what each call cuts."""
     prepare = transformer_impl.prepare_micro_batches
-    if not getattr(prepare, "_ppotune", False):
+    if getattr(prepare, "_ppotune", False):
+        return
 
-        @functools.wraps(prepare)
-        def counted(*args, **kwargs):
-            out = prepare(*args, **kwargs)
-            _MICRO_BATCHES[0] += len(out[0])
-            return out
+    @functools.wraps(prepare)
+    def counted(*args, **kwargs):
+        out = prepare(*args, **kwargs)
+        _MICRO_BATCHES[0] += len(out[0])
+        return out
 
-        counted._ppotune = True
-        transformer_impl.prepare_micro_batches = counted
+    counted._ppotune = True
+    transformer_impl.prepare_micro_batches = counted
+
+
+#: what :mod:`trainer.verl_engine.plugin` patches in a worker process, once each module is imported
+PATCHES = {"verl.workers.engine_workers": _patch_workers, "verl.workers.engine.fsdp.transformer_impl": _patch_engine}
 
 
 def _measured(fn):
