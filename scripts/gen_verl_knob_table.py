@@ -54,7 +54,7 @@ def table() -> str:
         read = VERL_READS[key]
         no_op = VERL_NO_OPS.get(key)
         verdict = f"refused: `{no_op.acts}` acts" if no_op else "searched"
-        shown = evidence.get(key, "not measured (a GPU knob, or not runnable on a CPU)")
+        shown = evidence.get(key, "not measured on the CPU preset")
         rows.append(
             f"| `{key}` | {', '.join(spaces)} | `{read.where}` | {read.paths} | {_cell(read.changes)} | {verdict} | "
             f"{_cell(shown)} |"
