@@ -226,3 +226,17 @@ def test_a_verl_trial_runs_the_trial_world_and_exports_production():
     assert opts["precision"] == 0.2 and opts["front"] == [[0, 1.0, 2.0]] and "worst_case" not in opts
     exported = VerlEngine("py", engine.base_overrides, steps=5, warmup=1).run_file({"k": 1})  # export: no world
     assert exported["overrides"] == ["a=1", "trainer.nnodes=2", "k=1"]
+
+
+def test_verls_default_trainer_path_needs_transfer_queue(tmp_path):
+    """verl's v1 trainer (its default, what a CPU trial runs too) keeps a step's batch in TransferQueue: an engine
+    environment without it is refused in one line naming the key, unless the run file takes the legacy trainer."""
+    from trainer.verl_engine.adapter import _check_version
+
+    spec = load_run(_run_file(tmp_path, "overrides: []\n"))
+    with pytest.raises(ConfigError) as e:
+        _check_version(spec, "cpu", "0.9.1", has_tq=False)
+    assert e.value.key == "ppotune.python" and "pip install TransferQueue" in str(e.value)
+    _check_version(spec, "cpu", "0.9.1", has_tq=True)
+    legacy = load_run(_run_file(tmp_path, "overrides: [trainer.use_v1=False]\n"))
+    _check_version(legacy, "cpu", "0.9.1", has_tq=False)

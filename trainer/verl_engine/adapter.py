@@ -221,14 +221,20 @@ def verl_env(spec: RunSpec, *, device: str, metrics_path: Path) -> dict[str, str
     return env
 
 
-def verl_version(python: str) -> Optional[str]:
-    r = subprocess.run(
-        [python, "-c", "import importlib.metadata as m; print(m.version('verl'))"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    return r.stdout.strip() or None if r.returncode == 0 else None
+_PROBE = (
+    "import importlib.metadata as m, importlib.util as u; "
+    "print(m.version('verl'), u.find_spec('transfer_queue') is not None)"
+)
+
+
+def verl_probe(python: str) -> tuple[Optional[str], bool]:
+    """(verl's version in the engine's environment, None when there is none; whether TransferQueue, which verl's
+    default trainer keeps a step's batch in, is installed beside it)."""
+    r = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True, timeout=60)
+    if r.returncode != 0 or not r.stdout.strip():
+        return None, False
+    version, tq = r.stdout.split()[-2:]
+    return version, tq == "True"
 
 
 _COMPOSE = """
@@ -323,7 +329,7 @@ def run_verl(spec: RunSpec, *, result_path: Optional[Path]) -> int:
     # absolute: verl's processes (Ray's workers) do not run in our working directory
     workdir = Path(tempfile.mkdtemp(prefix="ppotune_verl_", dir=result_path.parent if result_path else None)).resolve()
     metrics = workdir / "metrics.jsonl"
-    version = verl_version(spec.python)
+    version, has_tq = verl_probe(spec.python)
     config = {"engine": "verl", "verl_version": version, "python": spec.python, "overrides": spec.overrides}
 
     def finish(status: str, error: Optional[str], rows: list, tail: Optional[str], code: int, stopped=None) -> int:
@@ -345,7 +351,7 @@ def run_verl(spec: RunSpec, *, result_path: Optional[Path]) -> int:
         return code
 
     try:
-        _check_version(spec, device, version)
+        _check_version(spec, device, version, has_tq)
         overrides = run_overrides(spec, device=device, workdir=workdir)
         if spec.worst_case:
             overrides += _worst_case(spec, workdir)
@@ -392,10 +398,18 @@ def _worst_case(spec: RunSpec, workdir: Path) -> list[str]:
     return worst_case_overrides(data)
 
 
-def _check_version(spec: RunSpec, device: str, version: Optional[str]) -> None:
-    """ConfigError when the engine's environment has no verl, or a verl the CPU shim was not written for."""
+def _check_version(spec: RunSpec, device: str, version: Optional[str], has_tq: bool) -> None:
+    """ConfigError when the engine's environment has no verl, a verl the CPU shim was not written for, or no
+    TransferQueue for verl's default trainer path."""
     if version is None:
         raise ConfigError("ppotune.python", f"verl is not installed for {spec.python}", source=spec.source)
+    if not has_tq and (spec.get("trainer.use_v1") or "true").lower() != "false":
+        raise ConfigError(
+            "ppotune.python",
+            f"{spec.python}: verl's default trainer (trainer.use_v1: true) keeps a step's batch in TransferQueue, "
+            "which this environment lacks: pip install TransferQueue there (verl's verl-core extra)",
+            source=spec.source,
+        )
     if device == "cpu" and version != SUPPORTED_VERL:
         raise ConfigError(
             "ppotune.python",
