@@ -22,6 +22,7 @@ from tuner.world import WorldPlan, plan_world, production_overrides, trial_overr
 
 __all__ = ["check_verl_space", "verl_search", "world_overrides"]
 
+
 def check_verl_space(space) -> None:
     """ValueError (one line naming the space and the key) for a space a verl search cannot run: ``fixed:`` keys (verl
     takes its settings from the run file) and keys verl 0.9.1 does not read (:data:`tuner.space.registry.VERL_NO_OPS`:
