@@ -6,10 +6,9 @@ time with and without in-run sweeps. Real verl 0.9.1 (the verl venv), one rank; 
     python benchmarks/bench_verl_sweep.py search [--python PY] [--trials 6]   # search wall time, sweeps on vs off
 
 * ``knobs``: one in-run sweep over each per-step key of ``search_spaces/verl_cpu.yaml`` (the micro-batches each pass
-  cut follow the key; the KL as a loss, so that the reference model's pass runs too), then two runs apart for
-  gradient checkpointing (the update's peak and time), the second also with another
-  ``critic.ppo_micro_batch_size_per_gpu`` (verl's critic cuts the same micro-batches: the key does nothing, which
-  is why ``--engine verl`` refuses it). Writes what each key changed, for the knob table
+  cut follow the key), then two runs apart for gradient checkpointing (the update's peak and time), the second also
+  with another ``critic.ppo_micro_batch_size_per_gpu`` (verl's critic cuts the same micro-batches: the key does
+  nothing, which is why ``--engine verl`` refuses it). Writes what each key changed, for the knob table
   (``scripts/gen_verl_knob_table.py``).
 * ``alone``: settings A and B measured in one run and each in a run of its own, interleaved ``--repeats`` times
   (the order rotated): the in-run throughput over the alone one, per setting, and the per-pass peaks.
@@ -38,11 +37,6 @@ LP_MICRO, LP_DYN = (
     "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz",
 )
 LP_BUDGET = "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"
-REF_MICRO, REF_DYN = (
-    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
-    "actor_rollout_ref.ref.log_prob_use_dynamic_bsz",
-)
-REF_BUDGET = "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu"
 CKPT, CRITIC_MICRO = "actor_rollout_ref.model.enable_gradient_checkpointing", "critic.ppo_micro_batch_size_per_gpu"
 
 
@@ -77,15 +71,13 @@ def _passes(steps: list[dict], prefix: str) -> dict:
 
 def knobs(tmp: Path, python: str) -> dict:
     base = preset(tmp, python)
-    dyn = {DYN: True, LP_DYN: True, REF_DYN: True}
     settings = [
-        {MICRO: 1, LP_MICRO: 2, REF_MICRO: 2},
-        {MICRO: 4, LP_MICRO: 8, REF_MICRO: 8},
-        {**dyn, BUDGET: 128, LP_BUDGET: 256, REF_BUDGET: 256},
-        {**dyn, BUDGET: 512, LP_BUDGET: 1024, REF_BUDGET: 1024},
+        {MICRO: 1, LP_MICRO: 2},
+        {MICRO: 4, LP_MICRO: 8},
+        {DYN: True, LP_DYN: True, BUDGET: 128, LP_BUDGET: 256},
+        {DYN: True, LP_DYN: True, BUDGET: 512, LP_BUDGET: 1024},
     ]
-    kl = [*base["overrides"], "actor_rollout_ref.actor.use_kl_loss=true"]  # a reference model: its passes too
-    sweep = train(tmp, {"overrides": kl, "ppotune": {**base["ppotune"], "sweep": settings}}, "knobs_sweep")
+    sweep = train(tmp, {**base, "ppotune": {**base["ppotune"], "sweep": settings}}, "knobs_sweep")
     mb = [_passes([r for r in s["steps"] if not r["warmup"]], "ppotune/micro_batches/") for s in sweep["settings"]]
     off = train(tmp, {**base, "overrides": [*base["overrides"], f"{CKPT}=false", f"{CRITIC_MICRO}=1"]}, "ckpt_off")
     on = train(tmp, {**base, "overrides": [*base["overrides"], f"{CKPT}=true", f"{CRITIC_MICRO}=4"]}, "ckpt_on")
@@ -99,9 +91,6 @@ def knobs(tmp: Path, python: str) -> dict:
         BUDGET: f"update micro-batches {mb[2]['update_actor']:g} (128) -> {mb[3]['update_actor']:g} (512 tokens)",
         LP_BUDGET: f"old-log-prob micro-batches {mb[2]['old_log_prob']:g} (256) -> {mb[3]['old_log_prob']:g} (1024)",
         LP_DYN: f"old-log-prob micro-batches {mb[1]['old_log_prob']:g} (fixed 8) -> {mb[2]['old_log_prob']:g} (budget)",
-        REF_MICRO: f"reference micro-batches {mb[0]['ref']:g} (2) -> {mb[1]['ref']:g} (8)",
-        REF_DYN: f"reference micro-batches {mb[1]['ref']:g} (fixed 8) -> {mb[2]['ref']:g} (256-token budget)",
-        REF_BUDGET: f"reference micro-batches {mb[2]['ref']:g} (256) -> {mb[3]['ref']:g} (1024 tokens)",
         CKPT: f"update peak {peak(off):.3f} -> {peak(on):.3f} GB, {secs(off):.2f} -> {secs(on):.2f} s (off -> on)",
         CRITIC_MICRO: f"none: the critic update cut {crit[0]:g} (1) and {crit[1]:g} (4) micro-batches (critic.fsdp)",
     }
