@@ -42,13 +42,16 @@ part_verl_configs() {
 
 # 2. verl 0.9.1 in its own venv (.venv-verl) for the verl-engine tests (tests/e2e/test_verl.py run it for real):
 #    verl pins transformers<5.11, which cannot share our venv. The CPU build of torch comes from local disk.
-verl_ok() { .venv-verl/bin/python -c "import verl, ray, transformers, tensordict, hydra" >/dev/null 2>&1; }
+#    TransferQueue (verl's `verl-core` extra) is what verl's default trainer (trainer.use_v1: true) keeps a step's
+#    batch in; an older .venv-verl without it gets it added.
+verl_ok() { .venv-verl/bin/python -c "import verl, ray, transformers, tensordict, hydra, transfer_queue" >/dev/null 2>&1; }
 part_verl_venv() {
   if verl_ok; then
     status verl-venv ok
   elif python -m venv .venv-verl \
       && .venv-verl/bin/pip install -q torch==2.13.0 \
       && .venv-verl/bin/pip install -q -c scripts/verl_env_constraints.txt verl==0.9.1 cachetools uvicorn fastapi \
+        TransferQueue \
       && verl_ok; then
     status verl-venv ok
   else

@@ -52,6 +52,18 @@ def processes_with(marker: str) -> list[psutil.Process]:
     return out
 
 
+def verl_preset_run(cli, out_dir: Path, python: Path) -> Path:
+    """The tiny verl preset (``ppotune make-preset verl``: sized for a 1-rank CPU run) as a run file in ``out_dir``."""
+    import yaml
+
+    r = cli("make-preset", "verl", "--out", out_dir / "preset", timeout=300)
+    assert r.returncode == 0, r.stderr
+    overrides = yaml.safe_load((out_dir / "preset" / "preset.yaml").read_text())["overrides"]
+    run = out_dir / "run.yaml"
+    run.write_text(yaml.safe_dump({"overrides": overrides, "ppotune": {"python": str(python)}}))
+    return run
+
+
 def wait_until(pred, timeout: float, interval: float = 0.25) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -29,8 +29,12 @@ TORCH_FREE_TRAINER_MODULES = frozenset(
     {
         "trainer.verl_engine",
         "trainer.verl_engine.adapter",
+        "trainer.verl_engine.knob_reads",
         "trainer.verl_engine.metrics",
         "trainer.verl_engine.overrides",
+        "trainer.verl_engine.result",
+        "trainer.verl_engine.run_file",
+        "trainer.verl_engine.schedule",
         "trainer.verl_engine.worst_case",
     }
 )

@@ -26,6 +26,7 @@ from typing import Any, Literal, Mapping, Optional
 
 __all__ = [
     "PHASES",
+    "SHAPE_KEYS",
     "STEP_TIMING_KEY",
     "RESULT_SCHEMA_VERSION",
     "STUDY_SCHEMA_VERSION",
@@ -61,6 +62,19 @@ PHASES: tuple[str, ...] = (
     "adv",
     "update_critic",
     "update_actor",
+)
+#: The HF config fields a result records under ``model`` (with ``head_dim`` and ``num_params``): the actor's shape,
+#: what the memory model's terms are computed from (ppotune's engine from the model it built, a verl run from the
+#: checkpoint's ``config.json``).
+SHAPE_KEYS: tuple[str, ...] = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "tie_word_embeddings",
 )
 #: ``timing_s`` also holds the whole step under this key.
 STEP_TIMING_KEY = "step"

@@ -1,5 +1,6 @@
 """verl itself as the trial engine (`--engine verl`): real verl 0.9.1 on CPU, in its own venv (.venv-verl,
-made by scripts/install_test_deps.sh), through the CPU shim (trainer/verl_engine/cpu).
+made by scripts/install_test_deps.sh; ``PPOTUNE_TEST_VERL_PYTHON`` names another), through the CPU shim
+(trainer/verl_engine/cpu), on verl's default trainer path (``trainer.use_v1: true``).
 
 The search every feature's test reads is a GRPO job's (what most verl users run: no critic, several responses per
 prompt, the KL as a loss); the PPO job with a critic runs verl in the memory-cap and hang tests."""
@@ -7,6 +8,7 @@ prompt, the KL as a loss); the PPO job with a critic runs verl in the memory-cap
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 from pathlib import Path
@@ -17,14 +19,14 @@ import psutil
 import pytest
 import yaml
 
-from support import REPO, wait_until
+from support import REPO, verl_preset_run, wait_until
 from trainer.contracts import PHASES, Status, TrialRecord
 from trainer.verl_engine.adapter import SUPPORTED_VERL
 from trainer.verl_engine.overrides import override_key
 from tuner.trials.launch import launch_trial, train_command
 
 pytestmark = pytest.mark.slow
-VERL_PY = REPO / ".venv-verl" / "bin" / "python"
+VERL_PY = Path(os.environ.get("PPOTUNE_TEST_VERL_PYTHON") or REPO / ".venv-verl" / "bin" / "python")
 SCHEMA = json.loads((REPO / "trainer" / "result_schema.json").read_text())
 MICRO = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"
 
@@ -56,13 +58,7 @@ def verl_python() -> Path:
 @pytest.fixture(scope="session")
 def verl_run_file(tmp_path_factory, verl_python, cli) -> Path:
     """The tiny verl preset (`ppotune make-preset verl`: sized for a 1-rank CPU run) as a run file."""
-    d = tmp_path_factory.mktemp("verl_preset")
-    r = cli("make-preset", "verl", "--out", d / "preset", timeout=300)
-    assert r.returncode == 0, r.stderr
-    overrides = yaml.safe_load((d / "preset" / "preset.yaml").read_text())["overrides"]
-    run = d / "run.yaml"
-    run.write_text(yaml.safe_dump({"overrides": overrides, "ppotune": {"python": str(verl_python)}}))
-    return run
+    return verl_preset_run(cli, tmp_path_factory.mktemp("verl_preset"), verl_python)
 
 
 def _train(cli, run_file: Path, result: Path, *extra) -> subprocess.CompletedProcess:
@@ -91,7 +87,7 @@ GRPO = [
     "actor_rollout_ref.actor.use_kl_loss=true",
     "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
 ]
-CRITIC_MICRO = "critic.ppo_micro_batch_size_per_gpu"
+CRITIC_KNOB = "critic.model.enable_gradient_checkpointing"
 
 #: a trial of the 2-node search below runs one node of 1 GPU: the global sizes halved (tuner.world)
 TRIAL_WORLD = [
@@ -106,16 +102,18 @@ TRIAL_WORLD = [
 def verl_study(cli, verl_run_file, tmp_path_factory) -> Path:
     """One small verl search of a GRPO job that every feature's test reads: 2 trials of 1 GPU for a 2-node job
     (--target-nodes 2), adaptive measurement (--precision), the worst-case probe of the pick (--probe 1), a report.
-    Its space names the critic's micro-batch too, which a job without a critic does not search."""
+    Its space names a critic knob too, which a job without a critic does not search. A verl run per trial
+    (``ppotune.sweep_settings: 1``): the in-run sweep has its own search below."""
     tmp = tmp_path_factory.mktemp("verl_study")
     run = yaml.safe_load(verl_run_file.read_text())
     run["overrides"] = [*run["overrides"], *GRPO]
+    run["ppotune"]["sweep_settings"] = 1
     grpo = tmp / "grpo.yaml"
     grpo.write_text(yaml.safe_dump(run))
     space = tmp / "space.yaml"
     space.write_text(
         f"knobs:\n  {MICRO}: {{type: pow2, low: 1, high: 2, memory: increasing}}\n"
-        f"  {CRITIC_MICRO}: {{type: pow2, low: 1, high: 2, memory: increasing}}\n"
+        f"  {CRITIC_KNOB}: {{type: bool, memory: decreasing}}\n"
     )
     out = tmp / "out"
     r = cli(
@@ -153,7 +151,7 @@ def verl_study(cli, verl_run_file, tmp_path_factory) -> Path:
         timeout=1500,
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
-    assert "trials run 1 GPUs for a 2 x 1 = 2-GPU job" in r.stdout and "no memory model for verl trials" in r.stdout
+    assert "trials run 1 GPUs for a 2 x 1 = 2-GPU job" in r.stdout
     assert wait_until(lambda: not ray_processes(), 20), ray_processes()
     return out
 
@@ -169,7 +167,7 @@ def test_verl_search_runs_the_trial_world_and_stops_once_measured(verl_study):
     assert len(ok) == 2 and all(rec.engine == "verl" and rec.throughput > 0 for rec in ok.values())
     # the decision base read verl's GRPO config: no critic, so the critic's knob was not searched
     assert study.user_attrs["base_config"]["algorithm"]["adv_estimator"] == "grpo"
-    assert all(CRITIC_MICRO not in t.params for t in study.get_trials())
+    assert all(CRITIC_KNOB not in t.params for t in study.get_trials())
     assert study.user_attrs["engine"] == "verl" and (verl_study / "report" / "report.html").is_file()
     assert study.user_attrs["target"]["world"] == 2 and study.user_attrs["target"]["trial_world"] == 1
     for rec in ok.values():
@@ -323,3 +321,84 @@ def test_bad_engine_python_is_one_line_exit_2(cli, tmp_path):
     (line,) = r.stderr.strip().splitlines()
     assert "ppotune.python" in line and str(run) in line
     assert json.loads((tmp_path / "r.json").read_text())["status"] == "error"
+
+
+#: the in-run sweep's search: the actor's and the old-log-prob pass's micro-batches, per-step knobs both
+SWEEP_KNOBS = {MICRO: (1, 4), "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": (2, 8)}
+
+
+@pytest.fixture(scope="module")
+def sweep_study(cli, verl_run_file, tmp_path_factory) -> Path:
+    """A search of the PPO preset (actor, critic) over per-step knobs only: its first launch measures 3 settings in
+    one verl run (``ppotune.sweep_settings: 3``), which is the whole budget."""
+    tmp = tmp_path_factory.mktemp("verl_sweep")
+    space = tmp / "space.yaml"
+    space.write_text(
+        "knobs:\n"
+        + "".join(
+            f"  {k}: {{type: pow2, low: {lo}, high: {hi}, memory: increasing}}\n" for k, (lo, hi) in SWEEP_KNOBS.items()
+        )
+    )
+    run = yaml.safe_load(verl_run_file.read_text())
+    run["ppotune"]["sweep_settings"] = 3
+    ppo = tmp / "ppo.yaml"
+    ppo.write_text(yaml.safe_dump(run))
+    out = tmp / "out"
+    args = ("search", ppo, "--engine", "verl", "--space", space, "--trials", 3, "--confirm", 0, "--probe", 0)
+    r = cli(*args, "--steps", 3, "--warmup", 1, "--nproc", 1, "--out", out, "--trial-timeout", 600, timeout=1200)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert wait_until(lambda: not ray_processes(), 20), ray_processes()
+    return out
+
+
+def test_an_in_run_sweep_measures_each_setting_as_its_own_trial(sweep_study):
+    """One verl start-up for 3 configs that differ only in per-step knobs; each is a trial of the study with its own
+    figures; verl's default trainer (v1) ran it."""
+    study, ok = _ok_trials(sweep_study)
+    assert len(ok) == 3 and len({json.dumps(r.overrides, sort_keys=True) for r in ok.values()}) == 3
+    (result,) = list(sweep_study.glob("trials/*/result.json"))  # one verl run
+    res = json.loads(result.read_text())
+    jsonschema.validate(res, SCHEMA)
+    assert [s["status"] for s in res["settings"]] == ["ok"] * 3
+    assert "TaskRunnerV1" in (result.parent / "train.log").read_text()  # verl's default trainer path
+    assert all("trainer.use_v1" not in o for o in res["config"]["command"])
+    for rec in ok.values():
+        assert rec.throughput > 0 and rec.measured_steps == 2 and rec.engine == "verl"
+        assert any("in-run sweep" in n for n in rec.notes), rec.notes
+    # rising memory: the settings ran in the order of their micro-batches
+    micro = [s["knobs"][MICRO] for s in res["settings"]]
+    assert micro == sorted(micro), micro
+
+
+def test_each_per_step_knob_acts_in_verl(sweep_study):
+    """The setting's keys reached verl's worker calls: the micro-batches each pass cut follow them (the rank's 8
+    sequences; an update of 2 mini-batches of 4), step by step."""
+    res = json.loads(next(sweep_study.glob("trials/*/result.json")).read_text())
+    lp = "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu"
+    for setting in res["settings"]:
+        knobs = setting["knobs"]
+        for row in setting["steps"]:
+            assert row["ppotune/micro_batches/update_actor"] == 2 * 4 // knobs[MICRO], (knobs, row)
+            assert row["ppotune/micro_batches/old_log_prob"] == 8 // knobs[lp], (knobs, row)
+            # the critic runs as verl runs it: token budgets from critic.fsdp (one micro-batch per mini-batch)
+            assert row["ppotune/micro_batches/update_critic"] == 2 and row["ppotune/micro_batches/values"] == 1
+
+
+def test_verl_trials_record_per_phase_peaks_that_the_memory_model_fits(sweep_study):
+    """Each pass's peak (reset at each worker call), the lengths' percentiles and the actor's shape: the calibration
+    samples of tuner.memory_model, which fits them."""
+    from tuner.memory_model import MemoryModel, samples_from_trials
+
+    study, ok = _ok_trials(sweep_study)
+    for rec in ok.values():
+        phases = rec.memory["by_phase_gb"]
+        assert set(phases) >= {"old_log_prob", "values", "update_critic", "update_actor"}, phases
+        assert all(v > 0 for v in phases.values()) and rec.peak_memory_gb >= max(phases.values())
+        assert rec.model_shape["hidden_size"] > 0 and {"p10", "p50", "p90"} <= set(rec.lengths["response"])
+    samples = samples_from_trials(study.get_trials(), study.user_attrs["base_config"])
+    assert len(samples) == 3
+    model = MemoryModel.calibrate(samples)
+    for s in samples:  # in-sample: the fit reproduces each pass's peak closely
+        pred = model.predict(s.config, lengths=s.lengths)
+        for phase, measured in s.by_phase_gb.items():
+            assert pred.by_phase_gb[phase] == pytest.approx(measured, rel=0.25), (phase, pred.by_phase_gb, measured)

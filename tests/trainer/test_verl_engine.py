@@ -96,11 +96,14 @@ def test_environment_loads_the_shim_only_on_cpu(tmp_path):
     cpu = verl_env(spec, device="cpu", metrics_path=tmp_path / "m.jsonl")
     assert (
         cpu["VERL_PLATFORM"] == "cpu"
-        and cpu["VERL_USE_EXTERNAL_MODULES"] == "trainer.verl_engine.cpu,trainer.verl_engine.cap"
+        and cpu["VERL_USE_EXTERNAL_MODULES"]
+        == "trainer.verl_engine.cpu,trainer.verl_engine.cap,trainer.verl_engine.plugin"
     )
     assert cpu["VERL_FILE_LOGGER_PATH"] == str(tmp_path / "m.jsonl") and cpu["PPOTUNE_MEMORY_LIMIT_GB"] == "1.0"
     gpu = verl_env(load_run(_run_file(tmp_path, "overrides: []\n")), device="cuda", metrics_path=tmp_path / "m")
     assert "VERL_PLATFORM" not in gpu and "trainer.verl_engine.cpu" not in gpu.get("VERL_USE_EXTERNAL_MODULES", "")
+    # the per-pass peaks and micro-batches are measured on either device (trainer.verl_engine.plugin)
+    assert gpu["VERL_USE_EXTERNAL_MODULES"] == "trainer.verl_engine.plugin" and gpu["PPOTUNE_VERL_PHASE_LOG"]
 
 
 def _line(step: int, **data) -> str:
@@ -223,3 +226,17 @@ def test_a_verl_trial_runs_the_trial_world_and_exports_production():
     assert opts["precision"] == 0.2 and opts["front"] == [[0, 1.0, 2.0]] and "worst_case" not in opts
     exported = VerlEngine("py", engine.base_overrides, steps=5, warmup=1).run_file({"k": 1})  # export: no world
     assert exported["overrides"] == ["a=1", "trainer.nnodes=2", "k=1"]
+
+
+def test_verls_default_trainer_path_needs_transfer_queue(tmp_path):
+    """verl's v1 trainer (its default, what a CPU trial runs too) keeps a step's batch in TransferQueue: an engine
+    environment without it is refused in one line naming the key, unless the run file takes the legacy trainer."""
+    from trainer.verl_engine.adapter import _check_version
+
+    spec = load_run(_run_file(tmp_path, "overrides: []\n"))
+    with pytest.raises(ConfigError) as e:
+        _check_version(spec, "cpu", "0.9.1", has_tq=False)
+    assert e.value.key == "ppotune.python" and "pip install TransferQueue" in str(e.value)
+    _check_version(spec, "cpu", "0.9.1", has_tq=True)
+    legacy = load_run(_run_file(tmp_path, "overrides: [trainer.use_v1=False]\n"))
+    _check_version(legacy, "cpu", "0.9.1", has_tq=False)

@@ -39,6 +39,7 @@ def knob_notes(cfg, device_type: str) -> list[str]:
         *_pad_to_length_notes(cfg),
         *_ref_offload_notes(cfg),
         *_vllm_only_notes(cfg),
+        *_critic_batching_notes(cfg),
     ]
 
 
@@ -164,4 +165,17 @@ def _vllm_only_notes(cfg) -> list[str]:
         f"actor_rollout_ref.rollout.{key}: no effect with rollout.name=hf (vLLM-only knob)"
         for key in VLLM_ONLY_KEYS
         if getattr(ro, key) != getattr(defaults, key)  # only the ones somebody set
+    ]
+
+
+def _critic_batching_notes(cfg) -> list[str]:
+    """The critic's batching keys: this engine applies them, verl 0.9.1 does not (docs/verl_parity.md)."""
+    from trainer.config.schema import need_critic
+
+    if not need_critic(cfg):
+        return []
+    return [
+        "critic: micro-batches from critic.ppo_micro_batch_size_per_gpu / use_dynamic_bsz / *_max_token_len_per_gpu, "
+        "as this engine reads them; verl 0.9.1's critic reads critic.fsdp and critic.ppo_infer_max_token_len_per_gpu "
+        "instead (docs/verl_parity.md): its figures are this engine's critic, not verl's"
     ]

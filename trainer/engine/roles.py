@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.config import PRECISIONS, effective_config, need_critic, need_reference_policy
+from trainer.contracts import SHAPE_KEYS
 from trainer.engine import core
 from trainer.engine.batching import fixed_micro_batches, token_budget_micro_batches
 from trainer.engine.knob_notes import knob_notes
@@ -53,18 +54,6 @@ __all__ = [
     "build_roles",
     "SHAPE_KEYS",
 ]
-
-#: The HF config fields a result records under ``model`` (with ``head_dim`` and ``num_params``).
-SHAPE_KEYS = (
-    "model_type",
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "tie_word_embeddings",
-)
 
 
 # --------------------------------------------------------------------------- what a role is

@@ -42,12 +42,11 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from trainer.config import ConfigError, flatten, read_yaml_mapping
-from trainer.contracts import RESULT_SCHEMA_VERSION, ExitCode
+from trainer.config import ConfigError, flatten
+from trainer.contracts import ExitCode
 from trainer.launch.proc import (
     PR_SET_CHILD_SUBREAPER,
     die_with_parent,
@@ -56,14 +55,18 @@ from trainer.launch.proc import (
     with_pythonpath,
     write_json_atomic,
 )
-from trainer.summary import MIN_MEASURED_STEPS, summarize_steps
 from trainer.verl_engine.metrics import Enough, lengths_of, steps_from_jsonl
-from trainer.verl_engine.overrides import override_key
+from trainer.verl_engine.result import verl_result
+from trainer.verl_engine.run_file import RunSpec, load_run
+from trainer.verl_engine.schedule import LOG_ENV, SWEEP_ENV
 
 __all__ = [
     "RunSpec",
     "load_run",
     "run_overrides",
+    "run_device",
+    "decision_base",
+    "critic_as_verl_runs",
     "verl_env",
     "steps_from_jsonl",
     "lengths_of",
@@ -78,6 +81,7 @@ SUPPORTED_VERL = "0.9.1"  # the version the CPU shim is written against (a GPU r
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # trainer/: what verl's processes import from us
 SHIM_MODULE = "trainer.verl_engine.cpu"
 CAP_MODULE = "trainer.verl_engine.cap"
+PLUGIN_MODULE = "trainer.verl_engine.plugin"
 #: keys a trial sets for itself (left out of what export recommends)
 TRIAL_KEYS = (
     "trainer.total_training_steps",
@@ -91,19 +95,15 @@ TRIAL_KEYS = (
 )
 #: keys the CPU shim needs (verl 0.9.1 on a machine with no accelerator; never set on a GPU)
 CPU_KEYS = (
-    "trainer.use_v1",
     "actor_rollout_ref.rollout.name",
     "actor_rollout_ref.rollout.tensor_model_parallel_size",
     "actor_rollout_ref.rollout.agent.num_workers",
     "reward.num_workers",
     "actor_rollout_ref.model.use_remove_padding",
     "critic.model.use_remove_padding",
+    "transfer_queue.backend.SimpleStorage.num_data_storage_units",
     "ray_kwargs.ray_init.num_gpus",
     "ray_kwargs.ray_init.num_cpus",
-)
-#: what a run file's ``ppotune:`` section may say
-RUN_OPTIONS = frozenset(
-    {"python", "steps", "warmup", "memory_limit_gb", "device", "precision", "min_measured_steps", "front", "worst_case"}
 )
 STRATEGY_KEYS = ("actor_rollout_ref.actor.strategy", "actor_rollout_ref.ref.strategy", "critic.strategy")
 _OOM = re.compile(
@@ -112,97 +112,6 @@ _OOM = re.compile(
 )
 _TAIL_LINES = 80
 OOM_GRACE_S = 30.0  # after an OOM line, how long verl gets to end by itself before it is ended
-
-
-# --------------------------------------------------------------------------- the run file
-@dataclass
-class RunSpec:
-    """One verl run: the user's overrides and how to run them."""
-
-    overrides: list[str]
-    python: str = sys.executable
-    steps: int = 3
-    warmup: int = 1
-    memory_limit_gb: Optional[float] = None
-    device: str = "auto"
-    precision: Optional[float] = None  # stop once the 90% interval is within +/- this share of the median
-    min_measured_steps: int = MIN_MEASURED_STEPS
-    front: list = field(default_factory=list)  # [trial, throughput low, peak GB] points that prune this run
-    worst_case: bool = False  # the worst-case probe: generated full-length prompts, EOS ignored
-    source: Optional[str] = None
-    notes: list[str] = field(default_factory=list)
-
-    def get(self, key: str) -> Optional[str]:
-        """The last value the overrides give ``key`` (as written), or None."""
-        for o in reversed(self.overrides):
-            if override_key(o) == key:
-                return o.split("=", 1)[1]
-        return None
-
-    @property
-    def nproc(self) -> int:
-        return int(self.get("trainer.n_gpus_per_node") or 8) * int(self.get("trainer.nnodes") or 1)
-
-
-def _as_overrides(data: Any, source: str) -> list[str]:
-    if isinstance(data, list):
-        bad = [o for o in data if not isinstance(o, str) or "=" not in o]
-        if bad:
-            raise ConfigError("overrides", f"each override is key=value, got {bad[0]!r}", source=source)
-        return list(data)
-    if isinstance(data, dict):
-        return [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in flatten(data).items()]
-    raise ConfigError("overrides", "a list of key=value strings or a mapping of verl keys", source=source)
-
-
-def load_run(path: Optional[str | Path], extra: list[str] = (), **flags: Any) -> RunSpec:
-    """Run file + ``key=value`` overrides + flags (``python``, ``steps``, ``warmup``, ``memory_limit_gb``,
-    ``device``, ``nproc``; None = not given) -> a checked :class:`RunSpec`."""
-    source = str(path) if path is not None else None
-    data = read_yaml_mapping(path, what="a run file (overrides: [...], ppotune: {...})") if path is not None else {}
-    run_opts = data.pop("ppotune", None) or {}
-    if not isinstance(run_opts, dict):
-        raise ConfigError("ppotune", "must be a mapping", source=source)
-    unknown = set(run_opts) - RUN_OPTIONS
-    if unknown:
-        raise ConfigError(f"ppotune.{sorted(unknown)[0]}", "unknown key", source=source)
-    overrides = _as_overrides(data.get("overrides", {k: v for k, v in data.items() if k != "overrides"}), source)
-    overrides += _as_overrides(list(extra), source)
-    nproc = flags.pop("nproc", None)
-    if nproc is not None:
-        overrides.append(f"trainer.n_gpus_per_node={int(nproc)}")
-    opts = {**run_opts, **{k: v for k, v in flags.items() if v is not None}}
-    spec = RunSpec(overrides=overrides, source=source, **opts)
-    spec.python = os.path.abspath(spec.python)  # not resolve(): a venv's python is a symlink that must stay one
-    if not Path(spec.python).is_file() or not os.access(spec.python, os.X_OK):
-        raise ConfigError(
-            "ppotune.python", f"no executable interpreter at {spec.python} (--engine-python)", source=source
-        )
-    if spec.steps < 1:
-        raise ConfigError("ppotune.steps", f"must be >= 1, got {spec.steps}", source=source)
-    if not 0 <= spec.warmup < spec.steps:
-        raise ConfigError("ppotune.warmup", f"must be in [0, steps={spec.steps}), got {spec.warmup}", source=source)
-    if spec.memory_limit_gb is not None and spec.memory_limit_gb <= 0:
-        raise ConfigError("ppotune.memory_limit_gb", "must be > 0", source=source)
-    if spec.device not in ("auto", "cpu", "cuda"):
-        raise ConfigError("ppotune.device", f"must be auto, cpu or cuda, got {spec.device!r}", source=source)
-    _check_measuring(spec)
-    return spec
-
-
-def _check_measuring(spec: RunSpec) -> None:
-    """The run options that decide when a run has measured enough (as ``trainer.config``'s rules for ours)."""
-    if spec.precision is not None and not 0 < spec.precision < 1:
-        raise ConfigError("ppotune.precision", f"must be in (0, 1) or null, got {spec.precision}", source=spec.source)
-    if not isinstance(spec.min_measured_steps, int) or spec.min_measured_steps < 2:
-        raise ConfigError("ppotune.min_measured_steps", "must be an integer >= 2", source=spec.source)
-    good = isinstance(spec.front, list) and all(
-        isinstance(p, (list, tuple)) and len(p) == 3 and all(isinstance(x, (int, float)) for x in p) for p in spec.front
-    )
-    if not good:
-        raise ConfigError("ppotune.front", "must be a list of [trial, throughput, peak GB] triples", source=spec.source)
-    if not isinstance(spec.worst_case, bool):
-        raise ConfigError("ppotune.worst_case", "must be true or false", source=spec.source)
 
 
 # --------------------------------------------------------------------------- the command
@@ -220,11 +129,17 @@ def detect_device(want: str) -> str:
         return "cpu"
 
 
+def run_device(spec: RunSpec) -> str:
+    """``cpu`` or ``cuda``: what a run of ``spec`` runs on (its ``ppotune.device``; auto: a GPU when NVML sees one).
+    Every reading of a run file (``space check``, ``search`` and its ``--dry-run``, ``probe``, the run) asks this."""
+    return detect_device(spec.device)
+
+
 def run_overrides(spec: RunSpec, *, device: str, workdir: Path) -> list[str]:
     """The user's overrides, then what a trial adds (``++``: set whether or not verl's config has the key)."""
     out = list(spec.overrides)
     out += [
-        f"++trainer.total_training_steps={spec.steps}",
+        f"++trainer.total_training_steps={spec.total_steps}",
         "++trainer.val_before_train=False",
         "++trainer.test_freq=-1",
         "++trainer.save_freq=-1",
@@ -252,19 +167,22 @@ def run_overrides(spec: RunSpec, *, device: str, workdir: Path) -> list[str]:
             if (spec.get(key) or "").lower() == "true":
                 spec.notes.append(f"{key}: no effect on CPU (no flash-attn varlen kernel; run padded)")
         out += [
-            "++trainer.use_v1=False",
             "++actor_rollout_ref.rollout.name=hf",
             "++actor_rollout_ref.rollout.tensor_model_parallel_size=1",
             "++actor_rollout_ref.rollout.agent.num_workers=1",
             "++reward.num_workers=1",
             "++actor_rollout_ref.model.use_remove_padding=False",
             "++critic.model.use_remove_padding=False",
+            # verl's default trainer (v1) keeps a step's batch in TransferQueue, one storage actor of 1 logical
+            # CPU each (8 by default): one is enough on one node of a few ranks
+            "++transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
         ]
-        # Ray must see one logical GPU per trainer rank, and each placement bundle asks 3 CPUs (with too few
-        # verl waits forever, with no error); a value the user set wins
+        # Ray must see one logical GPU per trainer rank, and each placement bundle asks 3 CPUs, plus
+        # TransferQueue's controller and storage actor (with too few verl waits forever, with no error); a value
+        # the user set wins
         for key, value in (
             ("ray_kwargs.ray_init.num_gpus", spec.nproc),
-            ("ray_kwargs.ray_init.num_cpus", max(8, 4 * spec.nproc + 4)),
+            ("ray_kwargs.ray_init.num_cpus", max(8, 4 * spec.nproc + 4) + 2),
         ):
             if spec.get(key) is None:
                 out.append(f"++{key}={value}")
@@ -296,19 +214,27 @@ def verl_env(spec: RunSpec, *, device: str, metrics_path: Path) -> dict[str, str
     if spec.memory_limit_gb is not None:
         env["PPOTUNE_MEMORY_LIMIT_GB"] = repr(float(spec.memory_limit_gb))
         modules.append(CAP_MODULE)
+    env[LOG_ENV] = str(metrics_path.parent / "phases.jsonl")  # per-pass peaks and micro-batches (the plugin)
+    modules.append(PLUGIN_MODULE)
     if modules:
         env["VERL_USE_EXTERNAL_MODULES"] = ",".join(dict.fromkeys(modules))
     return env
 
 
-def verl_version(python: str) -> Optional[str]:
-    r = subprocess.run(
-        [python, "-c", "import importlib.metadata as m; print(m.version('verl'))"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    return r.stdout.strip() or None if r.returncode == 0 else None
+_PROBE = (
+    "import importlib.metadata as m, importlib.util as u; "
+    "print(m.version('verl'), u.find_spec('transfer_queue') is not None)"
+)
+
+
+def verl_probe(python: str) -> tuple[Optional[str], bool]:
+    """(verl's version in the engine's environment, None when there is none; whether TransferQueue, which verl's
+    default trainer keeps a step's batch in, is installed beside it)."""
+    r = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True, timeout=60)
+    if r.returncode != 0 or not r.stdout.strip():
+        return None, False
+    version, tq = r.stdout.split()[-2:]
+    return version, tq == "True"
 
 
 _COMPOSE = """
@@ -335,15 +261,18 @@ def compose_verl(spec: RunSpec, overrides: Optional[list[str]] = None) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def decision_base(spec: RunSpec, *, device: str) -> dict:
-    """The config a trial on ``device`` runs, as ppotune's typed config (every key both have, verl's values),
-    validated: what the search's constraints, config checks and memory rules reason about. Raises ConfigError."""
+def decision_base(spec: RunSpec, *, device: Optional[str] = None) -> dict:
+    """The config a trial on ``device`` (default :func:`run_device`) runs, as ppotune's typed config (every key both
+    have, verl's values), validated: what the search's constraints, config checks and memory rules reason about.
+    The overrides are the run's own (:func:`run_overrides`: on a CPU with ``CPU_KEYS``). Raises ConfigError."""
     import copy
 
     from trainer.config import PPOConfig, config_from_dict, config_to_dict, unflatten
 
+    device = device or run_device(spec)
     effective = run_overrides(copy.deepcopy(spec), device=device, workdir=Path(tempfile.gettempdir()))
     verl_flat = flatten(compose_verl(spec, effective))
+    verl_flat.update(critic_as_verl_runs(verl_flat))
     ours = flatten(config_to_dict(PPOConfig()))
     taken = {}
     for key in ours:
@@ -354,6 +283,29 @@ def decision_base(spec: RunSpec, *, device: str) -> dict:
             except ConfigError:
                 pass
     return config_to_dict(config_from_dict(unflatten(taken), source=spec.source))
+
+
+#: verl 0.9.1's defaults for what its composed config leaves out: CriticConfig.ppo_infer_max_token_len_per_gpu
+#: (workers/config/critic.py) and EngineConfig.use_dynamic_bsz (workers/config/engine.py)
+_CRITIC_INFER_BUDGET, _ENGINE_DYNAMIC_BSZ = 32768, True
+
+
+def critic_as_verl_runs(verl_flat: dict) -> dict:
+    """ppotune's critic batching keys as verl 0.9.1 runs its critic (a TrainingWorker on the engine config
+    ``critic.fsdp``): dynamic bsz and micro-batches from ``critic.fsdp``, the values pass's budget
+    ``critic.ppo_infer_max_token_len_per_gpu``, the update's the same on the v1 trainer (its default) and
+    ``critic.ppo_max_token_len_per_gpu`` on the legacy one (``trainer/ppo/v1/trainer_base.py:PPOTrainer._setup``,
+    ``trainer/ppo/ray_trainer.py:RayPPOTrainer.init_workers``). The decision base and the memory model then reason
+    about the critic verl runs, not the keys it ignores (``tuner.space.registry.VERL_NO_OPS``)."""
+    infer = verl_flat.get("critic.ppo_infer_max_token_len_per_gpu") or _CRITIC_INFER_BUDGET
+    v1 = str(verl_flat.get("trainer.use_v1", True)).lower() == "true"
+    return {
+        "critic.use_dynamic_bsz": verl_flat.get("critic.fsdp.use_dynamic_bsz", _ENGINE_DYNAMIC_BSZ),
+        "critic.ppo_micro_batch_size_per_gpu": verl_flat.get("critic.fsdp.micro_batch_size_per_gpu"),
+        "critic.forward_micro_batch_size_per_gpu": verl_flat.get("critic.fsdp.infer_micro_batch_size_per_gpu"),
+        "critic.ppo_max_token_len_per_gpu": infer if v1 else verl_flat["critic.ppo_max_token_len_per_gpu"],
+        "critic.forward_max_token_len_per_gpu": infer,
+    }
 
 
 # --------------------------------------------------------------------------- verl's metrics -> our result
@@ -373,22 +325,33 @@ def run_verl(spec: RunSpec, *, result_path: Optional[Path]) -> int:
     """Run verl for ``spec.steps`` steps (fewer when it has measured enough), write the result JSON, return the
     exit code (ExitCode)."""
     t0 = time.time()
-    device = detect_device(spec.device)
+    device = run_device(spec)
     # absolute: verl's processes (Ray's workers) do not run in our working directory
     workdir = Path(tempfile.mkdtemp(prefix="ppotune_verl_", dir=result_path.parent if result_path else None)).resolve()
     metrics = workdir / "metrics.jsonl"
-    version = verl_version(spec.python)
+    version, has_tq = verl_probe(spec.python)
     config = {"engine": "verl", "verl_version": version, "python": spec.python, "overrides": spec.overrides}
 
     def finish(status: str, error: Optional[str], rows: list, tail: Optional[str], code: int, stopped=None) -> int:
-        result = _result(spec, device, version, config, status, error, rows, tail, t0, stopped)
+        result = verl_result(
+            spec,
+            device=device,
+            version=version,
+            config=config,
+            status=status,
+            error=error,
+            rows=rows,
+            tail=tail,
+            t0=t0,
+            stopped=stopped,
+        )
         if result_path:
             write_json_atomic(result_path, result)
         shutil.rmtree(workdir, ignore_errors=True)
         return code
 
     try:
-        _check_version(spec, device, version)
+        _check_version(spec, device, version, has_tq)
         overrides = run_overrides(spec, device=device, workdir=workdir)
         if spec.worst_case:
             overrides += _worst_case(spec, workdir)
@@ -404,16 +367,21 @@ def run_verl(spec: RunSpec, *, result_path: Optional[Path]) -> int:
     print("$ " + " ".join(cmd), flush=True)
     watch = Enough(spec, metrics, device)
     env = verl_env(spec, device=device, metrics_path=metrics)
+    if spec.sweep:  # the plugin reads the schedule; a sweep measures every setting for its steps (no early stop)
+        (workdir / "sweep.json").write_text(spec.schedule.to_json())
+        env[SWEEP_ENV] = str(workdir / "sweep.json")
+        spec.notes.append(f"in-run sweep: {len(spec.sweep)} settings of the per-step knobs in one verl run")
     returncode, text, oom_line = _stream(cmd, env=env, cwd=workdir, enough=watch)
-    rows = steps_from_jsonl(metrics.read_text() if metrics.is_file() else "", warmup=spec.warmup, device=device)
+    text_rows = metrics.read_text() if metrics.is_file() else ""
+    rows = steps_from_jsonl(text_rows, warmup=spec.warmup, device=device, schedule=spec.schedule)
     measured = [r for r in rows if not r["warmup"]]
     if watch.stopped and measured:  # it measured enough: ended by us, not by a failure
         return finish("ok", None, rows, None, ExitCode.OK, watch.stopped)
-    if returncode == 0 and len(rows) >= spec.steps and measured:
+    if returncode == 0 and len(rows) >= spec.total_steps and measured:
         return finish("ok", None, rows, None, ExitCode.OK)
     status, error = classify_failure(returncode, "\n".join([*oom_line, text]))  # an OOM line from anywhere in the log
     if returncode == 0 and status == "error":
-        error = f"verl exited 0 after {len(rows)} of {spec.steps} steps"
+        error = f"verl exited 0 after {len(rows)} of {spec.total_steps} steps"
     return finish(status, error, rows, text, ExitCode.OOM if status == "oom" else ExitCode.ERROR)
 
 
@@ -430,10 +398,18 @@ def _worst_case(spec: RunSpec, workdir: Path) -> list[str]:
     return worst_case_overrides(data)
 
 
-def _check_version(spec: RunSpec, device: str, version: Optional[str]) -> None:
-    """ConfigError when the engine's environment has no verl, or a verl the CPU shim was not written for."""
+def _check_version(spec: RunSpec, device: str, version: Optional[str], has_tq: bool) -> None:
+    """ConfigError when the engine's environment has no verl, a verl the CPU shim was not written for, or no
+    TransferQueue for verl's default trainer path."""
     if version is None:
         raise ConfigError("ppotune.python", f"verl is not installed for {spec.python}", source=spec.source)
+    if not has_tq and (spec.get("trainer.use_v1") or "true").lower() != "false":
+        raise ConfigError(
+            "ppotune.python",
+            f"{spec.python}: verl's default trainer (trainer.use_v1: true) keeps a step's batch in TransferQueue, "
+            "which this environment lacks: pip install TransferQueue there (verl's verl-core extra)",
+            source=spec.source,
+        )
     if device == "cpu" and version != SUPPORTED_VERL:
         raise ConfigError(
             "ppotune.python",
@@ -490,45 +466,6 @@ def _stream(cmd: list[str], *, env: dict[str, str], cwd: Path, enough=lambda: No
             signal.signal(s, h)
         kill_descendants()
     return returncode, "\n".join(tail), oom_line
-
-
-def _result(
-    spec: RunSpec,
-    device: str,
-    version: Optional[str],
-    config: dict,
-    status: str,
-    error: Optional[str],
-    rows: list[dict],
-    tail: Optional[str],
-    t0: float,
-    stopped: Optional[str] = None,
-) -> dict:
-    """The run's result JSON (trainer/result_schema.json), as ppotune's own trainer writes it."""
-    summary = summarize_steps(rows, device_type=device)
-    summary["lengths"] = lengths_of([r for r in rows if not r["warmup"]] or rows)
-    if stopped:
-        summary["stopped_early"] = stopped
-    return {
-        "schema_version": RESULT_SCHEMA_VERSION,
-        "status": status,
-        "error": error,
-        "oom_rank": None,
-        "oom_phase": None,
-        "config": config,
-        "steps": rows,
-        "summary": summary,
-        "environment": {
-            "device": device,
-            "world_size": spec.nproc,
-            "backend": "nccl" if device == "cuda" else "gloo",
-            "python": spec.python,
-            "verl": version,
-        },
-        "notes": [f"engine: verl {version} ({spec.python})", *spec.notes],
-        "log_tail": tail,
-        "wall_s": time.time() - t0,
-    }
 
 
 def run(args: Any) -> int:

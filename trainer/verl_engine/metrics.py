@@ -5,10 +5,14 @@ enough. Torch-free."""
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 from typing import Any, Optional
 
 from trainer.summary import stop_reason, summarize_steps
+from trainer.verl_engine.schedule import Schedule
+
+_PLUGIN_MEMORY = "ppotune/memory/"
 
 __all__ = ["steps_from_jsonl", "lengths_of", "Enough"]
 
@@ -17,8 +21,11 @@ def _num(v: Any) -> Optional[float]:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
-def steps_from_jsonl(text: str, *, warmup: int, device: str) -> list[dict]:
-    """verl's file-logger lines (``{"step": N, "data": {...}}``) -> our per-step rows (result schema)."""
+def steps_from_jsonl(text: str, *, warmup: int, device: str, schedule: Optional[Schedule] = None) -> list[dict]:
+    """verl's file-logger lines (``{"step": N, "data": {...}}``) -> our per-step rows (result schema). What ppotune's
+    plugin adds to a row (trainer.verl_engine.plugin) becomes ours: ``ppotune/memory/<pass>_gb`` the pass's peak
+    (``memory/<pass>_gb``, as our trainer's rows), ``ppotune/setting`` the in-run sweep's setting (``setting``; its
+    first step a warm-up: ``schedule``)."""
     rows = []
     for line in text.splitlines():
         try:
@@ -35,10 +42,16 @@ def steps_from_jsonl(text: str, *, warmup: int, device: str) -> list[dict]:
             if _num(v) is not None and not (k.startswith("timing_s/") and ("/" in k[9:] or k.endswith("_profile")))
         }
         step = int(rec.get("step", len(rows) + 1))
+        at = schedule.at(step) if schedule is not None else None
+        for key, value in list(row.items()):
+            if key.startswith(_PLUGIN_MEMORY):
+                row[f"memory/{key[len(_PLUGIN_MEMORY) :]}"] = value
+        if at is not None:
+            row["setting"] = at[0]
         row.update(
             {
                 "step": step,
-                "warmup": step <= warmup,
+                "warmup": step <= warmup if at is None else not at[1],
                 "timing_s/step": float(data["timing_s/step"]),
                 "perf/throughput": float(data["perf/throughput"]),
                 "perf/total_num_tokens": int(data["perf/total_num_tokens"]),
@@ -55,8 +68,9 @@ def steps_from_jsonl(text: str, *, warmup: int, device: str) -> list[dict]:
 
 def lengths_of(rows: list[dict]) -> dict:
     """The token lengths verl's steps saw (its ``prompt_length/{min,mean,max}``, ``response_length/...``):
-    ``{"prompt": {"min", "mean", "max"}, "response": {...}}``; where every sequence had one length (min == max, e.g.
-    the worst-case probe) the percentiles p10/p50/p90 too, which are then exact. verl logs no percentiles."""
+    ``{"prompt": {"min", "mean", "max"}, "response": {...}}``, with the percentiles p10/p50/p90 (the median over the
+    steps) where ppotune's plugin measured them (``ppotune/lengths/<part>/p<q>``: verl logs none), or where every
+    sequence had one length (min == max, e.g. the worst-case probe), which makes them exact."""
     out = {}
     for part in ("prompt", "response"):
         mins = [r[f"{part}_length/min"] for r in rows if f"{part}_length/min" in r]
@@ -67,6 +81,10 @@ def lengths_of(rows: list[dict]) -> dict:
         fig = {"min": float(min(mins)), "mean": float(sum(means) / len(means)), "max": float(max(maxs))}
         if fig["min"] == fig["max"]:
             fig.update({q: fig["max"] for q in ("p10", "p50", "p90")})
+        for q in ("p10", "p50", "p90"):
+            measured = [r[f"ppotune/lengths/{part}/{q}"] for r in rows if f"ppotune/lengths/{part}/{q}" in r]
+            if measured and q not in fig:
+                fig[q] = float(statistics.median(measured))
         out[part] = fig
     return out
 
@@ -77,7 +95,8 @@ class Enough:
 
     def __init__(self, spec, metrics: Path, device: str):
         self.spec, self.metrics, self.device = spec, metrics, device
-        self.active = spec.precision is not None or bool(spec.front)
+        # an in-run sweep measures every setting for its steps: its settings are separate trials
+        self.active = (spec.precision is not None or bool(spec.front)) and not spec.sweep
         self.size = 0
         self.stopped: Optional[str] = None
 

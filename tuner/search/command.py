@@ -155,12 +155,9 @@ def _base_config(args: argparse.Namespace, space: Space) -> tuple[dict, Optional
         )
         nested = base_flat_config(args.base_config, extra={**over, **space.fixed, **trial_overrides(plan)})[0]
         return nested, None, plan
-    if space.fixed:
-        raise ValueError(
-            f"{args.space}: fixed: --engine verl takes its settings from the verl base config; "
-            f"put {', '.join(space.fixed)} there"
-        )
-    from tuner.trials.verl import verl_search
+    from tuner.trials.verl import check_verl_space, verl_search
+
+    check_verl_space(space)
 
     return verl_search(
         args.base_config,
@@ -171,7 +168,6 @@ def _base_config(args: argparse.Namespace, space: Space) -> tuple[dict, Optional
         memory_limit_gb=args.memory_limit_gb,
         target_nodes=args.target_nodes,
         target_gpus_per_node=args.target_gpus_per_node,
-        device="cuda" if nvml_available() else "cpu",
     )
 
 
@@ -283,6 +279,10 @@ def _runner(args: argparse.Namespace, inputs: _Inputs, device: dict, out_dir: Pa
         startup_timeout_s=args.startup_timeout,
         step_timeout_s=args.step_timeout,
     )
+    if inputs.verl is not None and inputs.verl.sweep_settings > 1:
+        from tuner.trials.sweep import SweepRunner  # configs differing only in per-step knobs share a verl run
+
+        return SweepRunner(inner=runner, settings=inputs.verl.sweep_settings)
     if args.cold or inputs.verl is not None:
         return runner
     warm = WarmRunner(cold=runner, jobs_dir=out_dir / "jobs")
@@ -488,10 +488,6 @@ def _search(
     )
     if inputs.plan.scaled:
         print(f"ppotune search: {inputs.plan.describe()}", flush=True)
-    if inputs.verl is not None and options.predict_oom:
-        from tuner.trials.verl import MEMORY_MODEL_NOTE
-
-        print(f"ppotune search: note: {MEMORY_MODEL_NOTE}", flush=True)
     display = Display(options.trials, done=min(done, options.trials), parallel=options.parallel)
     seed_display(display, trials)
     tracker = None

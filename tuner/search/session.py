@@ -189,17 +189,19 @@ class TrialSession:
             # multi-fidelity: the trial may stop once a measured point beats it for sure (a confirmation
             # re-run and a --precision 0 search measure every step)
             config = fidelity.with_front(config, fidelity.front_points(self.study.get_trials(deepcopy=False)))
-        outcome = self.runner.run(
-            TrialRequest(
-                number=trial.number,
-                config=config,
-                identity=self.space.identity(prop.cand.effective),
-                trial_dir=(self.trials_dir or Path("trials")) / str(trial.number),
-                slot=slot,
-                overrides=dict(prop.cand.overrides),
-            ),
-            self.stop_event,
+        request = TrialRequest(
+            number=trial.number,
+            config=config,
+            identity=self.space.identity(prop.cand.effective),
+            trial_dir=(self.trials_dir or Path("trials")) / str(trial.number),
+            slot=slot,
+            overrides=dict(prop.cand.overrides),
         )
+        group = getattr(self.runner, "group", None)  # a runner that measures more configs in one run (TrialRunner)
+        if group is not None and prop.confirm_of is None:  # a confirmation re-run is measured alone
+            outcome = group(self, prop, request, self.stop_event)
+        else:
+            outcome = self.runner.run(request, self.stop_event)
         if outcome.status == Status.INTERRUPTED:
             self.interrupt_own(trial, outcome.record.error or "interrupted", outcome.record)
             return

@@ -1,8 +1,9 @@
 """``ppotune space check [BASE] --space FILE [-o KEY=VALUE] [--nproc N] [--engine verl --engine-python PY]``: validate
 a search space against a base config, print its size. (The argument order is ``ppotune search``'s; the old
 ``space check FILE --base BASE`` still works for one release, with a note.) With ``--engine verl`` BASE is a verl run
-file: verl composes it (Hydra, in verl's own interpreter) as it runs on GPUs, and the space is checked against that
-config read into ours, as ``ppotune search --engine verl`` reads it.
+file: verl composes it (Hydra, in verl's own interpreter) as a trial on this machine runs it (the run file's
+``ppotune.device``; on a CPU with the CPU shim's keys), and the space is checked against that config read into ours:
+the one reading ``ppotune search --engine verl`` and its ``--dry-run`` make (:func:`tuner.trials.verl.verl_search`).
 
 Exit 0 when the space is usable; exit 2 with one line naming the file and the key
 otherwise (malformed YAML, a knob that is not a config key, an empty space, a bad
@@ -41,8 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--engine",
         choices=["ppotune", "verl"],
         default="ppotune",
-        help="ppotune: BASE is a ppotune config; verl: BASE is a verl run file, composed by verl as it runs on GPUs "
-        "(default ppotune)",
+        help="ppotune: BASE is a ppotune config; verl: BASE is a verl run file, composed by verl as a trial on this "
+        "machine runs it, as ppotune search reads it (the run file's ppotune.device; default ppotune)",
     )
     p.add_argument(
         "--engine-python",
@@ -77,22 +78,21 @@ def check(
 
 
 def _verl_base(space, run_file: str | None, nproc: int | None, over: dict, *, python: str | None) -> dict:
-    """A verl run file as the search's decision base: composed by verl (its defaults, its version) for a GPU run,
-    with ``-o`` as Hydra overrides, read into ppotune's typed config. ``fixed:`` keys are refused, as by search."""
+    """A verl run file as the search's decision base, read exactly as ``ppotune search --engine verl`` reads it
+    (:func:`tuner.trials.verl.verl_search`: composed by verl for the device a trial runs on, the CPU keys on a CPU),
+    with ``-o`` as Hydra overrides. A space search refuses is refused (:func:`tuner.trials.verl.check_verl_space`)."""
     from trainer.config import flatten
-    from trainer.verl_engine import adapter  # torch-free: verl itself runs in its own interpreter
     from trainer.verl_engine.overrides import hydra_value
+    from tuner.trials.verl import check_verl_space, verl_search
 
     if run_file is None:
         raise ValueError("--engine verl: give the verl run file: ppotune space check RUN --space SPACE --engine verl")
-    if space.fixed:
-        raise ValueError(
-            f"{space.source}: fixed: --engine verl takes its settings from the verl run file; "
-            f"put {', '.join(space.fixed)} there"
-        )
+    check_verl_space(space)
     extra = [f"{k}={hydra_value(v)}" for k, v in over.items()]
-    spec = adapter.load_run(run_file, extra, python=python, nproc=nproc)
-    return flatten(adapter.decision_base(spec, device="cuda"))
+    nested, _, _ = verl_search(
+        run_file, python=python, nproc=nproc, steps=3, warmup=1, memory_limit_gb=None, extra=extra
+    )
+    return flatten(nested)
 
 
 def _files(args: argparse.Namespace) -> tuple[str, str | None]:

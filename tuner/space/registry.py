@@ -34,6 +34,9 @@ __all__ = [
     "longest_sequence",
     "algorithm_knobs",
     "ALGORITHM_NOTE",
+    "VerlNoOp",
+    "VERL_NO_OPS",
+    "verl_no_op_problem",
 ]
 
 KnobKind = Literal[
@@ -138,6 +141,68 @@ TOKEN_BUDGET_LIMIT_KEYS = ("data.max_prompt_length", "data.max_response_length")
 
 #: the first line the report and why.md show for a study whose space marked algorithm knobs
 ALGORITHM_NOTE = "The compared trials ran different algorithms"
+
+
+@dataclass(frozen=True)
+class VerlNoOp:
+    """A key ppotune's engine applies that verl 0.9.1 never reads on the trainer path a verl trial runs (v1, its
+    default), the key that acts there instead, and where verl decides it (``docs/verl_parity.md``, the knob table)."""
+
+    key: str
+    acts: str  # the verl key that acts instead (set it in the run file: a verl space cannot name it)
+    why: str  # where verl 0.9.1 decides it
+
+
+_CRITIC_ENGINE = "the critic is a TrainingWorker on its engine config critic.fsdp (workers/config/critic.py:"
+#: the keys a space may not vary under ``--engine verl``: verl 0.9.1 does not read them
+VERL_NO_OPS: dict[str, VerlNoOp] = {
+    n.key: n
+    for n in (
+        VerlNoOp(
+            f"{_CRITIC}.ppo_micro_batch_size_per_gpu",
+            f"{_CRITIC}.fsdp.micro_batch_size_per_gpu",
+            f"{_CRITIC_ENGINE}FSDPCriticConfig.__post_init__); workers/engine_workers.py:TrainingWorker.train_batch "
+            "takes its micro-batch from there, never from this key",
+        ),
+        VerlNoOp(
+            f"{_CRITIC}.forward_micro_batch_size_per_gpu",
+            f"{_CRITIC}.fsdp.infer_micro_batch_size_per_gpu",
+            f"{_CRITIC_ENGINE}FSDPCriticConfig.__post_init__); workers/engine_workers.py:TrainingWorker.infer_batch "
+            "takes its micro-batch from there",
+        ),
+        VerlNoOp(
+            f"{_CRITIC}.use_dynamic_bsz",
+            f"{_CRITIC}.fsdp.use_dynamic_bsz",
+            f"{_CRITIC_ENGINE}FSDPCriticConfig.__post_init__), whose use_dynamic_bsz defaults to true "
+            "(workers/config/engine.py:EngineConfig) and is never set from this key",
+        ),
+        VerlNoOp(
+            f"{_CRITIC}.forward_max_token_len_per_gpu",
+            f"{_CRITIC}.ppo_infer_max_token_len_per_gpu",
+            "the values pass's budget is critic.ppo_infer_max_token_len_per_gpu "
+            "(trainer/ppo/v1/trainer_base.py:PPOTrainer._setup)",
+        ),
+        VerlNoOp(
+            f"{_CRITIC}.ppo_max_token_len_per_gpu",
+            f"{_CRITIC}.ppo_infer_max_token_len_per_gpu",
+            "its default trainer (trainer.use_v1: true) sets both of the critic's budgets from "
+            "critic.ppo_infer_max_token_len_per_gpu (trainer/ppo/v1/trainer_base.py:PPOTrainer._setup)",
+        ),
+    )
+}
+
+
+def verl_no_op_problem(keys: Any) -> Optional[str]:
+    """Why a space that varies ``keys`` (its knobs and derived keys) cannot search verl: the first key of
+    :data:`VERL_NO_OPS` among them, with the key that acts instead; None when every key acts."""
+    for key in keys:
+        no_op = VERL_NO_OPS.get(key)
+        if no_op is not None:
+            return (
+                f"{key}: verl 0.9.1 does not read it ({no_op.why}); the key that acts is {no_op.acts}: "
+                "set it in the run file"
+            )
+    return None
 
 
 def is_execution_knob(key: str) -> bool:

@@ -289,7 +289,8 @@ def _verl_of(args) -> tuple[dict, VerlEngine]:
     )
     if args.nproc is not None:
         spec.overrides.append(f"trainer.n_gpus_per_node={args.nproc}")
-    device = "cuda" if (args.device or spec.device) != "cpu" and nvml_available() else "cpu"
+    spec.device = args.device or spec.device
+    device = adapter.run_device(spec)  # the one reading of a run file (tuner.trials.verl.verl_search's)
     nested = adapter.decision_base(spec, device=device)
     if nested["trainer"]["nnodes"] != 1:
         raise ConfigError(

@@ -51,6 +51,8 @@ class TrialRequest:
     trial_dir: Path  # where the trial's files go
     slot: int = 0  # which of the --parallel slots runs it (its GPU slice)
     overrides: dict = field(default_factory=dict)  # what the trial sets on top of the base: knobs + derived keys
+    # a verl in-run sweep (tuner.trials.sweep): each setting's per-step knobs, in the order the run measures them
+    sweep: tuple = ()
 
 
 @dataclass
@@ -62,7 +64,12 @@ class TrialOutcome:
 
 
 class TrialRunner(Protocol):
-    """Runs one trial; the search calls it from ``--parallel`` worker threads."""
+    """Runs one trial; the search calls it from ``--parallel`` worker threads.
+
+    A runner may also offer ``group(session, proposal, request, stop) -> TrialOutcome``: run the launched proposal
+    together with configs it picks (a verl in-run sweep, :class:`tuner.trials.sweep.SweepRunner`), record those as
+    trials of the session's study, and return the proposal's own outcome; the session then calls it instead of
+    ``run``."""
 
     name: str  # recorded as the trial's ``engine``: what measured it
 
@@ -156,11 +163,14 @@ class VerlEngine:
     # what a trial runs instead of production's world: one node of the trial's GPUs and the global batch sizes
     # scaled to production's per-GPU batch (tuner.world.trial_overrides, as key=value); export leaves them out
     world: tuple = ()
+    # settings one verl run may measure (an in-run sweep of the per-step knobs: tuner.trials.sweep); 1: none
+    sweep_settings: int = 1
 
-    def run_file(self, overrides: dict, config: Optional[dict] = None) -> dict:
+    def run_file(self, overrides: dict, config: Optional[dict] = None, sweep: tuple = ()) -> dict:
         """The trial's verl run file: the base, the trial's world, then the trial's knobs (verl keys, Hydra
         spelling). ``config``: the trial's nested config (the tuner's view of it), whose run options go along: its
-        length (a probe runs 1 step), the worst case, and when it may stop measuring (``--precision``, the front)."""
+        length (a probe runs 1 step), the worst case, and when it may stop measuring (``--precision``, the front).
+        ``sweep``: an in-run sweep's settings (``ppotune.sweep``: the per-step knobs of each)."""
         from trainer.verl_engine.overrides import hydra_value
 
         knobs = [f"{k}={hydra_value(v)}" for k, v in overrides.items()]
@@ -172,6 +182,8 @@ class VerlEngine:
         }
         if config is not None:
             opts.update(run_options(config))
+        if sweep:
+            opts["sweep"] = [dict(s) for s in sweep]
         return {"overrides": [*self.base_overrides, *self.world, *knobs], "ppotune": opts}
 
 
@@ -216,7 +228,11 @@ class SubprocessRunner:
         d = request.trial_dir
         d.mkdir(parents=True, exist_ok=True)
         config_path, result_path = d / "config.yaml", d / "result.json"
-        config = request.config if self.verl is None else self.verl.run_file(request.overrides, request.config)
+        config = (
+            request.config
+            if self.verl is None
+            else self.verl.run_file(request.overrides, request.config, sweep=request.sweep)
+        )
         config_path.write_text(yaml.safe_dump(config, sort_keys=False))
         gpus = self.gpu_slice(request.slot)
         run = launch_trial(

@@ -6,12 +6,13 @@ node of ``--nproc`` GPUs with the global batch sizes scaled to production's per-
 overrides (the user's, plus its world and sizes where the target flags change them) are the study's
 ``engine_overrides`` and what export writes; a trial appends the trial world (:attr:`VerlEngine.world`).
 
-Not for verl trials: the calibrated memory model (:data:`MEMORY_MODEL_NOTE`).
+The calibrated memory model serves a verl search as it serves ours: ppotune's plugin inside verl
+(:mod:`trainer.verl_engine.plugin`) records each pass's peak, the token lengths' percentiles and the actor's shape.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 from trainer.config import flatten
 from trainer.launch.preflight import preflight_verl
@@ -19,15 +20,23 @@ from trainer.verl_engine.overrides import hydra_value, override_key
 from tuner.trials.runners import VerlEngine
 from tuner.world import WorldPlan, plan_world, production_overrides, trial_overrides
 
-__all__ = ["MEMORY_MODEL_NOTE", "verl_search", "world_overrides"]
+__all__ = ["check_verl_space", "verl_search", "world_overrides"]
 
-#: Why a verl search runs without the memory model (``predicted_oom``): it fits per-phase peaks, and verl records
-#: none. Inferred OOMs (a config at least as hungry as a known OOM on every monotone knob) still apply.
-MEMORY_MODEL_NOTE = (
-    "no memory model for verl trials (predicted_oom off; inferred OOMs still apply): it fits per-phase peaks and "
-    "verl records none (its perf/max_memory_* are per-role allocator peaks never reset, GPU only; on CPU the "
-    "tuner sees one resident-memory peak of the whole Ray tree)"
-)
+
+def check_verl_space(space) -> None:
+    """ValueError (one line naming the space and the key) for a space a verl search cannot run: ``fixed:`` keys (verl
+    takes its settings from the run file) and keys verl 0.9.1 does not read (:data:`tuner.space.registry.VERL_NO_OPS`:
+    every trial would measure noise, and the export would hand production a knob that does nothing)."""
+    from tuner.space.registry import verl_no_op_problem
+
+    if space.fixed:
+        raise ValueError(
+            f"{space.source}: fixed: --engine verl takes its settings from the verl run file; "
+            f"put {', '.join(space.fixed)} there"
+        )
+    why = verl_no_op_problem([k.key for k in space.knobs] + [d.key for d in space.derived])
+    if why:
+        raise ValueError(f"{space.source}: {why}")
 
 
 def world_overrides(values: dict) -> list[str]:
@@ -58,14 +67,19 @@ def verl_search(
     memory_limit_gb: Optional[float],
     target_nodes: Optional[int] = None,
     target_gpus_per_node: Optional[int] = None,
-    device: str = "cpu",
+    extra: Sequence[str] = (),
 ) -> tuple[dict, VerlEngine, WorldPlan]:
     """(the decision base: verl's config at the trial's world read into ppotune's typed config, how trials run, the
     world plan). verl composes the production config first (its world and global sizes, whatever the run file
-    leaves to verl's defaults), then the trial's. Raises ValueError (ConfigError: one line naming file and key)."""
+    leaves to verl's defaults), then the trial's, with the keys a run on its device adds (the CPU keys on a CPU:
+    :func:`trainer.verl_engine.adapter.run_device`). The one reading of a run file: ``search`` (and ``--dry-run``)
+    and ``space check`` call it. ``extra``: Hydra overrides after the run file's (``-o``). Raises ValueError
+    (ConfigError: one line naming file and key)."""
     from trainer.verl_engine import adapter
 
-    spec = adapter.load_run(base_config, python=python, steps=steps, warmup=warmup, memory_limit_gb=memory_limit_gb)
+    spec = adapter.load_run(
+        base_config, list(extra), python=python, steps=steps, warmup=warmup, memory_limit_gb=memory_limit_gb
+    )
     preflight_verl(spec.get, source=base_config)  # its data, model and tokenizer, before verl composes
     production = flatten(adapter.compose_verl(spec))
     plan = plan_world(
@@ -81,7 +95,7 @@ def verl_search(
     world = trial_overrides(plan)
     trial = tuple(world_overrides({k: v for k, v in world.items() if {**production, **prod}.get(k) != v}))
     spec.overrides = [*base, *trial]
-    nested = adapter.decision_base(spec, device=device)
+    nested = adapter.decision_base(spec)
     engine = VerlEngine(
         python=spec.python,
         base_overrides=base,
@@ -89,5 +103,6 @@ def verl_search(
         warmup=warmup,
         memory_limit_gb=memory_limit_gb,
         world=trial,
+        sweep_settings=spec.sweep_settings,
     )
     return nested, engine, plan

@@ -1,0 +1,154 @@
+"""The driver side of :mod:`trainer.verl_engine.plugin`: each worker-group call of a pass carries its step and pass
+(and an in-run sweep's current setting) in its batch; each step's metrics row gets what the workers measured."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+from trainer.verl_engine.schedule import CALL_KEY, LOG_ENV, PASS_OF_CALL, SETTING_METRIC, SWEEP_ENV, Schedule
+
+
+class _State:
+    """The trainer's current step (1-based: the step whose worker calls are being made) and the sweep."""
+
+    def __init__(self) -> None:
+        self.step = 1
+        path = os.environ.get(SWEEP_ENV)
+        self.schedule: Optional[Schedule] = Schedule.read(path) if path else None
+        self.log = Path(os.environ[LOG_ENV])
+
+    def batch_keys(self, pass_name: str) -> dict:
+        keys = {CALL_KEY: f"{self.step}:{pass_name}"}
+        at = self.schedule.at(self.step) if self.schedule else None
+        if at is not None:
+            keys.update(self.schedule.settings[at[0]].batch_keys(pass_name))
+        return keys
+
+    def row(self, step: int) -> dict:
+        """What the workers measured in ``step``: per pass the peak (max over ranks, GB) and micro-batches; the
+        token lengths' percentiles; the setting it ran."""
+        out: dict[str, Any] = {}
+        at = self.schedule.at(step) if self.schedule else None
+        if at is not None:
+            out[SETTING_METRIC] = at[0]
+        lines = []
+        if self.log.is_file():
+            for text in self.log.read_text().splitlines():
+                try:
+                    rec = json.loads(text)
+                except json.JSONDecodeError:
+                    continue
+                if rec.get("step") == step:
+                    lines.append(rec)
+        for rec in lines:
+            p = rec["pass"]
+            if rec.get("peak_gb") is not None:
+                key = f"ppotune/memory/{p}_gb"
+                out[key] = max(out.get(key, 0.0), float(rec["peak_gb"]))
+            key = f"ppotune/micro_batches/{p}"
+            out[key] = max(out.get(key, 0), int(rec["micro_batches"]))
+        for part in ("prompt", "response"):
+            xs = sorted(x for rec in lines for x in (rec.get("lengths") or {}).get(part, []))
+            if xs:
+                for q in (10, 50, 90):
+                    out[f"ppotune/lengths/{part}/p{q}"] = float(xs[min(len(xs) - 1, q * len(xs) // 100)])
+                out[f"ppotune/lengths/{part}/max"] = float(xs[-1])
+        return out
+
+
+_STATE: Optional[_State] = None
+
+
+def _state() -> _State:
+    global _STATE
+    if _STATE is None:
+        _STATE = _State()
+    return _STATE
+
+
+def _patch_binding(base) -> None:
+    """verl 0.9.1's ``func_generator``: what binds a worker group's methods."""
+    if not getattr(base.func_generator, "_ppotune", False):
+        base.func_generator = _binding(base.func_generator)
+
+
+def _patch_tracking(tracking) -> None:
+    """verl 0.9.1's ``Tracking.log``: each step's metrics row."""
+    if not getattr(tracking.Tracking.log, "_ppotune", False):
+        tracking.Tracking.log = _logging(tracking.Tracking.log)
+
+
+#: what :mod:`trainer.verl_engine.plugin` patches in the trainer's process, once each module is imported
+PATCHES = {"verl.single_controller.ray.base": _patch_binding, "verl.utils.tracking": _patch_tracking}
+
+
+def _pass_of(method_name: str) -> Optional[str]:
+    """The pass a worker-group method runs (``critic_infer_batch`` -> values: a colocated group prefixes the role)."""
+    for name, pass_name in PASS_OF_CALL.items():
+        if method_name == name or method_name.endswith("_" + name):
+            return pass_name
+    return None
+
+
+def _binding(original):
+    @functools.wraps(original)
+    def func_generator(self, method_name, *args, **kwargs):
+        functor = original(self, method_name, *args, **kwargs)
+        pass_name = _pass_of(method_name)
+        return functor if pass_name is None else _tagged(functor, pass_name)
+
+    func_generator._ppotune = True
+    return func_generator
+
+
+def _tagged(functor, pass_name: str):
+    def call(*args, **kwargs):
+        batch = args[0] if args else next(iter(kwargs.values()), None)
+        name = "ref" if pass_name == "old_log_prob" and _has(batch, "no_lora_adapter") else pass_name
+        keys = _state().batch_keys(name)
+        _put(batch, keys)
+        try:
+            return functor(*args, **kwargs)
+        finally:
+            _drop(batch, keys)
+
+    return call
+
+
+def _has(batch: Any, key: str) -> bool:
+    extra = getattr(batch, "extra_info", None)
+    return key in extra if isinstance(extra, dict) else key in getattr(batch, "keys", lambda: ())()
+
+
+def _put(batch: Any, keys: dict) -> None:
+    extra = getattr(batch, "extra_info", None)
+    if isinstance(extra, dict):  # v1: a KVBatchMeta; the worker sees its extra info as the batch's non-tensor data
+        extra.update(keys)
+        return
+    from verl.utils import tensordict_utils as tu
+
+    tu.assign_non_tensor(batch, **keys)
+
+
+def _drop(batch: Any, keys: dict) -> None:
+    """v1 reuses a step's KVBatchMeta for every pass: what one call got must not reach the next."""
+    extra = getattr(batch, "extra_info", None)
+    if isinstance(extra, dict):
+        for k in keys:
+            extra.pop(k, None)
+
+
+def _logging(original):
+    @functools.wraps(original)
+    def log(self, data, step, *args, **kwargs):
+        if isinstance(data, dict) and "perf/throughput" in data:  # a training step's row (not validation's)
+            data = {**data, **_state().row(step)}
+            _state().step = step + 1
+        return original(self, data, step, *args, **kwargs)
+
+    log._ppotune = True
+    return log

@@ -1,0 +1,126 @@
+"""The worker side of :mod:`trainer.verl_engine.plugin`: per-call peaks, micro-batch counts and token lengths."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import time
+from typing import Any, Optional
+
+import torch
+
+from trainer.verl_engine.schedule import CALL_KEY, LOG_ENV
+
+GIB = float(1 << 30)
+_MICRO_BATCHES = [0]  # micro-batches verl cut since the current call began (calls run one at a time per process)
+
+
+def _patch_workers(engine_workers) -> None:
+    """verl 0.9.1's ``TrainingWorker.infer_batch`` / ``train_mini_batch``: every role's passes go through them."""
+    cls = engine_workers.TrainingWorker
+    for name in ("infer_batch", "train_mini_batch"):
+        if not getattr(getattr(cls, name), "_ppotune", False):
+            setattr(cls, name, _measured(getattr(cls, name)))
+
+
+def _patch_engine(transformer_impl) -> None:
+    """The FSDP engine's ``prepare_micro_batches``: counts what each call cuts."""
+    prepare = transformer_impl.prepare_micro_batches
+    if getattr(prepare, "_ppotune", False):
+        return
+
+    @functools.wraps(prepare)
+    def counted(*args, **kwargs):
+        out = prepare(*args, **kwargs)
+        _MICRO_BATCHES[0] += len(out[0])
+        return out
+
+    counted._ppotune = True
+    transformer_impl.prepare_micro_batches = counted
+
+
+#: what :mod:`trainer.verl_engine.plugin` patches in a worker process, once each module is imported
+PATCHES = {"verl.workers.engine_workers": _patch_workers, "verl.workers.engine.fsdp.transformer_impl": _patch_engine}
+
+
+def _measured(fn):
+    @functools.wraps(fn)  # keeps verl's dispatch attributes (``register``), which the worker group binds by
+    def wrapper(self, data, *args, **kwargs):
+        call = _call_of(data)
+        if call is None:
+            return fn(self, data, *args, **kwargs)
+        step, pass_name = call.split(":", 1)
+        lengths = _lengths(data) if pass_name == "old_log_prob" else None
+        _reset_peak()
+        _MICRO_BATCHES[0] = 0
+        t0 = time.perf_counter()
+        out = fn(self, data, *args, **kwargs)
+        line = {
+            "step": int(step),
+            "pass": pass_name,
+            "rank": torch.distributed.get_rank() if torch.distributed.is_initialized() else 0,
+            "peak_gb": _peak_gb(),
+            "micro_batches": _MICRO_BATCHES[0],
+            "seconds": time.perf_counter() - t0,
+        }
+        if lengths:
+            line["lengths"] = lengths
+        with open(os.environ[LOG_ENV], "a") as f:  # one short line per call: an atomic append
+            f.write(json.dumps(line) + "\n")
+        return out
+
+    wrapper._ppotune = True
+    return wrapper
+
+
+def _call_of(data: Any) -> Optional[str]:
+    """The ``step:pass`` the driver put into the batch: a ``KVBatchMeta``'s extra info (verl's v1 trainer, before
+    TransferQueue turns it into a TensorDict) or a TensorDict's non-tensor data."""
+    extra = getattr(data, "extra_info", None)
+    if isinstance(extra, dict):
+        return extra.get(CALL_KEY)
+    try:
+        from verl.utils import tensordict_utils as tu
+
+        return tu.get_non_tensor_data(data, CALL_KEY, None)
+    except Exception:  # noqa: BLE001 - not a batch we know: unmeasured
+        return None
+
+
+def _lengths(data: Any) -> Optional[dict]:
+    """This rank's prompt and response lengths (valid tokens), from the batch's ``input_ids`` (nested: one row per
+    sequence, no padding) and ``response_mask``; None when the batch is not laid out so."""
+    try:
+        ids, mask = data["input_ids"], data["response_mask"]
+        totals = [int(x.numel()) for x in ids.unbind()]
+        responses = [int(x.sum()) for x in mask.unbind()]
+    except Exception:  # noqa: BLE001 - a KVBatchMeta or another layout: no lengths from this call
+        return None
+    if len(totals) != len(responses):
+        return None
+    return {"prompt": [t - r for t, r in zip(totals, responses)], "response": responses}
+
+
+def _reset_peak() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+        return
+    try:  # "5" resets the resident-memory high-water mark (VmHWM) to the current RSS
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _peak_gb() -> Optional[float]:
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / GIB
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024 / GIB
+    except OSError:
+        pass
+    return None
