@@ -293,7 +293,10 @@ def forward_backward(
         mb = _select(batch, layout, tuple(dict.fromkeys(keys)))
         sync = i == len(layouts) - 1 or not trainee.no_sync
         with gradient_sync(trainee.sharded, sync):
-            with activation_offload_context(trainee.activation_offload, device, trainee.sharded):
+            offload = activation_offload_context(
+                trainee.activation_offload, device, trainee.sharded, on_cpu=trainee.offload_on_cpu
+            )
+            with offload:
                 with compute_autocast(trainee.sharded, device.type):
                     value, stats = loss.fn(module, mb, totals, layout)
             # FSDP averages gradients over ranks; x world makes the sum of token losses / global tokens exact.

@@ -11,6 +11,7 @@ at a time, the rollout engine, optimizers, KL controller, plans and settings, as
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
@@ -92,24 +93,27 @@ class Trainee:
     no_sync: bool = False  # use_no_sync_for_gradient_accumulation
     pad_to_multiple: Optional[int] = None  # pad_to_length: packed rows padded to a multiple of the bucket
     entropy_fn: Callable[[torch.Tensor], torch.Tensor] = core.entropy_from_logits
+    offload_on_cpu: bool = False  # the offload knobs' copies run on a CPU too (build_roles' offload_on_cpu)
 
 
 @contextlib.contextmanager
 def resident(trainee: Trainee, device: torch.device, *, update: bool = False):
     """What a phase needs on the device, for the phase only (verl's load_fsdp_model_to_gpu /
     load_fsdp_optimizer before a phase, offload after): the parameter shards with ``param_offload``,
-    and for an update the optimizer state with ``optimizer_offload``. On a CPU run both are no-ops."""
+    and for an update the optimizer state with ``optimizer_offload``. On a CPU run both are no-ops (real copies
+    with ``offload_on_cpu``)."""
+    copy = trainee.offload_on_cpu
     if trainee.param_offload:
-        move_params(trainee.sharded, device)
+        move_params(trainee.sharded, device, copy=copy)
     if update and trainee.optimizer_offload:
-        move_optimizer_state(trainee.optimizer, None)  # next to each parameter, wherever it lives
+        move_optimizer_state(trainee.optimizer, None, copy=copy)  # next to each parameter, wherever it lives
     try:
         yield
     finally:
         if update and trainee.optimizer_offload:
-            move_optimizer_state(trainee.optimizer, torch.device("cpu"))
+            move_optimizer_state(trainee.optimizer, torch.device("cpu"), copy=copy)
         if trainee.param_offload:
-            move_params(trainee.sharded, torch.device("cpu"))
+            move_params(trainee.sharded, torch.device("cpu"), copy=copy)
 
 
 def make_entropy_fn(*, chunk_size: Optional[int], checkpointing: bool, compile: bool):
@@ -313,32 +317,34 @@ def model_loads(cfg, rank: int) -> dict:
     return {"actor": actor, "ref": actor, "critic": (load_critic, cfg.critic.model.path, kw)}
 
 
-def build_roles(cfg, tokenizer, device, world: int, notes: list[str], *, weights=None):
+def build_roles(cfg, tokenizer, device, world: int, notes: list[str], *, weights=None, offload_on_cpu: bool = False):
     """Load, shard and equip actor, ref and critic with this config's knobs; -> (Roles, model shape info).
 
     ``weights``: where a warm job keeps a copy of the loaded weights (``load(loader, path, tokenizer, **kw)``
-    returns a fresh model, as the loader would, without reading the checkpoint again)."""
+    returns a fresh model, as the loader would, without reading the checkpoint again). ``offload_on_cpu``: on a
+    CPU the offload knobs still run their mechanism (real copies, activation offload's hooks, FSDP2's offload
+    policy unpinned), where a run would skip them: the invariance suite's check that they change no gradient."""
     cfg = effective_config(cfg)  # null follow-keys filled in: every value below is what the run uses
 
     # step 1. what cannot act as set is said in the notes, never silently ignored
     notes.extend(knob_notes(cfg, device.type))
 
     # step 2. actor, reference model and critic, each sharded before the next is built
-    models = _build_models(cfg, tokenizer, device, notes, weights)
+    models = _build_models(cfg, tokenizer, device, notes, weights, offload_on_cpu)
 
     # step 3. param_offload: the shards wait in host memory from the start, as verl offloads them at init
     # (a colocated vLLM engine, built next, then sees the device without them)
-    if device.type != "cpu":
+    if device.type != "cpu" or offload_on_cpu:
         a, c = cfg.actor_rollout_ref.actor, cfg.critic
         for sharded, offload in ((models.actor, a.fsdp_config.param_offload), (models.critic, c.fsdp.param_offload)):
             if offload and sharded is not None:
-                move_params(sharded, torch.device("cpu"))
+                move_params(sharded, torch.device("cpu"), copy=offload_on_cpu)
 
     # step 4. the rollout: a colocated vLLM engine (rollout.name=vllm), else HF generate from the actor
     rollout = _vllm_rollout(cfg, models, device, notes) if cfg.actor_rollout_ref.rollout.name == "vllm" else None
 
     # step 5. the trainees: the models with their optimizers and the knobs that act around their passes
-    actor, ref, critic = _trainees(cfg, models)
+    actor, ref, critic = _trainees(cfg, models, offload_on_cpu)
 
     # step 6. assembled with the KL controller, the micro-batch plans and the step's settings
     roles = Roles(
@@ -382,7 +388,7 @@ class _Models:
     num_params: int
 
 
-def _build_models(cfg, tokenizer, device, notes: list[str], weights) -> _Models:
+def _build_models(cfg, tokenizer, device, notes: list[str], weights, on_cpu: bool) -> _Models:
     """Rank 0 loads the weights; the others build the architecture on the meta device and get their
     shards from rank 0 (verl: rank-0 load + sync_module_states). One model at a time, each sharded
     before the next is built: host memory holds one full model, on one rank."""
@@ -397,6 +403,7 @@ def _build_models(cfg, tokenizer, device, notes: list[str], weights) -> _Models:
         model = model.to(torch_dtype(fc.model_dtype))  # master weights (model_dtype)
         model.requires_grad_(not frozen)
         count = num_params(model)  # before sharding: afterwards a rank sees only its shards
+        shard_knobs = dataclasses.replace(shard_knobs, compute_offload_on_cpu=on_cpu)
         return model.config, count, shard_model(model, shard_knobs, device=device, name=name, notes=notes)
 
     actor_knobs = _shard_knobs(
@@ -439,7 +446,7 @@ def _adamw(sharded: Sharded, optim) -> torch.optim.AdamW:
     )
 
 
-def _trainees(cfg, models: _Models) -> tuple[Trainee, Optional[Trainee], Optional[Trainee]]:
+def _trainees(cfg, models: _Models, on_cpu: bool) -> tuple[Trainee, Optional[Trainee], Optional[Trainee]]:
     """(actor, ref, critic): each model with its optimizer (the trained ones) and its pass knobs; None for a
     role the run does not build."""
     a, c = cfg.actor_rollout_ref.actor, cfg.critic
@@ -459,6 +466,7 @@ def _trainees(cfg, models: _Models) -> tuple[Trainee, Optional[Trainee], Optiona
             checkpointing=a.entropy_checkpointing,
             compile=a.use_torch_compile,
         ),
+        offload_on_cpu=on_cpu,
     )
     ref = critic = None
     if models.ref is not None:
@@ -477,6 +485,7 @@ def _trainees(cfg, models: _Models) -> tuple[Trainee, Optional[Trainee], Optiona
         activation_offload=c.model.enable_activation_offload,
         rmpad=c.model.use_remove_padding,
         no_sync=c.fsdp.use_no_sync_for_gradient_accumulation,
+        offload_on_cpu=on_cpu,
     )
     return actor, ref, critic
 
