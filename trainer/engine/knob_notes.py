@@ -3,15 +3,22 @@
 :func:`knob_notes` is what :func:`trainer.engine.roles.build_roles` adds before it builds a model, one small
 function per kind of note, in this order: offload on CPU, a shared section's key that cannot act in its role,
 fp32 compute, packed attention that is not verl's kernel, ``pad_to_length`` without packing, the reference
-model's offload flags, vLLM-only keys on an HF-generate run. Each reads an effective config
-(``trainer.config.effective_config``: the null follow-keys filled in).
+model's offload flags, vLLM-only keys on an HF-generate run, HF generate on a GPU (not production's rollout).
+Each reads an effective config (``trainer.config.effective_config``: the null follow-keys filled in; the rollout
+named, ``trainer.engine.rollout.with_rollout``).
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
-__all__ = ["knob_notes", "packed_attention_notes", "VLLM_ONLY_KEYS"]
+__all__ = ["knob_notes", "packed_attention_notes", "VLLM_ONLY_KEYS", "HF_ROLLOUT_ON_GPU"]
+
+#: The note of a GPU run whose rollout is HF generate (the report shows a trial's notes in its row)
+HF_ROLLOUT_ON_GPU = (
+    "actor_rollout_ref.rollout.name=hf: HF generate on a GPU is not production's rollout (verl runs vLLM): this "
+    "run's gen phase, and the step time every knob is ranked by, are not what a verl job's would be"
+)
 
 #: rollout keys only a vLLM engine reads (said in the notes when set on an HF-generate run)
 VLLM_ONLY_KEYS = (
@@ -39,6 +46,7 @@ def knob_notes(cfg, device_type: str) -> list[str]:
         *_pad_to_length_notes(cfg),
         *_ref_offload_notes(cfg),
         *_vllm_only_notes(cfg),
+        *([HF_ROLLOUT_ON_GPU] if device_type == "cuda" and cfg.actor_rollout_ref.rollout.name == "hf" else []),
     ]
 
 
