@@ -23,6 +23,7 @@ from trainer.config import PRECISIONS, effective_config, need_critic, need_refer
 from trainer.engine import core
 from trainer.engine.batching import fixed_micro_batches, token_budget_micro_batches
 from trainer.engine.knob_notes import knob_notes
+from trainer.engine.logits import entropy_stats, token_entropy
 from trainer.engine.models import load_actor, load_critic, num_params
 from trainer.engine.offload import move_optimizer_state, move_params
 from trainer.engine.parallel import (
@@ -33,7 +34,7 @@ from trainer.engine.parallel import (
     shard_model,
     torch_dtype,
 )
-from trainer.engine.rollout import Sampling, generate_responses
+from trainer.engine.rollout import Sampling, generate_responses, with_rollout
 
 if TYPE_CHECKING:
     from trainer.engine.vllm_rollout import VLLMRollout
@@ -92,7 +93,7 @@ class Trainee:
     rmpad: bool = True
     no_sync: bool = False  # use_no_sync_for_gradient_accumulation
     pad_to_multiple: Optional[int] = None  # pad_to_length: packed rows padded to a multiple of the bucket
-    entropy_fn: Callable[[torch.Tensor], torch.Tensor] = core.entropy_from_logits
+    entropy_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = token_entropy  # (logits, rows) -> (N,)
     offload_on_cpu: bool = False  # the offload knobs' copies run on a CPU too (build_roles' offload_on_cpu)
 
 
@@ -117,24 +118,23 @@ def resident(trainee: Trainee, device: torch.device, *, update: bool = False):
 
 
 def make_entropy_fn(*, chunk_size: Optional[int], checkpointing: bool, compile: bool):
-    """The actor's entropy function as verl builds it: chunked over tokens (lower transient peak),
-    torch.compile'd, and under autograd optionally checkpointed (its (N, V) softmax recomputed in
-    backward instead of kept).
+    """The actor's entropy function ``fn(logits (M, V), rows (N,)) -> (N,)`` as verl builds it: chunked over tokens
+    (``chunk_size`` rows at a time; None: trainer.engine.logits' bounded share), torch.compile'd, and under autograd
+    optionally checkpointed (the chunks recomputed in backward).
 
-    Compiled once per process and shape family: :func:`compiled_entropy` is one graph for any token count
+    Compiled once per process and shape family: :func:`compiled_entropy` is one graph for any chunk's row count
     (dynamic shapes), the chunks are its calls from Python. (verl compiles its chunked loop whole, which dynamo
     unrolls and recompiles for every new number of chunks, up to its recompile limit.) A warm job keeps it for its
     later trials (trainer/rank/serve.py does not reset dynamo)."""
-    fn = compiled_entropy() if compile else core.entropy_from_logits
-    if chunk_size is not None:
-        fn = functools.partial(_chunked, fn, chunk_size=chunk_size)
+    stats = compiled_entropy() if compile else entropy_stats
+    fn = functools.partial(token_entropy, chunk_size=chunk_size, stats=stats)
     if not checkpointing:
         return fn
 
-    def checkpointed(logits: torch.Tensor) -> torch.Tensor:
+    def checkpointed(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         if not torch.is_grad_enabled():
-            return fn(logits)
-        return torch.utils.checkpoint.checkpoint(fn, logits, use_reentrant=False)
+            return fn(logits, rows)
+        return torch.utils.checkpoint.checkpoint(fn, logits, rows, use_reentrant=False)
 
     return checkpointed
 
@@ -143,15 +143,11 @@ _COMPILED: dict[str, Callable] = {}
 
 
 def compiled_entropy() -> Callable[[torch.Tensor], torch.Tensor]:
-    """``torch.compile(entropy_from_logits, dynamic=True)``, made once per process (compiled at its first call)."""
+    """``torch.compile(entropy_stats, dynamic=True)`` (a chunk's per-row log-sum-exp and entropy, fused), made once
+    per process (compiled at its first call)."""
     if "entropy" not in _COMPILED:
-        _COMPILED["entropy"] = torch.compile(core.entropy_from_logits, dynamic=True)
+        _COMPILED["entropy"] = torch.compile(entropy_stats, dynamic=True)
     return _COMPILED["entropy"]
-
-
-def _chunked(fn: Callable[[torch.Tensor], torch.Tensor], logits: torch.Tensor, *, chunk_size: int) -> torch.Tensor:
-    """:func:`trainer.engine.core.entropy_from_logits_chunked` with ``fn`` per chunk (the same rows, the same sums)."""
-    return torch.cat([fn(logits[i : i + chunk_size]) for i in range(0, logits.shape[0], chunk_size)])
 
 
 @dataclass(frozen=True)
@@ -324,7 +320,8 @@ def build_roles(cfg, tokenizer, device, world: int, notes: list[str], *, weights
     returns a fresh model, as the loader would, without reading the checkpoint again). ``offload_on_cpu``: on a
     CPU the offload knobs still run their mechanism (real copies, activation offload's hooks, FSDP2's offload
     policy unpinned), where a run would skip them: the invariance suite's check that they change no gradient."""
-    cfg = effective_config(cfg)  # null follow-keys filled in: every value below is what the run uses
+    # null follow-keys filled in, the rollout named: every value below is what the run uses
+    cfg = with_rollout(effective_config(cfg), device.type)
 
     # step 1. what cannot act as set is said in the notes, never silently ignored
     notes.extend(knob_notes(cfg, device.type))

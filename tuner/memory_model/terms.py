@@ -65,7 +65,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-from trainer.config import PPOConfig, config_to_dict, flatten, resolve_follows
+from trainer.config import PPOConfig, config_to_dict, flatten, resolve_follows, rollout_name
 from trainer.config.keys import absent_role
 from trainer.contracts import PHASES
 from tuner.memory_model.shape import ModelShape, ParamCounts, param_counts
@@ -245,7 +245,8 @@ def _setup(
         actor=_role(flat, f"{_A}.fsdp_config", strategy, "actor_rollout_ref.model", shard_world),
         ref=_role(flat, f"{_REF}.fsdp_config", strategy, "actor_rollout_ref.model", shard_world),
         critic=_role(flat, f"{_C}.fsdp", flat[f"{_C}.strategy"], "critic.model", shard_world),
-        vllm=flat[f"{_RO}.name"] == "vllm",
+        # an unnamed rollout is vLLM on a GPU (``ppotune train`` refuses a GPU run where it does not import)
+        vllm=rollout_name(flat[f"{_RO}.name"], device_type="cuda" if on_gpu else "cpu", vllm_importable=True) == "vllm",
         pad_multiple=int(flat[f"{_A}.fsdp_config.pad_to_length_bucket"]) if pad_to_length else None,
         ref_pad=int(flat[f"{_REF}.fsdp_config.pad_to_length_bucket"]) if pad_to_length else None,
         entropy_chunk=(
