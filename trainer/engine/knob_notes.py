@@ -110,22 +110,32 @@ def _fp32_compute_notes(cfg) -> list[str]:
 
 
 def packed_attention_notes(
-    cfg, device_type: str, *, has_flash: Optional[bool] = None, has_torch_varlen: Optional[bool] = None
+    cfg,
+    device_type: str,
+    *,
+    has_flash: Optional[bool] = None,
+    has_torch_varlen: Optional[bool] = None,
+    has_flex: Optional[bool] = None,
 ) -> list[str]:
     """What a GPU run of packed rows (``use_remove_padding``) says when its attention is not verl's: verl runs
     flash-attn varlen, one kernel per packed row (so does torch's own build of that kernel, which ppotune runs
     where flash-attn is missing); computing in fp32 (flash attention is half precision only), or with neither,
-    each sequence gets its own sdpa call. The memory is the same; on a GPU the many small calls make the step
-    slower than verl's, so the figure understates this config. On CPU neither engine has a varlen kernel (verl
-    runs padded there): nothing to say. ``cfg``: an effective config."""
+    the row goes through torch's flex attention (one compiled call, a block-diagonal mask), or where this torch has
+    no flex attention, one sdpa call per sequence. The memory is the same; the step's speed is another kernel's. On
+    CPU neither engine has a varlen kernel (verl runs padded there): nothing to say. ``cfg``: an effective config."""
     import torch
 
-    from trainer.engine.attention import PER_SEQUENCE_SDPA, packed_kernel
+    from trainer.engine.attention import FLEX_BLOCK_DIAGONAL, PER_SEQUENCE_SDPA, packed_kernel
     from trainer.engine.parallel import torch_dtype
 
     if device_type != "cuda":
         return []
-    kw = {k: v for k, v in (("has_flash", has_flash), ("has_torch_varlen", has_torch_varlen)) if v is not None}
+    given = (("has_flash", has_flash), ("has_torch_varlen", has_torch_varlen), ("has_flex", has_flex))
+    kw = {k: v for k, v in given if v is not None}
+    ran = {
+        FLEX_BLOCK_DIAGONAL: "torch's flex attention, one compiled call per row with a block-diagonal mask",
+        PER_SEQUENCE_SDPA: "one sdpa call per sequence",
+    }
     out = []
     arr = cfg.actor_rollout_ref
     roles = [
@@ -134,11 +144,12 @@ def packed_attention_notes(
     ]
     for key, packed, fc in roles:
         dtype = torch_dtype(fc.mixed_precision.param_dtype)
-        if packed and packed_kernel(device_type, dtype, **kw) == PER_SEQUENCE_SDPA:
+        kernel = packed_kernel(device_type, dtype, **kw) if packed else None
+        if kernel in ran:
             why = "fp32 compute (flash attention is half precision only)" if dtype == torch.float32 else "no flash-attn"
             out.append(
-                f"{key}: packed attention ran one sdpa call per sequence ({why}), where verl runs one flash-attn "
-                "varlen call per row: the same memory, a slower step on a GPU (install flash-attn, compute in bf16)"
+                f"{key}: packed attention ran {ran[kernel]} ({why}), where verl runs one flash-attn varlen call per "
+                "row: the same memory, another kernel's speed on a GPU (install flash-attn, compute in bf16)"
             )
     return out
 
