@@ -244,13 +244,15 @@ class Roles:
         device: torch.device,
         *,
         sampling: Optional[Sampling] = None,
+        streamer=None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Responses and their mask sampled from the actor with this run's rollout settings (or ``sampling``)."""
+        """Responses and their mask sampled from the actor with this run's rollout settings (or ``sampling``);
+        ``streamer``: told each decode step of an HF generate (a profiled step's window)."""
         sampling = sampling or self.settings.sampling
         if self.rollout is not None:
             return self.rollout.generate(prompt_ids, prompt_mask, sampling)
         with resident(self.actor, device):
-            return generate_responses(self.actor.sharded, prompt_ids, prompt_mask, sampling)
+            return generate_responses(self.actor.sharded, prompt_ids, prompt_mask, sampling, streamer=streamer)
 
 
 def fullest_micro_batches(

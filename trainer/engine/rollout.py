@@ -66,8 +66,11 @@ def generate_responses(
     prompt_ids: torch.Tensor,
     prompt_mask: torch.Tensor,
     sampling: Sampling,
+    *,
+    streamer=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded prompts (B, P) -> responses (B, R) right-padded with ``pad_id``, response_mask (B, R)."""
+    """Left-padded prompts (B, P) -> responses (B, R) right-padded with ``pad_id``, response_mask (B, R);
+    ``streamer``: HF generate's, told the prompt and each decode step."""
     R, pad_id, eos_id = sampling.max_response_length, sampling.pad_id, sampling.eos_id
     sample = sampling.do_sample and sampling.temperature > 0
     kwargs = dict(
@@ -80,6 +83,8 @@ def generate_responses(
     )
     if sampling.ignore_eos:
         kwargs["min_new_tokens"] = R
+    if streamer is not None:
+        kwargs["streamer"] = streamer
     if sample:
         kwargs.update(
             temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k if sampling.top_k > 0 else 0
