@@ -43,21 +43,18 @@ on the machine (it measures memory). Exit 1 when ours exceeds ``GOAL`` x verl's 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 from pathlib import Path
+
+from side_by_side import WorkerProcess, answer, requests, write_record
 
 REPO = Path(__file__).resolve().parent.parent
 VERL_PY = REPO / ".venv-verl" / "bin" / "python"
 PASSES = ("ref", "old_log_prob", "update", "update_entropy")
 #: issue 33's goal: ours at most 1.1x verl's GPU path on every pass
 GOAL = 1.1
-_MARK = "@@bench "
 
 
 # --------------------------------------------------------------------------- the shared model and micro-batch
@@ -269,49 +266,18 @@ def worker_main(side: str, args) -> None:
     for actor in actors.values():  # first-use costs (compiles, lazy allocations) before any measure
         for name in PASSES:
             actor.run(name)
-    _answer({"ready": side})
-    for line in sys.stdin:
-        ask = json.loads(line)
-        if ask.get("stop"):
-            break
+    answer({"ready": side})
+    for ask in requests():
         actor = actors[ask["dtype"]]
-        _answer({"bytes": peak_beyond(lambda: actor.run(ask["pass"]))})
+        answer({"bytes": peak_beyond(lambda: actor.run(ask["pass"]))})
 
 
-def _answer(obj: dict) -> None:
-    sys.stdout.write(_MARK + json.dumps(obj) + "\n")
-    sys.stdout.flush()
-
-
-class Worker:
+class Worker(WorkerProcess):
     def __init__(self, side: str, python: str, args) -> None:
         flags = [f"--{k}={getattr(args, k)}" for k in ("tokens", "seqs", "vocab", "hidden", "dtypes", "threads")]
         env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(args.threads),
                "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}  # fmt: skip
-        cmd = [python, str(Path(__file__).resolve()), "--worker", side, *flags]
-        self.side, self.proc = side, subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                                      env=env)  # fmt: skip
-        self._read()
-
-    def _read(self) -> dict:
-        while True:
-            line = self.proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"the {self.side} worker ended (exit {self.proc.wait()})")
-            if line.startswith(_MARK):
-                return json.loads(line[len(_MARK) :])
-            sys.stderr.write(f"[{self.side}] {line}")
-
-    def ask(self, dtype: str, name: str) -> int:
-        self.proc.stdin.write(json.dumps({"dtype": dtype, "pass": name}) + "\n")
-        self.proc.stdin.flush()
-        return self._read()["bytes"]
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.write(json.dumps({"stop": True}) + "\n")
-            self.proc.stdin.flush()
-            self.proc.wait(timeout=120)
+        super().__init__(side, [python, str(Path(__file__).resolve()), "--worker", side, *flags], env)
 
 
 def formula_bytes(args, dtype: str, name: str) -> int:
@@ -365,7 +331,7 @@ def main(argv=None) -> int:
                 for name in PASSES:
                     for side in order:
                         got.setdefault(dtype, {}).setdefault(name, {}).setdefault(side, []).append(
-                            workers[side].ask(dtype, name)
+                            workers[side].ask({"dtype": dtype, "pass": name})["bytes"]
                         )
             print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
     finally:
@@ -378,14 +344,7 @@ def main(argv=None) -> int:
     print(text)
     print(f"goal (ours <= {GOAL}x verl's GPU path on every pass):", "met" if not missed else "; ".join(missed))
     if args.json:
-        record = {
-            "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
-            "command": " ".join(sys.argv),
-            "bytes": got,
-            "missed": missed,
-        }
-        args.json.write_text(json.dumps(record, indent=1))
+        write_record(args.json, bytes=got, missed=missed)
     return 1 if missed else 0
 
 

@@ -46,16 +46,14 @@ Run it alone on the machine (it measures wall time).
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from side_by_side import WorkerProcess, answer, requests, write_record
 
 REPO = Path(__file__).resolve().parent.parent
 VERL_PY = REPO / ".venv-verl" / "bin" / "python"
@@ -385,11 +383,8 @@ def worker_main(side: str, work: Path, micro: int, padded: bool, dtype: str) -> 
     torch.manual_seed(0)
     cls = VerlActor if side == "verl" else OursActor
     actors: dict = {}
-    _answer({"ready": side})
-    for line in sys.stdin:
-        ask = json.loads(line)
-        if ask.get("stop"):
-            break
+    answer({"ready": side})
+    for ask in requests():
         variant = ask["variant"]
         if variant not in actors:
             actors[variant] = cls(work, variant, micro=micro, padded=padded, dtype=dtype)
@@ -402,7 +397,7 @@ def worker_main(side: str, work: Path, micro: int, padded: bool, dtype: str) -> 
         got["shared_ops"] = got["ops"] - sum(got["region_ops"].get(r, 0) for r in STAND_INS)
         got["attention_calls"] = got["region_calls"].get("attention", 0)
         got["attention_ops"] = got["region_ops"].get("attention", 0)
-        _answer(got)
+        answer(got)
 
 
 def _count_stand_ins(side: str) -> None:
@@ -426,45 +421,13 @@ def _count_stand_ins(side: str) -> None:
     passes.token_log_probs = count_region(passes.token_log_probs, "log_prob")
 
 
-_MARK = "@@bench "  # the workers' answers; any other line is the engines' own output
-
-
-def _answer(obj: dict) -> None:
-    sys.stdout.write(_MARK + json.dumps(obj) + "\n")
-    sys.stdout.flush()
-
-
-# --------------------------------------------------------------------------- the parent: interleaved rounds
-class Worker:
+class Worker(WorkerProcess):
     """One engine's worker process, asked one pass at a time."""
 
     def __init__(self, side: str, python: str, work: Path, args) -> None:
         cmd = [python, str(Path(__file__).resolve()), "--worker", side, "--work", str(work)]
         cmd += ["--micro", str(args.micro), "--dtype", args.dtype] + (["--padded"] if args.padded else [])
-        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(args.threads)}
-        self.side = side
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-        self._read()
-
-    def _read(self) -> dict:
-        while True:
-            line = self.proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"the {self.side} worker ended (exit {self.proc.wait()})")
-            if line.startswith(_MARK):
-                return json.loads(line[len(_MARK) :])
-            sys.stderr.write(f"[{self.side}] {line}")
-
-    def ask(self, variant: str, name: str, timed_runs: int) -> dict:
-        self.proc.stdin.write(json.dumps({"variant": variant, "pass": name, "timed_runs": timed_runs}) + "\n")
-        self.proc.stdin.flush()
-        return self._read()
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.write(json.dumps({"stop": True}) + "\n")
-            self.proc.stdin.flush()
-            self.proc.wait(timeout=120)
+        super().__init__(side, cmd, {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(args.threads)})
 
 
 def variants(args) -> list[str]:
@@ -485,7 +448,7 @@ def run_rounds(workers: dict, args) -> dict:
         for variant in variants(args):
             for name in PASSES:
                 for side in order:
-                    m = workers[side].ask(variant, name, args.timed_runs)
+                    m = workers[side].ask({"variant": variant, "pass": name, "timed_runs": args.timed_runs})
                     got.setdefault(variant, {}).setdefault(name, {}).setdefault(side, []).append(m)
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
     return got
@@ -597,14 +560,7 @@ def main(argv=None) -> int:  # long: the flags, the inputs, the workers, the tab
         "all met" if not missed else "; ".join(missed),
     )
     if args.json:
-        record = {
-            "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
-            "command": " ".join(sys.argv),
-            "summary": summary,
-            "missed": missed,
-        }
-        args.json.write_text(json.dumps(record, indent=1))
+        write_record(args.json, summary=summary, missed=missed)
     return 1 if missed else 0
 
 
