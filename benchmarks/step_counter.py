@@ -222,7 +222,10 @@ class Counting:
         self.regions: list[str] = []
         known = WeakIdKeyDictionary()
         for t in host:
-            known[t] = t.is_pinned()
+            try:
+                known[t] = t.is_pinned()
+            except (NotImplementedError, RuntimeError):  # a nested (jagged) tensor has no pinned flag of its own
+                known[t] = False
         self._modes = [
             _Functions(self.counts, self._reading, known),
             _Dispatch(self.counts, self._reading, self.regions),
