@@ -13,8 +13,8 @@ in both environments, and by the sync-count test): torch only, no project import
   e.g. tensordict's ``.cpu()``, is undercounted: conservative for a comparison against verl). A copy of host data
   to a device is a **sync** too unless it is ``non_blocking`` from pinned memory (on CUDA torch synchronizes the
   stream after a blocking copy, and the host stages a pageable one): ``torch.tensor(data, device=...)``, and a
-  move of a tensor known to live on the host (``Counting(host=...)``: a driver's batch; or made by ``.cpu()``,
-  ``torch.from_numpy``, ``pin_memory()`` inside the pass).
+  move of a tensor known to live on the host (``Counting(host=...)``: a driver's batch; made by ``.cpu()`` or
+  ``pin_memory()`` inside the pass; or computed from one of those: a split, a view).
 * a ``TorchDispatchMode`` counts every aten op dispatched (forward and backward: what a GPU would launch, more
   or less) and flags the ops whose output shape depends on the data (``nonzero``, ``masked_select``, ``unique``,
   indexing with a boolean mask, ``repeat_interleave`` without ``output_size``, ``_local_scalar_dense``...): each
@@ -102,6 +102,22 @@ class Counts:
         }
 
 
+def _tensors(obj) -> list:
+    """The tensors of ``obj``: itself, or the items of a tuple or list (one level)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (tuple, list)):
+        return [t for t in obj if isinstance(t, torch.Tensor)]
+    return []
+
+
+def _to_a_device(func, args: tuple, kwargs: dict) -> bool:
+    """A move whose result is on a device (``.cuda()``, a ``.to()`` naming one), not a host-side cast or copy."""
+    if func is torch.Tensor.cuda:
+        return True
+    return func is torch.Tensor.to and _names_a_device(args[1:], kwargs) and "cpu" not in (args[1:2] or ("",))
+
+
 def _names_a_device(args: tuple, kwargs: dict) -> bool:
     """Whether a ``.to(...)`` call moves between devices (not a dtype-only cast)."""
     for a in (*args, kwargs.get("device"), kwargs.get("other")):
@@ -113,7 +129,8 @@ def _names_a_device(args: tuple, kwargs: dict) -> bool:
 
 
 #: calls whose result lives in host memory (on a GPU too): a later move of it to a device is a host-to-device copy
-_MAKES_HOST = {torch.from_numpy: "from_numpy", torch.Tensor.cpu: "cpu", torch.Tensor.pin_memory: "pin_memory"}
+#: (``torch.from_numpy`` is not: torch's function modes do not see it)
+_MAKES_HOST = {torch.Tensor.cpu: "cpu", torch.Tensor.pin_memory: "pin_memory"}
 
 
 class _Functions(TorchFunctionMode):
@@ -136,7 +153,16 @@ class _Functions(TorchFunctionMode):
             self._count_move(func, args, kwargs, out)
         if func in _MAKES_HOST and isinstance(out, torch.Tensor):
             self.host[out] = func is torch.Tensor.pin_memory  # host memory; pinned or not
+        elif _to_a_device(func, args, kwargs):
+            for t in _tensors(out):  # on a device now (a CPU run hands back the same object: it is the device's)
+                self.host.pop(t, None)
+        elif self.host and self._reads_host(args, kwargs):
+            for t in _tensors(out):  # what is computed from host tensors stays in host memory (a split, a view)
+                self.host[t] = False
         return out
+
+    def _reads_host(self, args: tuple, kwargs: dict) -> bool:
+        return any(t in self.host for t in _tensors((*args, *kwargs.values())))
 
     def _count_move(self, func, args: tuple, kwargs: dict, out) -> None:
         """A host copy: a move that names a device (on a CPU run: one that would copy on a GPU), a ``copy_``
