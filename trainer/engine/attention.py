@@ -328,6 +328,8 @@ def _flex_call(query, key, value, kwargs: dict, *, scaling, compiled: bool) -> t
     fn = _FLEX
     if compiled:
         if "flex" not in _COMPILED_FLEX:
+            # one graph for every token count; CUDA only (a CPU run never takes this path: inductor's CPU flex
+            # template compiles a first shape but fails on dynamic ones in torch 2.13)
             _COMPILED_FLEX["flex"] = torch.compile(_FLEX, dynamic=True)
         fn = _COMPILED_FLEX["flex"]
     gqa = query.shape[1] != key.shape[1]
