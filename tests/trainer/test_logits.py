@@ -136,6 +136,42 @@ def test_what_the_update_keeps_for_backward_with_and_without_entropy(model_and_b
         assert saved_bytes(lambda: run(None)) == 0
 
 
+@pytest.mark.parametrize("rmpad", [True, False])
+def test_the_updates_backward_makes_no_tokens_x_vocab_tensor(model_and_batch, rmpad):
+    """Without the entropy in the loss, the log-prob's gradient is written into the logits and flows to the LM head as
+    it is: no new (.., vocab) tensor in backward (verl's in-place cross-entropy; an indexed or copied logits tensor
+    would make one)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    model, batch = model_and_batch
+    vocab = model.config.vocab_size
+    # the logits' rows: every valid token packed, or every position of the padded rows
+    rows = int(batch["attention_mask"].sum()) if rmpad else batch["input_ids"].numel()
+
+    class VocabSized(TorchDispatchMode):
+        """The new tensors (not written in place) as large as the logits that the body makes."""
+
+        def __init__(self):
+            super().__init__()
+            self.made = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            given = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                fresh = isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in given  # no view, no _
+                if fresh and t.dim() and t.shape[-1] == vocab and t.numel() >= rows * vocab:
+                    self.made.append(f"{func} -> {tuple(t.shape)}")
+            return out
+
+    out = forward_response(model, batch, kind="actor", rmpad=rmpad, prompt_width=P)
+    loss = (out["log_prob"] * batch["response_mask"]).sum()
+    with VocabSized() as seen:
+        loss.backward()
+    model.zero_grad(set_to_none=True)
+    assert seen.made == [], seen.made
+
+
 def test_pad_to_length_changes_no_output(model_and_batch):
     model, batch = model_and_batch
     with torch.no_grad():

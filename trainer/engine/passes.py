@@ -95,7 +95,8 @@ def forward_response(
     packed_ids, packed_pos = pad_tail(packed_ids, packed_pos, layout.pad)
     # sequence boundaries for the attention layers: no T x T mask (trainer/engine/attention.py)
     varlen = varlen_kwargs(layout.seq_lens, layout.cu_seq_lens)
-    out = module(input_ids=packed_ids, position_ids=packed_pos, use_cache=False, **varlen).logits[0]  # (T, V or 1)
+    # (T, V or 1); squeezed, not indexed: an index's backward would copy the logits' whole gradient into a new tensor
+    out = module(input_ids=packed_ids, position_ids=packed_pos, use_cache=False, **varlen).logits.squeeze(0)
     shape = (resp.shape[0], R)
     if kind == "critic":
         values = out.index_select(0, layout.predictor)[:, 0].float()  # (N,): the value before each response token
