@@ -321,6 +321,8 @@ def _verl_config(work: Path, flags: dict, *, n: int, micro: int, padded: bool, d
     over = [
         f"actor_rollout_ref.model.path={work / 'model'}",
         f"actor_rollout_ref.model.use_remove_padding={not padded}",
+        # verl's default is on (model/hf_model.yaml); ours runs the base config's, off: the same work on both sides
+        "actor_rollout_ref.model.enable_gradient_checkpointing=False",
         f"{actor}.strategy={flags['strategy']}",
         f"{actor}.ppo_mini_batch_size={n}",
         f"{actor}.ppo_micro_batch_size_per_gpu={n // micro}",
