@@ -48,6 +48,10 @@ CRITIC_MINI_4 = {f"{CRITIC}.ppo_mini_batch_size": 4}  # the actor's is 8 (config
 ENTROPY = {f"{ACTOR}.entropy_coeff": 1.0}
 CHUNKED = {f"{ACTOR}.entropy_from_logits_with_chunking": True, f"{ACTOR}.entropy_from_logits_chunk_size": 7}
 ENTROPY_CKPT = {f"{ACTOR}.entropy_checkpointing": True}
+ACTIVATION_OFFLOAD = {
+    "actor_rollout_ref.model.enable_activation_offload": True,
+    f"{CRITIC}.model.enable_activation_offload": True,
+}
 
 #: The fp32 knob variants (2 ranks) that must reproduce ``base`` exactly.
 VARIANTS_2 = {
@@ -91,10 +95,14 @@ VARIANTS_2 = {
         "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": 96,
         f"{CRITIC}.forward_max_token_len_per_gpu": 96,
     },
-    # saved activations to host memory (CUDA: save_on_cpu; a CPU run notes it has no effect)
-    "activation_offload": {
-        "actor_rollout_ref.model.enable_activation_offload": True,
-        f"{CRITIC}.model.enable_activation_offload": True,
+    # saved activations to host memory and back (trainer.engine.offload.ActivationOffload: the worker asks for its
+    # hooks on a CPU too), alone, on FSDP2, and with the recompute of gradient checkpointing
+    "activation_offload": ACTIVATION_OFFLOAD,
+    "fsdp2_activation_offload": {**FSDP2, **ACTIVATION_OFFLOAD},
+    "activation_offload_checkpointing": {
+        **ACTIVATION_OFFLOAD,
+        "actor_rollout_ref.model.enable_gradient_checkpointing": True,
+        "critic.model.enable_gradient_checkpointing": True,
     },
     # shard groups of one rank, replicated over the two (HSDP)
     "hybrid": _all_sections("fsdp_size", 1),
@@ -236,6 +244,18 @@ CHECKS_BF16 = [
 ]
 #: A change the bf16 tolerance must still see: the entropy bonus, a few percent of the actor's gradient.
 SEEN_BY_BF16 = Check("entropy", "base", BF16_NOISE, parts=("actor",))
+#: (variant, reference): an offload knob moves tensors and changes no arithmetic, so its run gives its reference's
+#: gradients and parameters bit for bit (on a CPU the worker runs every offload knob's mechanism too).
+BIT_FOR_BIT = [
+    ("param_offload", "base"),
+    ("optimizer_offload", "base"),
+    ("param_and_optimizer_offload", "base"),
+    ("activation_offload", "base"),
+    ("fsdp2_activation_offload", "fsdp2"),
+    ("activation_offload_checkpointing", "gradient_checkpointing"),
+    ("fsdp2_offload_policy", "fsdp2"),
+    ("grpo_param_and_optimizer_offload", "grpo_base"),
+]
 #: (variant, reference, part) that must differ by far more than the exact tolerance: the knob acts.
 MUST_DIFFER = [
     ("critic_mini_4", "base", "critic"),
@@ -243,6 +263,20 @@ MUST_DIFFER = [
     ("grpo_no_kl_loss", "grpo_base", "actor"),
     ("grpo_base", "base", "actor"),
 ]
+
+
+def bit_differences(got: dict, variant: str, reference: str) -> list[str]:
+    """The tensors (parameters, and gradients at each optimizer step) of ``variant`` not bitwise equal to
+    ``reference``'s."""
+    a, b = got[variant], got[reference]
+    out = []
+    for part in ("actor", "critic"):
+        if part not in b:
+            continue
+        out += [f"{part}.{k}" for k in b[part] if not torch.equal(a[part][k], b[part][k])]
+        for step, (ga, gb) in enumerate(zip(a["grads"][part], b["grads"][part], strict=True)):
+            out += [f"{part}.grad.{k} (step {step})" for k in gb if not torch.equal(ga[k], gb[k])]
+    return out
 
 
 def run_variants(nproc: int, out: Path, variants: dict, env: dict | None = None) -> dict:

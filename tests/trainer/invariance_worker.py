@@ -136,7 +136,8 @@ def run_variant(overrides: dict, *, world: int, rank: int, device: torch.device)
     """One PPO update of actor and critic; -> what rank 0 saves (None on the other ranks)."""
     cfg = load_config(BASE, {**COMMON, **overrides, "trainer.n_gpus_per_node": world, "ppotune.device": device.type})
     tokenizer = load_tokenizer(cfg.actor_rollout_ref.model.path)
-    roles, _ = build_roles(cfg, tokenizer, device, world, [])
+    # on a CPU too, every offload knob runs its mechanism (real copies, activation offload's hooks)
+    roles, _ = build_roles(cfg, tokenizer, device, world, [], offload_on_cpu=True)
     full = fixed_batch(cfg, tokenizer, device)
     # rows as trainer/rank/trial.py takes them: blocks that split the actor's and the critic's mini-batches
     rows = torch.tensor(rows_of_rank(cfg, GLOBAL_BATCH, world, rank), device=device)
@@ -171,6 +172,8 @@ def run_variant(overrides: dict, *, world: int, rank: int, device: torch.device)
         "critic": clean_state_dict(critic_sd),
         "grads": grads,
         "stats": {**actor_stats, **critic_stats},
+        # the activation offload hooks ran (built on first use), on a CPU as on a GPU
+        "activation_offload_ran": roles.actor.sharded.activation_offload is not None,
         "init_actor": clean_state_dict(init_actor),
         "init_critic": clean_state_dict(init_critic),
     }

@@ -153,23 +153,35 @@ def test_peak_memory_grows_linearly_with_packed_tokens():
 
 
 def test_the_kernel_and_the_note_say_when_packed_attention_is_not_verls():
-    """A varlen kernel (flash-attn's, else torch's own build of it) only on CUDA, in half precision; a GPU run
-    says when it ran the per-sequence path instead (fp32, or no varlen kernel), and a CPU run says nothing (verl
-    runs padded there)."""
+    """A varlen kernel (flash-attn's, else torch's own build of it) only on CUDA, in half precision; else on CUDA
+    torch's flex attention over the row (fp32, or no varlen kernel), one sdpa call per sequence only where torch has
+    no flex attention; a GPU run says when it did not run verl's kernel, and a CPU run says nothing (verl runs
+    padded there)."""
     from trainer.config import effective_config, load_config
-    from trainer.engine.attention import FLASH_VARLEN, PER_SEQUENCE_SDPA, TORCH_VARLEN, packed_kernel
+    from trainer.engine.attention import (
+        FLASH_VARLEN,
+        FLEX_BLOCK_DIAGONAL,
+        PER_SEQUENCE_SDPA,
+        TORCH_VARLEN,
+        packed_kernel,
+    )
     from trainer.engine.knob_notes import packed_attention_notes
 
     assert packed_kernel("cuda", torch.bfloat16, has_flash=True) == FLASH_VARLEN
     assert packed_kernel("cuda", torch.float16, has_flash=True) == FLASH_VARLEN
     # without flash-attn, torch's own build of the varlen kernel where this torch has it: one call per row too
     assert packed_kernel("cuda", torch.bfloat16, has_flash=False, has_torch_varlen=True) == TORCH_VARLEN
-    for dev, dtype, flash, varlen in (
-        ("cuda", torch.float32, True, True),
-        ("cuda", torch.bfloat16, False, False),
-        ("cpu", torch.bfloat16, True, True),
-    ):
-        assert packed_kernel(dev, dtype, has_flash=flash, has_torch_varlen=varlen) == PER_SEQUENCE_SDPA
+    # fp32, or no varlen kernel: flex attention, one call per row too
+    for dtype, flash, varlen in ((torch.float32, True, True), (torch.bfloat16, False, False)):
+        assert (
+            packed_kernel("cuda", dtype, has_flash=flash, has_torch_varlen=varlen, has_flex=True) == FLEX_BLOCK_DIAGONAL
+        )
+        assert (
+            packed_kernel("cuda", dtype, has_flash=flash, has_torch_varlen=varlen, has_flex=False) == PER_SEQUENCE_SDPA
+        )
+    assert (
+        packed_kernel("cpu", torch.bfloat16, has_flash=True, has_torch_varlen=True, has_flex=True) == PER_SEQUENCE_SDPA
+    )
 
     def cfg(over: dict):
         return effective_config(load_config(REPO / "configs" / "tiny_cpu.yaml", over))
@@ -179,10 +191,45 @@ def test_the_kernel_and_the_note_say_when_packed_attention_is_not_verls():
     on = cfg(packed)
     assert packed_attention_notes(on, "cpu", has_flash=False) == []
     assert packed_attention_notes(cfg({**packed, **bf16}), "cuda", has_flash=True) == []
-    fp32 = packed_attention_notes(on, "cuda", has_flash=True)
-    assert [n.split(":")[0] for n in fp32] == list(packed) and all("fp32 compute" in n for n in fp32)
+    fp32 = packed_attention_notes(on, "cuda", has_flash=True, has_flex=True)
+    assert [n.split(":")[0] for n in fp32] == list(packed)
+    assert all("fp32 compute" in n and "flex attention" in n for n in fp32)
+    no_flex = packed_attention_notes(on, "cuda", has_flash=True, has_flex=False)
+    assert all("one sdpa call per sequence" in n for n in no_flex) and len(no_flex) == 2
     missing = packed_attention_notes(cfg({**packed, **bf16}), "cuda", has_flash=False, has_torch_varlen=False)
     assert len(missing) == 2 and all("no flash-attn" in n for n in missing)
     assert packed_attention_notes(cfg({**packed, **bf16}), "cuda", has_flash=False, has_torch_varlen=True) == []
     off = cfg({k: False for k in packed})
     assert packed_attention_notes(off, "cuda", has_flash=False) == []
+
+
+@pytest.mark.parametrize("lengths", [LENGTHS, [300], [130, 5, 200, 1, 129], [128, 128, 256]])
+def test_flex_block_diagonal_equals_each_sequence_alone(lengths):
+    """CUDA's path without flash-attn (one flex attention call over the row, grouped kv heads as they are) gives
+    each sequence's own causal attention, against one sdpa call per sequence (eager flex on a CPU: the mask and the
+    call CUDA compiles; flex has no backward on a CPU, so the gradients are the GPU check's). Lengths across flex's
+    128-token blocks included."""
+    import warnings
+
+    import torch.nn.functional as F
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from trainer.engine.attention import block_diagonal_mask
+
+    g = torch.Generator().manual_seed(0)
+    total, heads, kv_heads, dim = sum(lengths), 4, 2, 16
+    q, k, v = (torch.randn(1, h, total, dim, generator=g) for h in (heads, kv_heads, kv_heads))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    mask = block_diagonal_mask(tuple(lengths), cu)
+    assert mask.kv_indices.shape[-2:] == (-(-total // 128),) * 2  # block indices, never a T x T mask
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager flex says it is not fused: here it checks the mask
+        flex = flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
+    alone = torch.cat(
+        [
+            F.scaled_dot_product_attention(a, b, c, is_causal=True, enable_gqa=True)
+            for a, b, c in zip(*(x.split(lengths, dim=2) for x in (q, k, v)))
+        ],
+        dim=2,
+    )
+    torch.testing.assert_close(flex, alone, rtol=1e-5, atol=1e-5)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from trainer.config import ConfigError, PPOConfig, config_to_dict, flatten, load_config
+from trainer.config import VLLM_INSTALL, ConfigError, PPOConfig, config_to_dict, flatten, load_config, rollout_name
 
 BASE = "configs/tiny_cpu.yaml"
 
@@ -188,3 +188,31 @@ def test_precision_defaults_are_verls_and_old_keys_say_what_replaced_them():
 def test_hybrid_shard_size_must_divide_the_world():
     load_config(BASE, ["actor_rollout_ref.actor.fsdp_config.fsdp_size=1", "critic.fsdp.fsdp_size=2"])
     load_config(BASE, ["critic.fsdp.fsdp_size=-1"])
+
+
+@pytest.mark.parametrize(
+    ("named", "device", "vllm", "expected"),
+    [
+        ("hf", "cuda", False, "hf"),  # named: the config's, wherever it runs
+        ("vllm", "cpu", False, "vllm"),
+        (None, "cpu", False, "hf"),  # the CPU demo's
+        (None, "cpu", True, "hf"),
+        (None, "cuda", True, "vllm"),  # a GPU trial runs what verl runs
+    ],
+)
+def test_the_rollout_a_run_takes(named, device, vllm, expected):
+    assert rollout_name(named, device_type=device, vllm_importable=vllm) == expected
+
+
+def test_a_gpu_run_without_a_named_rollout_and_without_vllm_is_refused_in_one_line():
+    with pytest.raises(ConfigError) as e:
+        rollout_name(None, device_type="cuda", vllm_importable=False, source="job.yaml")
+    line = str(e.value)
+    assert "\n" not in line and line.startswith("job.yaml: actor_rollout_ref.rollout.name: ")
+    assert VLLM_INSTALL in line and "hf" in line
+
+
+def test_the_default_rollout_is_not_named():
+    assert PPOConfig().actor_rollout_ref.rollout.name is None
+    with pytest.raises(ConfigError, match="actor_rollout_ref.rollout.name"):
+        load_config(BASE, ["actor_rollout_ref.rollout.name=sglang"])

@@ -7,6 +7,7 @@ import time
 import pytest
 
 from invariance import (
+    BIT_FOR_BIT,
     CHECKS_BF16,
     CHECKS_FP32,
     MUST_DIFFER,
@@ -16,6 +17,7 @@ from invariance import (
     VARIANTS_2,
     VARIANTS_BF16_2,
     VARIANTS_GRPO_2,
+    bit_differences,
     differences,
     failures,
     model_rel_diff,
@@ -87,3 +89,17 @@ def test_bf16_tolerance_sees_the_entropy_bonus(updated):
     """A change of the loss worth a few percent of the gradient fails the bf16 tolerance."""
     rel = differences(updated, SEEN_BY_BF16)["actor.grad"][0]
     assert rel > 2 * SEEN_BY_BF16.tol.grads, f"the entropy bonus moved the actor's gradient by {rel:.1e} only"
+
+
+@pytest.mark.parametrize(("variant", "reference"), BIT_FOR_BIT, ids=lambda v: v)
+def test_offload_knobs_give_their_reference_bit_for_bit(updated, variant, reference):
+    """Offload moves tensors and changes no arithmetic: not a tolerance, the same bits (a host copy handed to the
+    wrong tensor, a stale view after a move, show here first)."""
+    differing = bit_differences(updated, variant, reference)
+    assert not differing, f"{variant} vs {reference}: {len(differing)} tensors differ, e.g. {differing[:5]}"
+
+
+def test_activation_offload_ran_its_hooks_on_this_device(updated):
+    for variant in ("activation_offload", "fsdp2_activation_offload", "activation_offload_checkpointing"):
+        assert updated[variant]["activation_offload_ran"], f"{variant}: the activation offload hooks never ran"
+    assert not updated["base"]["activation_offload_ran"]

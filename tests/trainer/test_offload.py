@@ -1,9 +1,11 @@
 """The offload knobs' own logic on a CPU (trainer/engine/offload.py): activation offload's choice of what to move
-(never a weight a layer saves, each distinct activation once) and its round trip (the same gradients). The
-copies themselves are pinned and non-blocking only on a GPU (tests/trainer/test_gpu.py runs them there)."""
+(never a weight a layer saves, each distinct activation once) and its round trip (the same gradients, bit for bit,
+also where the allocator hands a freed activation's address to the next one). The copies themselves are pinned and
+non-blocking only on a GPU (tests/trainer/test_gpu.py runs them there)."""
 
 import contextlib
 
+import pytest
 import torch
 from torch import nn
 
@@ -24,22 +26,80 @@ def test_activation_offload_moves_activations_not_weights_and_gives_the_same_gra
     x = torch.randn(5, 8, requires_grad=True)
     base = _gradients(model, x, contextlib.nullcontext())
 
-    offload = ActivationOffload([model, model[0], model[2]])
-    seen: list[tuple[torch.Tensor, bool]] = []
+    offload = ActivationOffload(list(model))  # every layer a block
+    seen: list[tuple[torch.Tensor, bool, bool]] = []  # (saved tensor, moved, saved inside a block)
     decide = offload.offloads
-    offload.offloads = lambda t: seen.append((t, decide(t))) or seen[-1][1]
+    offload.offloads = lambda t: seen.append((t, decide(t), bool(offload.noted))) or seen[-1][1]
     got = _gradients(model, x, offload)
 
     assert all(torch.equal(a, b) for a, b in zip(got, base))
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    assert weights <= offload.weights  # noted by the units' pre-forward hooks
-    moved = [t for t, yes in seen if yes]
+    moved = [t for t, yes, _ in seen if yes]
     assert moved, "no activation was offloaded"
     assert not [t for t in moved if t.untyped_storage().data_ptr() in weights], "a weight was offloaded"
-    assert [t for t, yes in seen if not yes], "the weights the linear layers save should have stayed"
-    assert not offload.active and not offload.copies  # nothing held after the forward
+    kept = {t.untyped_storage().data_ptr() for t, yes, inside in seen if inside and not yes}
+    assert kept and kept <= weights, "the weights the linear layers save (and only they) should have stayed"
+    # the loss's square saves the model's output outside every block: it stays
+    assert [t for t, yes, inside in seen if not inside and not yes]
+    # nothing held after the forward: no copy, no noted weight (an address is noted only while its block runs)
+    assert not offload.active and not offload.copies and not offload.weights
 
 
-def test_activation_offload_is_off_on_a_cpu():
+def test_activation_offload_is_off_on_a_cpu_unless_asked():
     ctx = activation_offload_context(True, torch.device("cpu"))
     assert isinstance(ctx, contextlib.nullcontext)
+    asked = activation_offload_context(True, torch.device("cpu"), on_cpu=True)
+    assert isinstance(asked, torch.autograd.graph.save_on_cpu)
+
+
+def _chain(width: int, seed: int, depth: int = 16) -> nn.Sequential:
+    """``depth`` blocks of (Linear, Tanh, Linear, GELU): every activation of one width, each freed as soon as the
+    next layer has read it, so the allocator hands its address to the next tensor of that size."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        *[nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width), nn.GELU()) for _ in range(depth)]
+    )
+
+
+@pytest.mark.parametrize("width", [16, 32, 64, 128])
+def test_activation_offload_gives_the_plain_gradients_bit_for_bit_when_addresses_are_reused(width):
+    """A host copy belongs to the tensor it was made from: a later tensor at a freed tensor's address (same size,
+    same strides) gets its own copy, never the freed one's. The addresses packed are recorded: across the seeds
+    some tensor must land where an earlier packed one was, or the test would prove nothing."""
+    reused = 0
+    for seed in range(5):
+        model = _chain(width, seed)
+        x = torch.randn(8, width, requires_grad=True)
+        base = _gradients(model, x, contextlib.nullcontext())
+        offload = ActivationOffload(list(model))
+        seen: dict[int, int] = {}  # storage address -> packed tensors that had it
+
+        def spy(t, pack=offload.pack_hook, seen=seen):
+            ptr = t.untyped_storage().data_ptr()
+            seen[ptr] = seen.get(ptr, 0) + 1
+            return pack(t)
+
+        offload.pack_hook = spy  # torch's saved_tensors_hooks pushes its pack_hook field on entry
+        got = _gradients(model, x, offload)
+        reused += sum(n - 1 for n in seen.values() if n > 1)
+        for (name, _), a, b in zip(model.named_parameters(), got, base):
+            assert torch.equal(a, b), f"width {width}, seed {seed}: {name}'s gradient differs from the plain run's"
+    assert reused, f"width {width}: no address was reused across 5 seeds; the check needs reuse to mean anything"
+
+
+def test_activation_offload_moves_nothing_saved_outside_the_blocks():
+    """What the root saves (here the head's input, as an LM head's logits would be) stays on the device, as verl's
+    per-layer offload leaves it."""
+    torch.manual_seed(0)
+    block, head = nn.Sequential(nn.Linear(8, 8), nn.GELU()), nn.Linear(8, 4)
+    model = nn.Sequential(block, head)
+    x = torch.randn(5, 8, requires_grad=True)
+    offload = ActivationOffload([block])
+    moved: list[torch.Tensor] = []
+    pack = offload.pack_hook
+    offload.pack_hook = lambda t: (moved.append(t) if offload.offloads(t) else None) or pack(t)
+    with offload:
+        hidden = block(x)
+        inside = list(moved)
+        model[1](hidden).sum().backward()
+    assert inside and moved == inside, "only what the block saved went to the host"

@@ -72,6 +72,7 @@ def small_config(**overrides) -> dict:
             M + "enable_gradient_checkpointing": False,
             "critic.model.enable_gradient_checkpointing": False,
             "algorithm.use_kl_in_reward": True,  # the reference model runs (verl builds it only for a KL)
+            "actor_rollout_ref.rollout.name": "hf",  # named: unnamed on a GPU is vLLM (trainer.config.rollout_name)
             **overrides,
         }
     )
@@ -114,8 +115,9 @@ def test_terms_by_hand_on_a_gpu():
     assert ua["activations"] == pytest.approx(32 * (3 * 1280 + 256))
     # the padded mask, 2 x 16 x 16 bf16, kept by both layers + one being built
     assert ua["attention"] == pytest.approx(3 * 2 * 16 * 16 * 2)
-    # bf16 logits of 32 tokens, and 4 fp32 tensors over the 2 x 8 response rows
-    assert ua["logits"] == pytest.approx(32 * 100 * 2 + 16 * 100 * 4 * 4)
+    # bf16 logits of 32 tokens, kept once (the log-prob's gradient goes into them), and one chunk's fp32 work over
+    # the 2 x 8 response rows (one chunk here: trainer.engine.logits.chunk_rows)
+    assert ua["logits"] == pytest.approx(32 * 100 * 2 + 16 * 100 * (2 + 8))
     values = t["values"]
     assert values["states"] == pytest.approx(12496 * 12 + 10912.5 * 12)  # no gradients outside an update
     assert values["activations"] == pytest.approx(32 * (2 * (3 * 32 + 3 * 64) + 4 * 32))  # one layer's transient
@@ -245,6 +247,7 @@ def grid_config(i: int) -> dict:
     return flat_config(
         {
             M + "path": "/checkpoints/wide",  # a checkpoint of shape WIDE (not the tiny preset)
+            "actor_rollout_ref.rollout.name": "hf",  # HF generate's terms in gen (unnamed on a GPU: vLLM)
             "data.train_batch_size": 32,
             "data.max_prompt_length": 64,
             "data.max_response_length": 64,

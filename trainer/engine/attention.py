@@ -8,8 +8,11 @@ through ``model(**packed_attention_kwargs(position_ids))`` down to every attenti
 
 * ``flash_attn_varlen_func`` when flash-attn is installed and the tensors are half precision on CUDA;
 * else torch's own build of that kernel (``torch.nn.attention.varlen.varlen_attn``), half precision on CUDA;
-* otherwise one ``scaled_dot_product_attention(is_causal=True)`` per sequence, without a mask, which
-  dispatches to a fused kernel (flash or memory-efficient): no L x L matrix is kept for backward.
+* else, on CUDA, torch's flex attention over the whole row with a causal block-diagonal :class:`BlockMask` built
+  from the host lengths (:func:`block_diagonal_mask`: the key blocks each block of queries reaches, never a
+  T x T mask), compiled once per process: one fused call per layer in any precision, grouped kv heads as they are;
+* otherwise (a CPU) one ``scaled_dot_product_attention(is_causal=True)`` per sequence, without a mask, which
+  dispatches to a fused kernel: no L x L matrix is kept for backward.
 
 Every call that carries a padding mask or a KV cache (HF ``generate``, the padded
 ``use_remove_padding=False`` path) is handed to transformers' own sdpa mask and attention unchanged.
@@ -20,6 +23,7 @@ importing this module registers :data:`PACKED_ATTENTION`, a name to pass as ``at
 
 from __future__ import annotations
 
+import bisect
 import importlib.util
 import itertools
 
@@ -35,8 +39,10 @@ __all__ = [
     "varlen_kwargs",
     "packed_attention_forward",
     "packed_kernel",
+    "block_diagonal_mask",
     "FLASH_VARLEN",
     "TORCH_VARLEN",
+    "FLEX_BLOCK_DIAGONAL",
     "PER_SEQUENCE_SDPA",
 ]
 
@@ -46,6 +52,8 @@ PACKED_ATTENTION = "ppotune_packed"
 # with Python ints, and reading them from ``cu_seq_lens_q`` in every layer would sync the device
 # once per layer instead of once per micro-batch.
 _SEQ_LENS = "ppotune_seq_lens"
+# A micro-batch's flex BlockMask, built by the first layer and read by the others (a dict shared by their kwargs)
+_FLEX_MASKS = "ppotune_flex_masks"
 
 _HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
 
@@ -65,9 +73,25 @@ def _torch_varlen():
 
 _TORCH_VARLEN = _torch_varlen()
 
+
+def _flex_attention():
+    """torch's flex attention (``torch.nn.attention.flex_attention``) when this torch has it; else None."""
+    try:
+        from torch.nn.attention.flex_attention import flex_attention
+    except ImportError:
+        return None
+    return flex_attention
+
+
+_FLEX = _flex_attention()
+_COMPILED_FLEX: dict[str, object] = {}
+
 FLASH_VARLEN = "flash_attn_varlen"
 TORCH_VARLEN = "torch_varlen"
+FLEX_BLOCK_DIAGONAL = "flex_block_diagonal"
 PER_SEQUENCE_SDPA = "sdpa_per_sequence"
+#: flex attention's block of queries and of keys (its default)
+_FLEX_BLOCK = 128
 
 
 def packed_kernel(
@@ -76,18 +100,22 @@ def packed_kernel(
     *,
     has_flash: bool = _HAS_FLASH_ATTN,
     has_torch_varlen: bool = _TORCH_VARLEN is not None,
+    has_flex: bool = _FLEX is not None,
 ) -> str:
     """The kernel a packed row's attention runs on ``device_type`` in ``dtype``: :data:`FLASH_VARLEN` (one call
     for the whole row: what verl runs) where flash-attn is installed and the compute is half precision on
     CUDA; else :data:`TORCH_VARLEN`, torch's own build of the same flash-attention varlen kernel, where torch has
-    it (half precision on CUDA); else :data:`PER_SEQUENCE_SDPA` (one fused sdpa call per sequence: the same
-    memory, more calls)."""
-    if device_type == "cuda" and dtype in (torch.float16, torch.bfloat16):
+    it (half precision on CUDA); else on CUDA :data:`FLEX_BLOCK_DIAGONAL` (torch's flex attention, one compiled
+    call per row, any precision); else :data:`PER_SEQUENCE_SDPA` (one fused sdpa call per sequence: the same
+    memory, more calls; a CPU's)."""
+    if device_type != "cuda":
+        return PER_SEQUENCE_SDPA
+    if dtype in (torch.float16, torch.bfloat16):
         if has_flash:
             return FLASH_VARLEN
         if has_torch_varlen:
             return TORCH_VARLEN
-    return PER_SEQUENCE_SDPA
+    return FLEX_BLOCK_DIAGONAL if has_flex else PER_SEQUENCE_SDPA
 
 
 def _sequence_starts(position_ids: torch.Tensor) -> torch.Tensor:
@@ -133,6 +161,7 @@ def varlen_kwargs(seq_lens: tuple[int, ...], cu_seq_lens: torch.Tensor) -> dict:
         "max_length_q": longest,
         "max_length_k": longest,
         _SEQ_LENS: seq_lens,
+        _FLEX_MASKS: {},
     }
 
 
@@ -234,6 +263,80 @@ def _torch_varlen_call(query, key, value, kwargs: dict, *, scaling, is_causal: b
     return out.unsqueeze(0)
 
 
+def block_diagonal_mask(seq_lens: tuple[int, ...], cu_seq_lens: torch.Tensor):
+    """Flex attention's :class:`BlockMask` of one packed row: causal within each sequence of ``seq_lens`` (host
+    ints; ``cu_seq_lens`` their (num_seqs + 1,) running sums on the device), nothing across sequences.
+
+    Built from the lengths on the host, block by block (:data:`_FLEX_BLOCK` tokens): each block of queries lists
+    the key blocks from the start of its first sequence up to itself; a key block is *full* (no mask evaluated)
+    when it and the query block lie in one sequence and it comes first, else *partial* (the mask function decides
+    per token). No T x T mask is made; the index tensors are (T / 128)^2 at most, moved to the device at once."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    total, block = sum(seq_lens), _FLEX_BLOCK
+    starts = list(itertools.accumulate((0,) + tuple(seq_lens[:-1])))
+
+    def seq_of(token: int) -> int:
+        return bisect.bisect_right(starts, token) - 1
+
+    partial: list[list[int]] = []
+    full: list[list[int]] = []
+    for qb in range(-(-total // block)):
+        last = min((qb + 1) * block, total) - 1
+        first_key_block = starts[seq_of(qb * block)] // block
+        whole = [kb for kb in range(first_key_block, qb) if seq_of(kb * block) == seq_of(last)]
+        full.append(whole)
+        partial.append([kb for kb in range(first_key_block, qb + 1) if kb not in whole])
+    device = cu_seq_lens.device
+
+    def packed(lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(1, 1, blocks) counts and (1, 1, blocks, blocks) indices (flex reads the key blocks' number from the
+        last dimension), padded with 0 (not read past the count)."""
+        width = len(lists)
+        idx = torch.tensor([x + [0] * (width - len(x)) for x in lists], dtype=torch.int32)
+        counts = torch.tensor([len(x) for x in lists], dtype=torch.int32)
+        return counts.to(device)[None, None], idx.to(device)[None, None]
+
+    seq_id = torch.bucketize(torch.arange(total, device=device), cu_seq_lens[1:].to(torch.int64), right=True)
+
+    def causal_within_sequences(b, h, q, kv):
+        return (seq_id[q] == seq_id[kv]) & (q >= kv)
+
+    kv_num, kv_idx = packed(partial)
+    full_num, full_idx = packed(full)
+    return BlockMask.from_kv_blocks(
+        kv_num,
+        kv_idx,
+        full_num,
+        full_idx,
+        BLOCK_SIZE=block,
+        mask_mod=causal_within_sequences,
+        seq_lengths=(total, total),
+    )
+
+
+def _flex_call(query, key, value, kwargs: dict, *, scaling, compiled: bool) -> torch.Tensor:
+    """Flex attention over the packed row with its block-diagonal causal mask: (1, H, T, D) -> (1, T, H, D). GQA is
+    native; on CUDA the call is compiled (one fused kernel; eager flex would keep the T x T scores)."""
+    masks = kwargs.get(_FLEX_MASKS)
+    mask = masks.get("mask") if masks is not None else None
+    if mask is None:
+        seq_lens = kwargs.get(_SEQ_LENS) or tuple(kwargs["cu_seq_lens_q"].diff().tolist())
+        mask = block_diagonal_mask(seq_lens, kwargs["cu_seq_lens_q"])
+        if masks is not None:
+            masks["mask"] = mask
+    fn = _FLEX
+    if compiled:
+        if "flex" not in _COMPILED_FLEX:
+            # one graph for every token count; CUDA only (a CPU run never takes this path: inductor's CPU flex
+            # template compiles a first shape but fails on dynamic ones in torch 2.13)
+            _COMPILED_FLEX["flex"] = torch.compile(_FLEX, dynamic=True)
+        fn = _COMPILED_FLEX["flex"]
+    gqa = query.shape[1] != key.shape[1]
+    out = fn(query, key, value, block_mask=mask, scale=scaling, enable_gqa=gqa)
+    return out.transpose(1, 2).contiguous()
+
+
 def packed_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -267,6 +370,8 @@ def packed_attention_forward(
             return _flash_varlen(query, key, value, kwargs, dropout=dropout, scaling=scaling, is_causal=is_causal), None
         if kernel == TORCH_VARLEN and not dropout:
             return _torch_varlen_call(query, key, value, kwargs, scaling=scaling, is_causal=is_causal), None
+        if kernel == FLEX_BLOCK_DIAGONAL and not dropout and is_causal:
+            return _flex_call(query, key, value, kwargs, scaling=scaling, compiled=query.is_cuda), None
         out = _per_sequence_sdpa(query, key, value, seq_lens, dropout=dropout, scaling=scaling, is_causal=is_causal)
         return out, None
     # No varlen kwargs and no mask: the mask hook dropped the mask, so the position ids are the only

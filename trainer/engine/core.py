@@ -29,7 +29,6 @@ import torch
 __all__ = [
     "logprobs_from_logits",
     "entropy_from_logits",
-    "entropy_from_logits_chunked",
     "masked_sum",
     "masked_mean",
     "compute_gae_advantage_return",
@@ -549,13 +548,3 @@ def compute_kl_loss(
     aggregated like the policy loss (``agg`` as in :func:`compute_entropy_loss`), ``(B, T) -> 0-d``."""
     kl = kl_penalty(log_prob, ref_log_prob, kl_loss_type)
     return agg_loss(kl, response_mask, global_num_tokens=global_num_tokens, **{"loss_agg_mode": "token-mean", **agg})
-
-
-def entropy_from_logits_chunked(logits: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    """:func:`entropy_from_logits` over chunks of ``chunk_size`` rows of ``(N, V)`` logits -> ``(N,)``.
-
-    Only one chunk's fp32 softmax exists at a time, so the transient peak is ``chunk_size x V`` instead
-    of ``N x V`` (verl's entropy_from_logits_with_chunking). Under autograd each chunk's softmax is still
-    kept for backward unless the caller checkpoints the call.
-    """
-    return torch.cat([entropy_from_logits(logits[i : i + chunk_size]) for i in range(0, logits.shape[0], chunk_size)])

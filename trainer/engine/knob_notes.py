@@ -3,15 +3,22 @@
 :func:`knob_notes` is what :func:`trainer.engine.roles.build_roles` adds before it builds a model, one small
 function per kind of note, in this order: offload on CPU, a shared section's key that cannot act in its role,
 fp32 compute, packed attention that is not verl's kernel, ``pad_to_length`` without packing, the reference
-model's offload flags, vLLM-only keys on an HF-generate run. Each reads an effective config
-(``trainer.config.effective_config``: the null follow-keys filled in).
+model's offload flags, vLLM-only keys on an HF-generate run, HF generate on a GPU (not production's rollout).
+Each reads an effective config (``trainer.config.effective_config``: the null follow-keys filled in; the rollout
+named, ``trainer.engine.rollout.with_rollout``).
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
-__all__ = ["knob_notes", "packed_attention_notes", "VLLM_ONLY_KEYS"]
+__all__ = ["knob_notes", "packed_attention_notes", "VLLM_ONLY_KEYS", "HF_ROLLOUT_ON_GPU"]
+
+#: The note of a GPU run whose rollout is HF generate (the report shows a trial's notes in its row)
+HF_ROLLOUT_ON_GPU = (
+    "actor_rollout_ref.rollout.name=hf: HF generate on a GPU is not production's rollout (verl runs vLLM): this "
+    "run's gen phase, and the step time every knob is ranked by, are not what a verl job's would be"
+)
 
 #: rollout keys only a vLLM engine reads (said in the notes when set on an HF-generate run)
 VLLM_ONLY_KEYS = (
@@ -40,6 +47,7 @@ def knob_notes(cfg, device_type: str) -> list[str]:
         *_ref_offload_notes(cfg),
         *_vllm_only_notes(cfg),
         *_critic_batching_notes(cfg),
+        *([HF_ROLLOUT_ON_GPU] if device_type == "cuda" and cfg.actor_rollout_ref.rollout.name == "hf" else []),
     ]
 
 
@@ -103,22 +111,32 @@ def _fp32_compute_notes(cfg) -> list[str]:
 
 
 def packed_attention_notes(
-    cfg, device_type: str, *, has_flash: Optional[bool] = None, has_torch_varlen: Optional[bool] = None
+    cfg,
+    device_type: str,
+    *,
+    has_flash: Optional[bool] = None,
+    has_torch_varlen: Optional[bool] = None,
+    has_flex: Optional[bool] = None,
 ) -> list[str]:
     """What a GPU run of packed rows (``use_remove_padding``) says when its attention is not verl's: verl runs
     flash-attn varlen, one kernel per packed row (so does torch's own build of that kernel, which ppotune runs
     where flash-attn is missing); computing in fp32 (flash attention is half precision only), or with neither,
-    each sequence gets its own sdpa call. The memory is the same; on a GPU the many small calls make the step
-    slower than verl's, so the figure understates this config. On CPU neither engine has a varlen kernel (verl
-    runs padded there): nothing to say. ``cfg``: an effective config."""
+    the row goes through torch's flex attention (one compiled call, a block-diagonal mask), or where this torch has
+    no flex attention, one sdpa call per sequence. The memory is the same; the step's speed is another kernel's. On
+    CPU neither engine has a varlen kernel (verl runs padded there): nothing to say. ``cfg``: an effective config."""
     import torch
 
-    from trainer.engine.attention import PER_SEQUENCE_SDPA, packed_kernel
+    from trainer.engine.attention import FLEX_BLOCK_DIAGONAL, PER_SEQUENCE_SDPA, packed_kernel
     from trainer.engine.parallel import torch_dtype
 
     if device_type != "cuda":
         return []
-    kw = {k: v for k, v in (("has_flash", has_flash), ("has_torch_varlen", has_torch_varlen)) if v is not None}
+    given = (("has_flash", has_flash), ("has_torch_varlen", has_torch_varlen), ("has_flex", has_flex))
+    kw = {k: v for k, v in given if v is not None}
+    ran = {
+        FLEX_BLOCK_DIAGONAL: "torch's flex attention, one compiled call per row with a block-diagonal mask",
+        PER_SEQUENCE_SDPA: "one sdpa call per sequence",
+    }
     out = []
     arr = cfg.actor_rollout_ref
     roles = [
@@ -127,11 +145,12 @@ def packed_attention_notes(
     ]
     for key, packed, fc in roles:
         dtype = torch_dtype(fc.mixed_precision.param_dtype)
-        if packed and packed_kernel(device_type, dtype, **kw) == PER_SEQUENCE_SDPA:
+        kernel = packed_kernel(device_type, dtype, **kw) if packed else None
+        if kernel in ran:
             why = "fp32 compute (flash attention is half precision only)" if dtype == torch.float32 else "no flash-attn"
             out.append(
-                f"{key}: packed attention ran one sdpa call per sequence ({why}), where verl runs one flash-attn "
-                "varlen call per row: the same memory, a slower step on a GPU (install flash-attn, compute in bf16)"
+                f"{key}: packed attention ran {ran[kernel]} ({why}), where verl runs one flash-attn varlen call per "
+                "row: the same memory, another kernel's speed on a GPU (install flash-attn, compute in bf16)"
             )
     return out
 

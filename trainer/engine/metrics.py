@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from typing import Optional
 
 import torch
 
@@ -18,6 +19,8 @@ __all__ = [
     "phase_flops",
     "peak_flops",
     "profiled",
+    "DecodeWindow",
+    "PROFILED_DECODE_STEPS",
     "phase_profile",
     "phase_table",
     "rss_gb",
@@ -146,11 +149,37 @@ def _reset_rss_peak() -> None:
         pass
 
 
+#: Decode steps of an HF generate a profiled step records: the rest of the generate runs unrecorded (each decode
+#: step repeats the same kernels, and a realistic shape's whole generate is millions of profiler events)
+PROFILED_DECODE_STEPS = 16
+
+
+class DecodeWindow:
+    """An HF ``generate`` streamer (called with the prompt, then once per decode step) that stops the profiler's
+    collection after :data:`PROFILED_DECODE_STEPS` decode steps and resumes it when the generate ends."""
+
+    def __init__(self, prof, activities) -> None:
+        self.prof, self.activities, self.calls, self.paused = prof, activities, 0, False
+
+    def put(self, value) -> None:
+        self.calls += 1
+        if self.calls == PROFILED_DECODE_STEPS + 1 and not self.paused:  # the prompt, then the decode steps
+            self.prof.toggle_collection_dynamic(False, self.activities)
+            self.paused = True
+
+    def end(self) -> None:
+        if self.paused:
+            self.prof.toggle_collection_dynamic(True, self.activities)
+            self.paused = False
+        self.calls = 0
+
+
 @contextlib.contextmanager
 def profiled(enabled: bool, device: torch.device, *, rows: int = 25, meter: "PhaseMeter | None" = None):
     """Run the body under torch.profiler when ``enabled``; yields a list that then holds the table of the
     operators that took the most time (self time on the device on CUDA, on the host on CPU) and, with a
-    ``meter`` (whose phases are then marked in the trace), the per-phase table of :func:`phase_profile`."""
+    ``meter`` (whose phases are then marked in the trace, and whose ``decode_window`` bounds what an HF generate
+    records), the per-phase table of :func:`phase_profile`."""
     out: list[str] = []
     if not enabled:
         yield out
@@ -163,10 +192,12 @@ def profiled(enabled: bool, device: torch.device, *, rows: int = 25, meter: "Pha
         meter.profiling = True
     try:
         with profile(activities=activities) as prof:
+            if meter is not None:
+                meter.decode_window = DecodeWindow(prof, activities)
             yield out
     finally:
         if meter is not None:
-            meter.profiling = False
+            meter.profiling, meter.decode_window = False, None
     if cuda:
         torch.cuda.synchronize(device)
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
@@ -260,6 +291,7 @@ class PhaseMeter:
         self.allocated_peak = 0.0
         self.reserved_peak = 0.0
         self.profiling = False  # set by profiled(): each phase is then a named range in the trace
+        self.decode_window: Optional[DecodeWindow] = None  # set by profiled(): what an HF generate records
         self.profile: dict = {}  # the last profiled step's phase_profile
 
     def sample(self) -> None:

@@ -43,6 +43,7 @@ class ShardKnobs:
     # Compute-time offload: FSDP1 CPUOffload / FSDP2 CPUOffloadPolicy. The actor's and critic's come
     # from offload_policy (FSDP2 only); the reference model always has it, as in verl.
     compute_offload: bool = False
+    compute_offload_on_cpu: bool = False  # FSDP2's policy unpinned on a CPU (tests: the offload mechanism there)
     reshard_after_forward: bool = True
     forward_prefetch: bool = False
     fsdp_size: int = -1  # -1: shard over all ranks; else replicate over world/fsdp_size groups (HSDP)
@@ -60,7 +61,7 @@ class Sharded:
     blocks: list = field(default_factory=list)
     reshard_after_forward: bool = True
     compute_dtype: str = "float32"
-    # trainer.engine.offload.ActivationOffload, built on first use (CUDA, enable_activation_offload)
+    # trainer.engine.offload.ActivationOffload, built on first use (enable_activation_offload: CUDA, or asked on a CPU)
     activation_offload: Any = None
 
 
@@ -116,7 +117,8 @@ def shard_model(model: nn.Module, knobs: ShardKnobs, *, device: torch.device, na
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     blocks = [m for m in model.modules() if type(m) in layer_classes(model)]
     mesh = _mesh(device, knobs.fsdp_size)
-    offload = knobs.compute_offload and not on_cpu
+    # FSDP1's CPUOffload pins its host shards, which a CPU-only torch refuses: never on a CPU
+    offload = knobs.compute_offload and (not on_cpu or (knobs.compute_offload_on_cpu and knobs.strategy == "fsdp2"))
     if knobs.strategy == "fsdp2":
         return _shard_fsdp2(model, blocks, knobs, device=device, mesh=mesh, offload=offload, name=name, notes=notes)
     return _shard_fsdp1(model, blocks, knobs, device=device, mesh=mesh, offload=offload)
@@ -183,7 +185,7 @@ def _shard_fsdp2(model, blocks, knobs: ShardKnobs, *, device, mesh, offload: boo
     )
     if knobs.buffer_dtype not in ("fp32", "float32"):
         notes.append(f"{name}.mixed_precision.buffer_dtype: FSDP2 has no buffer dtype; buffers stay as loaded")
-    policy = CPUOffloadPolicy(pin_memory=True) if offload else OffloadPolicy()
+    policy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
     if knobs.wrap_min_num_params > 0:
         notes.append(
             f"{name}.wrap_policy.min_num_params: FSDP2 shards per transformer block; size-based wrapping ignored"

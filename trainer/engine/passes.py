@@ -31,6 +31,7 @@ from trainer.engine.batching import (
     pad_tail,
     scatter_rows,
 )
+from trainer.engine.logits import token_log_probs
 from trainer.engine.offload import activation_offload_context
 from trainer.engine.parallel import clip_grad_norm, compute_autocast, gradient_sync
 from trainer.engine.roles import ActorLoss, MicroBatching, Trainee, resident
@@ -60,7 +61,7 @@ def forward_response(
     rmpad: bool,
     prompt_width: int,
     temperature: float = 1.0,
-    entropy_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+    entropy_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
     pad_to_multiple: Optional[int] = None,
     layout: Optional[MicroBatchLayout] = None,
 ) -> dict:
@@ -77,14 +78,15 @@ def forward_response(
     R = resp.shape[1]
     if not rmpad:
         out = module(input_ids=ids, attention_mask=mb["attention_mask"], position_ids=pos, use_cache=False).logits
-        rows = out[:, prompt_width - 1 : prompt_width - 1 + R]  # logits that predict each response token
         if kind == "critic":
+            rows = out[:, prompt_width - 1 : prompt_width - 1 + R]  # the outputs at the positions before each token
             return {"values": rows[..., 0].float() * mb["response_mask"]}
-        logits = _scaled(rows.float(), temperature)
-        result = {"log_prob": core.logprobs_from_logits(logits, resp) * mb["response_mask"]}
-        if entropy_fn is not None:
-            result["entropy"] = entropy_fn(logits) * mb["response_mask"]
-        return result
+        b, width = out.shape[:2]
+        # the rows of the flattened logits that predict each response token
+        predictor = torch.arange(b, device=ids.device)[:, None] * width + torch.arange(R, device=ids.device)[None]
+        predictor = (predictor + prompt_width - 1).reshape(-1)
+        res = _token_outputs(out.reshape(b * width, -1), predictor, resp.reshape(-1), temperature, entropy_fn)
+        return {k: v.view(b, R) * mb["response_mask"] for k, v in res.items()}
     if layout is None:
         groups = [list(range(ids.shape[0]))]
         (layout,) = build_layouts(host_masks(mb), groups, pad_to_multiple=pad_to_multiple, device=ids.device)
@@ -93,17 +95,34 @@ def forward_response(
     packed_ids, packed_pos = pad_tail(packed_ids, packed_pos, layout.pad)
     # sequence boundaries for the attention layers: no T x T mask (trainer/engine/attention.py)
     varlen = varlen_kwargs(layout.seq_lens, layout.cu_seq_lens)
-    out = module(input_ids=packed_ids, position_ids=packed_pos, use_cache=False, **varlen).logits[0]  # (T, V or 1)
-    rows = out.index_select(0, layout.predictor)  # (N, V or 1): the logits that predict each response token
+    # (T, V or 1); squeezed, not indexed: an index's backward would copy the logits' whole gradient into a new tensor
+    out = module(input_ids=packed_ids, position_ids=packed_pos, use_cache=False, **varlen).logits.squeeze(0)
     shape = (resp.shape[0], R)
     if kind == "critic":
-        return {"values": scatter_rows(rows[:, 0].float(), layout.response_index, shape)}
+        values = out.index_select(0, layout.predictor)[:, 0].float()  # (N,): the value before each response token
+        return {"values": scatter_rows(values, layout.response_index, shape)}
     labels = resp.reshape(-1).index_select(0, layout.response_index)
-    logits = _scaled(rows.float(), temperature)
-    result = {"log_prob": scatter_rows(core.logprobs_from_logits(logits, labels), layout.response_index, shape)}
+    res = _token_outputs(out, layout.predictor, labels, temperature, entropy_fn)
+    return {k: scatter_rows(v, layout.response_index, shape) for k, v in res.items()}
+
+
+def _token_outputs(
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+    entropy_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]],
+) -> dict:
+    """``log_prob`` (+ ``entropy``) (N,) of the ``rows`` of the (M, V) logits that predict ``labels``, with verl's
+    GPU memory (trainer/engine/logits.py): the logits kept once in the compute dtype (divided by the temperature
+    out of place, as verl does), fp32 work a chunk at a time, the log-prob's gradient written into the logits
+    unless the entropy reads them in backward (verl's ``inplace_backward``)."""
+    scaled = _scaled(logits, temperature)
+    inplace = entropy_fn is None or not torch.is_grad_enabled()
+    out = {"log_prob": token_log_probs(scaled, rows, labels, inplace_backward=inplace)}
     if entropy_fn is not None:
-        result["entropy"] = scatter_rows(entropy_fn(logits), layout.response_index, shape)
-    return result
+        out["entropy"] = entropy_fn(scaled, rows)
+    return out
 
 
 def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -293,7 +312,10 @@ def forward_backward(
         mb = _select(batch, layout, tuple(dict.fromkeys(keys)))
         sync = i == len(layouts) - 1 or not trainee.no_sync
         with gradient_sync(trainee.sharded, sync):
-            with activation_offload_context(trainee.activation_offload, device, trainee.sharded):
+            offload = activation_offload_context(
+                trainee.activation_offload, device, trainee.sharded, on_cpu=trainee.offload_on_cpu
+            )
+            with offload:
                 with compute_autocast(trainee.sharded, device.type):
                     value, stats = loss.fn(module, mb, totals, layout)
             # FSDP averages gradients over ranks; x world makes the sum of token losses / global tokens exact.

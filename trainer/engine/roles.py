@@ -11,6 +11,7 @@ at a time, the rollout engine, optimizers, KL controller, plans and settings, as
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
@@ -23,6 +24,7 @@ from trainer.contracts import SHAPE_KEYS
 from trainer.engine import core
 from trainer.engine.batching import fixed_micro_batches, token_budget_micro_batches
 from trainer.engine.knob_notes import knob_notes
+from trainer.engine.logits import entropy_stats, token_entropy
 from trainer.engine.models import load_actor, load_critic, num_params
 from trainer.engine.offload import move_optimizer_state, move_params
 from trainer.engine.parallel import (
@@ -33,7 +35,7 @@ from trainer.engine.parallel import (
     shard_model,
     torch_dtype,
 )
-from trainer.engine.rollout import Sampling, generate_responses
+from trainer.engine.rollout import Sampling, generate_responses, with_rollout
 
 if TYPE_CHECKING:
     from trainer.engine.vllm_rollout import VLLMRollout
@@ -80,46 +82,48 @@ class Trainee:
     rmpad: bool = True
     no_sync: bool = False  # use_no_sync_for_gradient_accumulation
     pad_to_multiple: Optional[int] = None  # pad_to_length: packed rows padded to a multiple of the bucket
-    entropy_fn: Callable[[torch.Tensor], torch.Tensor] = core.entropy_from_logits
+    entropy_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = token_entropy  # (logits, rows) -> (N,)
+    offload_on_cpu: bool = False  # the offload knobs' copies run on a CPU too (build_roles' offload_on_cpu)
 
 
 @contextlib.contextmanager
 def resident(trainee: Trainee, device: torch.device, *, update: bool = False):
     """What a phase needs on the device, for the phase only (verl's load_fsdp_model_to_gpu /
     load_fsdp_optimizer before a phase, offload after): the parameter shards with ``param_offload``,
-    and for an update the optimizer state with ``optimizer_offload``. On a CPU run both are no-ops."""
+    and for an update the optimizer state with ``optimizer_offload``. On a CPU run both are no-ops (real copies
+    with ``offload_on_cpu``)."""
+    copy = trainee.offload_on_cpu
     if trainee.param_offload:
-        move_params(trainee.sharded, device)
+        move_params(trainee.sharded, device, copy=copy)
     if update and trainee.optimizer_offload:
-        move_optimizer_state(trainee.optimizer, None)  # next to each parameter, wherever it lives
+        move_optimizer_state(trainee.optimizer, None, copy=copy)  # next to each parameter, wherever it lives
     try:
         yield
     finally:
         if update and trainee.optimizer_offload:
-            move_optimizer_state(trainee.optimizer, torch.device("cpu"))
+            move_optimizer_state(trainee.optimizer, torch.device("cpu"), copy=copy)
         if trainee.param_offload:
-            move_params(trainee.sharded, torch.device("cpu"))
+            move_params(trainee.sharded, torch.device("cpu"), copy=copy)
 
 
 def make_entropy_fn(*, chunk_size: Optional[int], checkpointing: bool, compile: bool):
-    """The actor's entropy function as verl builds it: chunked over tokens (lower transient peak),
-    torch.compile'd, and under autograd optionally checkpointed (its (N, V) softmax recomputed in
-    backward instead of kept).
+    """The actor's entropy function ``fn(logits (M, V), rows (N,)) -> (N,)`` as verl builds it: chunked over tokens
+    (``chunk_size`` rows at a time; None: trainer.engine.logits' bounded share), torch.compile'd, and under autograd
+    optionally checkpointed (the chunks recomputed in backward).
 
-    Compiled once per process and shape family: :func:`compiled_entropy` is one graph for any token count
+    Compiled once per process and shape family: :func:`compiled_entropy` is one graph for any chunk's row count
     (dynamic shapes), the chunks are its calls from Python. (verl compiles its chunked loop whole, which dynamo
     unrolls and recompiles for every new number of chunks, up to its recompile limit.) A warm job keeps it for its
     later trials (trainer/rank/serve.py does not reset dynamo)."""
-    fn = compiled_entropy() if compile else core.entropy_from_logits
-    if chunk_size is not None:
-        fn = functools.partial(_chunked, fn, chunk_size=chunk_size)
+    stats = compiled_entropy() if compile else entropy_stats
+    fn = functools.partial(token_entropy, chunk_size=chunk_size, stats=stats)
     if not checkpointing:
         return fn
 
-    def checkpointed(logits: torch.Tensor) -> torch.Tensor:
+    def checkpointed(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         if not torch.is_grad_enabled():
-            return fn(logits)
-        return torch.utils.checkpoint.checkpoint(fn, logits, use_reentrant=False)
+            return fn(logits, rows)
+        return torch.utils.checkpoint.checkpoint(fn, logits, rows, use_reentrant=False)
 
     return checkpointed
 
@@ -128,15 +132,11 @@ _COMPILED: dict[str, Callable] = {}
 
 
 def compiled_entropy() -> Callable[[torch.Tensor], torch.Tensor]:
-    """``torch.compile(entropy_from_logits, dynamic=True)``, made once per process (compiled at its first call)."""
+    """``torch.compile(entropy_stats, dynamic=True)`` (a chunk's per-row log-sum-exp and entropy, fused), made once
+    per process (compiled at its first call)."""
     if "entropy" not in _COMPILED:
-        _COMPILED["entropy"] = torch.compile(core.entropy_from_logits, dynamic=True)
+        _COMPILED["entropy"] = torch.compile(entropy_stats, dynamic=True)
     return _COMPILED["entropy"]
-
-
-def _chunked(fn: Callable[[torch.Tensor], torch.Tensor], logits: torch.Tensor, *, chunk_size: int) -> torch.Tensor:
-    """:func:`trainer.engine.core.entropy_from_logits_chunked` with ``fn`` per chunk (the same rows, the same sums)."""
-    return torch.cat([fn(logits[i : i + chunk_size]) for i in range(0, logits.shape[0], chunk_size)])
 
 
 @dataclass(frozen=True)
@@ -233,13 +233,15 @@ class Roles:
         device: torch.device,
         *,
         sampling: Optional[Sampling] = None,
+        streamer=None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Responses and their mask sampled from the actor with this run's rollout settings (or ``sampling``)."""
+        """Responses and their mask sampled from the actor with this run's rollout settings (or ``sampling``);
+        ``streamer``: told each decode step of an HF generate (a profiled step's window)."""
         sampling = sampling or self.settings.sampling
         if self.rollout is not None:
             return self.rollout.generate(prompt_ids, prompt_mask, sampling)
         with resident(self.actor, device):
-            return generate_responses(self.actor.sharded, prompt_ids, prompt_mask, sampling)
+            return generate_responses(self.actor.sharded, prompt_ids, prompt_mask, sampling, streamer=streamer)
 
 
 def fullest_micro_batches(
@@ -302,32 +304,35 @@ def model_loads(cfg, rank: int) -> dict:
     return {"actor": actor, "ref": actor, "critic": (load_critic, cfg.critic.model.path, kw)}
 
 
-def build_roles(cfg, tokenizer, device, world: int, notes: list[str], *, weights=None):
+def build_roles(cfg, tokenizer, device, world: int, notes: list[str], *, weights=None, offload_on_cpu: bool = False):
     """Load, shard and equip actor, ref and critic with this config's knobs; -> (Roles, model shape info).
 
     ``weights``: where a warm job keeps a copy of the loaded weights (``load(loader, path, tokenizer, **kw)``
-    returns a fresh model, as the loader would, without reading the checkpoint again)."""
-    cfg = effective_config(cfg)  # null follow-keys filled in: every value below is what the run uses
+    returns a fresh model, as the loader would, without reading the checkpoint again). ``offload_on_cpu``: on a
+    CPU the offload knobs still run their mechanism (real copies, activation offload's hooks, FSDP2's offload
+    policy unpinned), where a run would skip them: the invariance suite's check that they change no gradient."""
+    # null follow-keys filled in, the rollout named: every value below is what the run uses
+    cfg = with_rollout(effective_config(cfg), device.type)
 
     # step 1. what cannot act as set is said in the notes, never silently ignored
     notes.extend(knob_notes(cfg, device.type))
 
     # step 2. actor, reference model and critic, each sharded before the next is built
-    models = _build_models(cfg, tokenizer, device, notes, weights)
+    models = _build_models(cfg, tokenizer, device, notes, weights, offload_on_cpu)
 
     # step 3. param_offload: the shards wait in host memory from the start, as verl offloads them at init
     # (a colocated vLLM engine, built next, then sees the device without them)
-    if device.type != "cpu":
+    if device.type != "cpu" or offload_on_cpu:
         a, c = cfg.actor_rollout_ref.actor, cfg.critic
         for sharded, offload in ((models.actor, a.fsdp_config.param_offload), (models.critic, c.fsdp.param_offload)):
             if offload and sharded is not None:
-                move_params(sharded, torch.device("cpu"))
+                move_params(sharded, torch.device("cpu"), copy=offload_on_cpu)
 
     # step 4. the rollout: a colocated vLLM engine (rollout.name=vllm), else HF generate from the actor
     rollout = _vllm_rollout(cfg, models, device, notes) if cfg.actor_rollout_ref.rollout.name == "vllm" else None
 
     # step 5. the trainees: the models with their optimizers and the knobs that act around their passes
-    actor, ref, critic = _trainees(cfg, models)
+    actor, ref, critic = _trainees(cfg, models, offload_on_cpu)
 
     # step 6. assembled with the KL controller, the micro-batch plans and the step's settings
     roles = Roles(
@@ -371,7 +376,7 @@ class _Models:
     num_params: int
 
 
-def _build_models(cfg, tokenizer, device, notes: list[str], weights) -> _Models:
+def _build_models(cfg, tokenizer, device, notes: list[str], weights, on_cpu: bool) -> _Models:
     """Rank 0 loads the weights; the others build the architecture on the meta device and get their
     shards from rank 0 (verl: rank-0 load + sync_module_states). One model at a time, each sharded
     before the next is built: host memory holds one full model, on one rank."""
@@ -386,6 +391,7 @@ def _build_models(cfg, tokenizer, device, notes: list[str], weights) -> _Models:
         model = model.to(torch_dtype(fc.model_dtype))  # master weights (model_dtype)
         model.requires_grad_(not frozen)
         count = num_params(model)  # before sharding: afterwards a rank sees only its shards
+        shard_knobs = dataclasses.replace(shard_knobs, compute_offload_on_cpu=on_cpu)
         return model.config, count, shard_model(model, shard_knobs, device=device, name=name, notes=notes)
 
     actor_knobs = _shard_knobs(
@@ -428,7 +434,7 @@ def _adamw(sharded: Sharded, optim) -> torch.optim.AdamW:
     )
 
 
-def _trainees(cfg, models: _Models) -> tuple[Trainee, Optional[Trainee], Optional[Trainee]]:
+def _trainees(cfg, models: _Models, on_cpu: bool) -> tuple[Trainee, Optional[Trainee], Optional[Trainee]]:
     """(actor, ref, critic): each model with its optimizer (the trained ones) and its pass knobs; None for a
     role the run does not build."""
     a, c = cfg.actor_rollout_ref.actor, cfg.critic
@@ -448,6 +454,7 @@ def _trainees(cfg, models: _Models) -> tuple[Trainee, Optional[Trainee], Optiona
             checkpointing=a.entropy_checkpointing,
             compile=a.use_torch_compile,
         ),
+        offload_on_cpu=on_cpu,
     )
     ref = critic = None
     if models.ref is not None:
@@ -466,6 +473,7 @@ def _trainees(cfg, models: _Models) -> tuple[Trainee, Optional[Trainee], Optiona
         activation_offload=c.model.enable_activation_offload,
         rmpad=c.model.use_remove_padding,
         no_sync=c.fsdp.use_no_sync_for_gradient_accumulation,
+        offload_on_cpu=on_cpu,
     )
     return actor, ref, critic
 

@@ -1,4 +1,5 @@
-"""Rollout: sample responses with HF ``generate`` from the actor's current (sharded) weights.
+"""Rollout: which engine a run's rollout is (:func:`with_rollout`), and sampling responses with HF ``generate`` from
+the actor's current (sharded) weights.
 
 With more than one rank every rank decodes until all ranks are done (``synced_gpus=True``): a rank that stops
 early keeps joining the collectives of the others, so ranks generating different lengths never deadlock. One
@@ -7,14 +8,30 @@ rank has no one to wait for: ``synced_gpus`` would only add an all-reduce and a 
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from trainer.config import rollout_name
 from trainer.engine.parallel import Sharded, full_params
 
-__all__ = ["Sampling", "generate_responses", "response_mask_from_eos"]
+__all__ = ["Sampling", "with_rollout", "generate_responses", "response_mask_from_eos"]
+
+
+def with_rollout(cfg, device_type: str):
+    """``cfg`` with ``actor_rollout_ref.rollout.name`` set to the rollout this run uses on ``device_type``
+    (:func:`trainer.config.rollout_name`: vLLM on a GPU when the config names none; ``ppotune train`` refused
+    before its ranks started where vLLM does not import)."""
+    ro = cfg.actor_rollout_ref.rollout
+    vllm = importlib.util.find_spec("vllm") is not None
+    name = rollout_name(ro.name, device_type=device_type, vllm_importable=vllm)
+    if name == ro.name:
+        return cfg
+    arr = dataclasses.replace(cfg.actor_rollout_ref, rollout=dataclasses.replace(ro, name=name))
+    return dataclasses.replace(cfg, actor_rollout_ref=arr)
 
 
 @dataclass(frozen=True)
@@ -49,8 +66,11 @@ def generate_responses(
     prompt_ids: torch.Tensor,
     prompt_mask: torch.Tensor,
     sampling: Sampling,
+    *,
+    streamer=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded prompts (B, P) -> responses (B, R) right-padded with ``pad_id``, response_mask (B, R)."""
+    """Left-padded prompts (B, P) -> responses (B, R) right-padded with ``pad_id``, response_mask (B, R);
+    ``streamer``: HF generate's, told the prompt and each decode step."""
     R, pad_id, eos_id = sampling.max_response_length, sampling.pad_id, sampling.eos_id
     sample = sampling.do_sample and sampling.temperature > 0
     kwargs = dict(
@@ -63,6 +83,8 @@ def generate_responses(
     )
     if sampling.ignore_eos:
         kwargs["min_new_tokens"] = R
+    if streamer is not None:
+        kwargs["streamer"] = streamer
     if sample:
         kwargs.update(
             temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k if sampling.top_k > 0 else 0

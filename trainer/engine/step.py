@@ -132,7 +132,8 @@ def ppo_step(
 
     # step 1. rollout: sample responses from the current policy (remax: and one greedy response per prompt)
     with meter.phase("gen"):
-        responses, response_mask = roles.generate(prompt_ids, prompt_mask, device)
+        # a profiled step records the first decode steps of an HF generate (meter.decode_window), not all of them
+        responses, response_mask = roles.generate(prompt_ids, prompt_mask, device, streamer=meter.decode_window)
         greedy = _greedy_rollout(roles, prompt_ids, prompt_mask, uids, device) if s.adv_estimator == "remax" else None
         meter.sample()  # a vLLM engine is still awake: its KV cache and weights count in this phase
         roles.release_rollout()

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from trainer.config import rollout_name
+
 __all__ = ["JobDir", "serve_layout", "warm_refusal"]
 
 
@@ -66,7 +68,11 @@ def serve_layout(config: dict) -> dict:
 
 def warm_refusal(config: dict) -> Optional[str]:
     """Why this (complete, nested) config cannot run as a trial of a warm job, or None."""
-    if config["actor_rollout_ref"]["rollout"]["name"] == "vllm":
+    from trainer.verl_engine.adapter import detect_device  # NVML only, no torch
+
+    # an unnamed rollout is vLLM on a GPU (trainer.config.rollout_name; preflight refused it where vLLM is missing)
+    device = detect_device(config["ppotune"]["device"])
+    if rollout_name(config["actor_rollout_ref"]["rollout"]["name"], device_type=device, vllm_importable=True) == "vllm":
         return (
             "actor_rollout_ref.rollout.name=vllm: a process keeps its in-process vLLM engine alive on purpose "
             "(trainer/engine/vllm_rollout.py), so each vLLM trial gets fresh processes"

@@ -1,5 +1,6 @@
 """What can be checked without training, checked before any rank starts: the data files (present, parquet, verl's
-columns, rows), the model directory (an HF config, weights) and its tokenizer (its files, a chat template).
+columns, rows), the model directory (an HF config, weights) and its tokenizer (its files, a chat template), the
+rollout a GPU run needs (vLLM where the config names none).
 
 ``ppotune train`` and ``ppotune check`` run :func:`preflight` on a validated config, ``ppotune search`` once on its
 trial base config, and :func:`preflight_verl` on a verl run's overrides (``--engine verl``): a bad input is one
@@ -9,11 +10,12 @@ small JSON files only: no torch, no tokenizer library, nothing downloaded.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from trainer.config import ConfigError, PPOConfig, config_to_dict, flatten, resolve_follows
+from trainer.config import ConfigError, PPOConfig, config_to_dict, flatten, resolve_follows, rollout_name
 from trainer.datafiles import check_parquet, split_files
 
 __all__ = ["preflight", "preflight_verl", "check_model_dir"]
@@ -66,7 +68,13 @@ def check_model_dir(path: str, *, key: str, source: Optional[str] = None, chat_t
 
 def preflight(cfg: PPOConfig, *, source: Optional[str] = None) -> None:
     """Check a validated config's inputs (ConfigError naming the file and the key): every ``data.train_files``
-    file, the actor's model directory and tokenizer, the critic's model directory when it is another."""
+    file, the actor's model directory and tokenizer, the critic's model directory when it is another, and that the
+    rollout a GPU run takes when none is named (vLLM) imports here."""
+    from trainer.verl_engine.adapter import detect_device  # NVML only, no torch
+
+    vllm = importlib.util.find_spec("vllm") is not None  # found, not imported: no CUDA set-up here
+    rollout = cfg.actor_rollout_ref.rollout.name
+    rollout_name(rollout, device_type=detect_device(cfg.ppotune.device), vllm_importable=vllm, source=source)
     eff = resolve_follows(flatten(config_to_dict(cfg)))
     for f in split_files(eff["data.train_files"]):
         check_parquet(f, prompt_key=eff["data.prompt_key"], key="data.train_files")

@@ -65,6 +65,7 @@ def run_trial(
     from trainer.engine.metrics import PhaseMeter
     from trainer.engine.models import load_tokenizer
     from trainer.engine.roles import build_roles
+    from trainer.engine.rollout import with_rollout
 
     notes: list[str] = state["notes"]
     device, world = proc.device, proc.world
@@ -77,7 +78,7 @@ def run_trial(
         device,
         on_phase=lambda name: state.__setitem__("phase", name),
         # a vLLM engine allocates outside torch's caching allocator (its own pool for sleep mode)
-        device_wide=cfg.actor_rollout_ref.rollout.name == "vllm",
+        device_wide=with_rollout(cfg, device.type).actor_rollout_ref.rollout.name == "vllm",
     )
 
     # step 2. the prompts (a warm job's, while the data config is the same) and the loader

@@ -42,12 +42,13 @@ Per phase (``trainer.contracts.PHASES``) the terms are (0 where a term does not 
     The packed path runs one causal sdpa per sequence, without a mask: 0. gen's prefill (left-padded
     prompts, masked) holds one layer's at a time.
 ``logits``
-    The LM head's output for every token of the micro-batch (``T x V x cb``) and the fp32 work on the
-    rows that are read (the response tokens, ``N x V x 4`` per tensor): the scaled fp32 copy and the
-    log-sum-exp (2 tensors; a forward-only log-prob), + the softmax and product of the entropy (old-log-prob
-    always, the update when the entropy is in its loss; chunked entropy: one chunk of them), + their
-    gradients in backward (update). The critic's head is one wide: no logits term. gen: sampling's fp32
-    scores over the vocabulary for each sequence.
+    What verl's GPU path holds too (trainer/engine/logits.py; benchmarks/bench_pass_memory.py measures both): the LM
+    head's output for every token of the micro-batch in the compute dtype (``T x V x cb``), a second one divided by
+    the temperature when it is not 1, and one chunk's fp32 work on the rows read (``c x V x (cb + 8)``, ``c`` the
+    chunk's rows: ``trainer.engine.logits.chunk_rows``, or ``entropy_from_logits_chunk_size``); the log-prob's
+    gradient is written into the logits, so an update adds nothing more unless the entropy is in its loss (then the
+    log-prob's and the entropy's gradients, ``2 x T x V x cb``). The critic's head is one wide: no logits term.
+    gen: sampling's fp32 scores over the vocabulary for each sequence.
 ``kv_cache``
     HF generate's KV cache: sequences x (max_prompt_length + longest response) x layers x 2 x kv_dim x cb.
 ``engine``
@@ -62,10 +63,11 @@ transient) is built there from these.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-from trainer.config import PPOConfig, config_to_dict, flatten, resolve_follows
+from trainer.config import PPOConfig, config_to_dict, flatten, resolve_follows, rollout_name
 from trainer.config.keys import absent_role
 from trainer.contracts import PHASES
 from tuner.memory_model.shape import ModelShape, ParamCounts, param_counts
@@ -208,7 +210,8 @@ class _Setup:
     vllm: bool
     pad_multiple: Optional[int]  # the actor's length bucket with pad_to_length
     ref_pad: Optional[int]
-    entropy_chunk: Optional[int]  # rows of the entropy computed at once (None: all)
+    entropy_chunk: Optional[int]  # rows of the entropy computed at once (None: trainer.engine.logits' chunk)
+    temperature: float  # the rollout's: logits divided by it (out of place) when it is not 1
 
 
 def _setup(
@@ -245,7 +248,8 @@ def _setup(
         actor=_role(flat, f"{_A}.fsdp_config", strategy, "actor_rollout_ref.model", shard_world),
         ref=_role(flat, f"{_REF}.fsdp_config", strategy, "actor_rollout_ref.model", shard_world),
         critic=_role(flat, f"{_C}.fsdp", flat[f"{_C}.strategy"], "critic.model", shard_world),
-        vllm=flat[f"{_RO}.name"] == "vllm",
+        # an unnamed rollout is vLLM on a GPU (``ppotune train`` refuses a GPU run where it does not import)
+        vllm=rollout_name(flat[f"{_RO}.name"], device_type="cuda" if on_gpu else "cpu", vllm_importable=True) == "vllm",
         pad_multiple=int(flat[f"{_A}.fsdp_config.pad_to_length_bucket"]) if pad_to_length else None,
         ref_pad=int(flat[f"{_REF}.fsdp_config.pad_to_length_bucket"]) if pad_to_length else None,
         entropy_chunk=(
@@ -253,6 +257,7 @@ def _setup(
             if flat[f"{_A}.entropy_from_logits_with_chunking"]
             else None
         ),
+        temperature=float(flat[f"{_RO}.temperature"]),
     )
 
 
@@ -290,7 +295,7 @@ def _old_log_prob_terms(s: _Setup) -> dict[str, float]:
         "buffers": _buffers(s, s.actor, s.counts.actor_root, s.counts.actor, update=False),
         "activations": _forward_activations(s, s.actor, mb.tokens),
         "attention": _attention(s, s.actor, mb, update=False),
-        "logits": _logits(s, s.actor, mb, fp32_tensors=2, entropy=True),
+        "logits": _logits(s, s.actor, mb, update=False, entropy=True),
     }
 
 
@@ -301,7 +306,7 @@ def _ref_terms(s: _Setup) -> dict[str, float]:
         "buffers": _buffers(s, s.ref, s.counts.actor_root, s.counts.actor, update=False, copied_in=s.on_gpu),
         "activations": _forward_activations(s, s.ref, mb.tokens),
         "attention": _attention(s, s.ref, mb, update=False),
-        "logits": _logits(s, s.ref, mb, fp32_tensors=2, entropy=False),
+        "logits": _logits(s, s.ref, mb, update=False, entropy=False),
     }
 
 
@@ -335,7 +340,7 @@ def _update_actor_terms(s: _Setup) -> dict[str, float]:
         "buffers": _buffers(s, s.actor, s.counts.actor_root, s.counts.actor, update=True),
         "activations": _update_activations(s, s.actor, mb.tokens),
         "attention": _attention(s, s.actor, mb, update=True),
-        "logits": _logits(s, s.actor, mb, fp32_tensors=4, entropy=with_entropy),
+        "logits": _logits(s, s.actor, mb, update=True, entropy=with_entropy),
     }
 
 
@@ -430,12 +435,21 @@ def _attention(s: _Setup, role: _Role, mb: MicroBatch, *, update: bool) -> float
 
 
 # --------------------------------------------------------------------------- logits
-def _logits(s: _Setup, role: _Role, mb: MicroBatch, *, fp32_tensors: int, entropy: bool) -> float:
-    rows_read = mb.response_tokens
-    total = mb.tokens * s.vocab * role.compute_bytes + rows_read * s.vocab * 4 * fp32_tensors
-    if entropy:
-        entropy_rows = min(rows_read, s.entropy_chunk) if s.entropy_chunk else rows_read
-        total += entropy_rows * s.vocab * 4 * 2  # softmax and product
+#: trainer.engine.logits.chunk_rows: a 1/64 share of the logits' rows, at least 16 MiB of fp32 (the tuner does not
+#: import the engine)
+_CHUNKS_PER_LOGITS, _MIN_CHUNK_BYTES = 64, 16 << 20
+
+
+def _logits(s: _Setup, role: _Role, mb: MicroBatch, *, update: bool, entropy: bool) -> float:
+    one = mb.tokens * s.vocab * role.compute_bytes  # the LM head's output, compute dtype
+    chunk = max(math.ceil(mb.tokens / _CHUNKS_PER_LOGITS), _MIN_CHUNK_BYTES // (4 * s.vocab), 1)
+    if entropy and s.entropy_chunk:
+        chunk = max(chunk, s.entropy_chunk)
+    total = one + min(mb.response_tokens, chunk) * s.vocab * (role.compute_bytes + 8)
+    if s.temperature != 1.0:
+        total += one  # divided by the temperature out of place (its gradient too, in an update)
+    if update and entropy:
+        total += 2 * one  # the log-prob's gradient (not in place: the entropy reads the logits) and the entropy's
     return total
 
 
