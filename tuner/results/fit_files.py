@@ -23,10 +23,11 @@ from trainer.verl_engine.overrides import verl_overrides
 from tuner.fit.answer import KnobAnswer, answer_probe, answer_values, knob_answers
 from tuner.fit.boundary import FitState
 from tuner.results.export import production_of, verl_engine_of
+from tuner.results.html import page_head, trials_section
 from tuner.results.view import StudyView
 from tuner.study.schema import comment_safe
 
-__all__ = ["FIT_FILES", "FitSummary", "fit_summary", "fit_md", "fit_html", "write_fit_files"]
+__all__ = ["FIT_FILES", "FitSummary", "fit_summary", "fit_md", "fit_html", "write_fit_files", "write_fit_report"]
 
 #: what :func:`write_fit_files` writes
 FIT_FILES = ("fit.yaml", "verl_overrides.txt", "fit.json", "why.md")
@@ -198,3 +199,17 @@ def write_fit_files(view: StudyView, out_dir: str | Path, *, engine_python: Opti
     files["fit.json"].write_text(json.dumps(data, indent=2) + "\n")
     files["why.md"].write_text(_why_md(view, fit, lines))
     return files
+
+
+def write_fit_report(view: StudyView, fit: FitSummary, out_dir: Path) -> Path:
+    """The report of a fit's study: report.html (the table, then every probe), summary.md, trials.csv; returns the
+    page's path."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    view.trials.to_csv(out_dir / "trials.csv", index=False)
+    (out_dir / "summary.md").write_text(
+        "\n".join([f"# ppotune report: study `{comment_safe(view.name)}`", "", *fit_md(fit), ""])
+    )
+    page = out_dir / "report.html"
+    parts = [*page_head(view), *fit_html(fit), *trials_section(view), "</body></html>"]
+    page.write_text("\n".join(parts), encoding="utf-8")
+    return page
