@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 from tuner.fit.boundary import FITS, OOM, OVER, PREDICTED, FitState, KnobFit, Observation
 
-__all__ = ["KnobAnswer", "knob_answers", "answer_values", "answer_probe"]
+__all__ = ["KnobAnswer", "knob_answers", "answer_values"]
 
 
 @dataclass(frozen=True)
@@ -37,14 +37,6 @@ class KnobAnswer:
 def answer_values(state: FitState) -> dict:
     """``{key: value}`` of the answer (knobs with no fitting value left out)."""
     return {f.key: f.knob.ladder[f.lo] for f in state.fits if f.lo >= 0}
-
-
-def answer_probe(state: FitState) -> Optional[int]:
-    """The last probe that ran the answer within the limit."""
-    want = state.answer
-    numbers = [o.probe for f in state.fits for o in f.at(f.lo) if o.verdict == FITS and o.probe is not None]
-    ran = [n for n in numbers if all(any(o.probe == n for o in g.at(g.lo)) for g in state.fits)]
-    return max(ran) if ran and want in state.passed else None
 
 
 def _measured(f: KnobFit) -> Optional[Observation]:

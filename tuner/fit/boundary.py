@@ -158,6 +158,7 @@ class FitState:
 
     fits: list  # [KnobFit], in the order their passes run
     passed: list = field(default_factory=list)  # [{key: rung}] of probes that ran within the limit
+    passed_by: list = field(default_factory=list)  # their probes' trial numbers (None: not known)
     split: bool = False  # an outcome could not be charged to one knob: probe one knob at a time
     probes: int = 0
 
@@ -170,6 +171,12 @@ class FitState:
         return {f.key: f.lo for f in self.fits}
 
     @property
+    def answer_probe(self) -> Optional[int]:
+        """The last probe that ran the answer within the limit (None: none did, or its number is not known)."""
+        ran = [n for rungs, n in zip(self.passed, self.passed_by) if rungs == self.answer]
+        return ran[-1] if ran else None
+
+    @property
     def done(self) -> bool:
         """Every interval closed and the answer run within the limit (or a knob with no fitting value)."""
         if any(f.impossible for f in self.fits):
@@ -180,6 +187,7 @@ class FitState:
         return {
             "fits": [f.to_dict() for f in self.fits],
             "passed": [dict(p) for p in self.passed],
+            "passed_by": list(self.passed_by),
             "split": self.split,
             "probes": self.probes,
         }
@@ -189,6 +197,7 @@ class FitState:
         return cls(
             fits=[KnobFit.from_dict(f) for f in d["fits"]],
             passed=[{str(k): int(v) for k, v in p.items()} for p in d.get("passed") or []],
+            passed_by=list(d.get("passed_by") or []),
             split=bool(d.get("split")),
             probes=int(d.get("probes") or 0),
         )
@@ -288,6 +297,7 @@ def judge(
             note(f, verdict, peak if verdict == OVER else None, phase)
     if within:
         state.passed.append({k: int(v) for k, v in rungs.items()})
+        state.passed_by.append(probe)
     return made
 
 

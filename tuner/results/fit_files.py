@@ -20,7 +20,7 @@ import yaml
 from trainer.config import ConfigError, apply_overrides, config_from_dict, config_to_dict
 from trainer.contracts import StorageError
 from trainer.verl_engine.overrides import verl_overrides
-from tuner.fit.answer import KnobAnswer, answer_probe, answer_values, knob_answers
+from tuner.fit.answer import KnobAnswer, answer_values, knob_answers
 from tuner.fit.boundary import FitState
 from tuner.results.export import production_of, verl_engine_of
 from tuner.results.html import page_head, trials_section
@@ -48,7 +48,7 @@ class FitSummary:
         self.done = bool(attr.get("done"))
         self.rows: list[KnobAnswer] = knob_answers(self.state, limit_gb=self.limit_gb)
         self.values = answer_values(self.state)
-        self.probe = answer_probe(self.state)
+        self.probe = self.state.answer_probe
 
     @property
     def complete(self) -> bool:
