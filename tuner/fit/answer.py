@@ -29,6 +29,7 @@ class KnobAnswer:
     next_peak_gb: Optional[float]  # measured peak over the limit, when that is why
     next_predicted_gb: Optional[float]  # the model's figure for the next value up, when it had one
     probes: int  # probes that measured this knob
+    ladder: tuple = ()  # every value it could take
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -104,6 +105,7 @@ def knob_answers(state: FitState, *, limit_gb: float) -> list[KnobAnswer]:
                 next_peak_gb=next_peak,
                 next_predicted_gb=next_pred,
                 probes=len({o.probe for o in f.observations if o.probe is not None}),
+                ladder=tuple(f.knob.ladder),
             )
         )
     return rows

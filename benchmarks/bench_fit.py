@@ -1,0 +1,228 @@
+"""How many runs, and how long, does ``ppotune fit`` take to find the largest per-GPU sizes that fit the worst case,
+against an exhaustive worst-case sweep of the same ladders and against a default search reaching the same answer?
+
+For each job (the recorded grids' jobs, and a token-budget shape of the first grid's job):
+
+* **fit**: ``ppotune fit BASE --memory-limit-gb CAP`` for real (warm jobs as shipped; vLLM runs cold), timed; its
+  answer and its probe runs from ``fit.json``;
+* **sweep**: every rung of every knob's ladder probed for real (``tuner.stages.probe.probe``, the same runner, the
+  same cap at the headroom's limit), the other knobs at their smallest; a knob's answer is its largest rung whose
+  passes stay within the limit. Its answer must equal fit's (the table says where it does not);
+* **search**: ``ppotune search``'s own loop as shipped (TPE with local steps), replayed over the job's recorded grid
+  (``benchmarks/bench_search.py``'s recording: no trial re-run, each launch one of the config's recorded repeats),
+  run until its study holds what fit answers for the knob the grid varies, the actor's micro-batch at the base
+  config's other settings: the fitted value measured ok and the next value up run out of memory (measured or
+  inferred). Trials and recorded trial-seconds to get there, median over ``--seeds`` seeds. A search's trials are
+  typical-length, not worst-case: on these padded jobs the memory of a micro-batch is the same. A job with no
+  recording has no search column.
+
+    python benchmarks/bench_fit.py --jobs tiny,tiny_tight [--out bench_out/fit] [--seeds 20]
+
+Run one or two jobs per command under the shared lock (``flock /tmp/ppotune-heavy.lock``): a sweep is tens of real
+probes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import optuna  # noqa: E402
+
+from trainer.config import apply_overrides  # noqa: E402
+from trainer.contracts import DIRECTIONS, Status, TrialRecord  # noqa: E402
+from tuner.fit.inputs import fit_inputs  # noqa: E402
+from tuner.fit.propose import knob_values  # noqa: E402
+from tuner.search.loop import Search, SearchOptions  # noqa: E402
+from tuner.search.policy import build_sampler  # noqa: E402
+from tuner.search.session import TrialEvent, TrialSession  # noqa: E402
+from tuner.stages.probe import probe  # noqa: E402
+from tuner.study.lifecycle import StudyLock  # noqa: E402
+from tuner.trials.runners import ReplayRunner, SubprocessRunner  # noqa: E402
+from tuner.trials.warm import WarmRunner  # noqa: E402
+
+DATA = REPO / "benchmarks" / "data"
+MICRO = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"
+
+
+@dataclass(frozen=True)
+class Job:
+    base: Path
+    cap_gb: float
+    overrides: dict = field(default_factory=dict)
+    grid: Optional[Path] = None  # its recording (benchmarks/record_grid.py), for the search column
+
+
+BUDGETS = {
+    "actor_rollout_ref.actor.use_dynamic_bsz": True,
+    "actor_rollout_ref.model.use_remove_padding": True,
+    "critic.model.use_remove_padding": True,
+}
+JOBS = {
+    "tiny": Job(DATA / "grid_base.yaml", 0.15, grid=DATA / "grid_tiny_cpu.jsonl"),
+    "tiny_tight": Job(DATA / "grid_base.yaml", 0.11, grid=DATA / "grid_tiny_tight.jsonl"),
+    "tiny_budget": Job(DATA / "grid_base.yaml", 0.11, overrides=BUDGETS),
+    "grpo_vllm": Job(DATA / "grid2_base.yaml", 0.9, grid=DATA / "grid_grpo_vllm.jsonl"),
+}
+
+
+# --------------------------------------------------------------------------- fit, as shipped
+def run_fit(job: Job, out: Path) -> dict:
+    cmd = [sys.executable, "-m", "tuner.cli", "fit", str(job.base), "--memory-limit-gb", str(job.cap_gb)]
+    cmd += [a for k, v in job.overrides.items() for a in ("-o", f"{k}={json.dumps(v)}")]
+    cmd += ["--out", str(out)]
+    print("$", " ".join(cmd), flush=True)
+    t0 = time.monotonic()
+    subprocess.run(cmd, cwd=REPO, check=True)
+    wall = time.monotonic() - t0
+    data = json.loads((out / "fit.json").read_text())
+    seconds = sum(
+        float(TrialRecord.from_user_attrs(t.user_attrs).duration_s or 0.0)
+        for t in optuna.load_study(study_name=data["study"], storage=f"sqlite:///{out / 'study.db'}").get_trials()
+    )
+    return {"values": data["values"], "runs": data["probes"], "wall_s": wall, "trial_s": seconds}
+
+
+# --------------------------------------------------------------------------- the exhaustive sweep
+def run_sweep(job: Job, out: Path) -> dict:
+    """Every rung of every ladder, the other knobs at their smallest, under fit's cap at the headroom's limit."""
+    inputs = fit_inputs(str(job.base), overrides=dict(job.overrides), memory_limit_gb=job.cap_gb)
+    knobs = list(inputs.knobs)
+    cold = SubprocessRunner(device_kind=inputs.device["kind"], nproc=inputs.trial_base["trainer"]["n_gpus_per_node"])
+    runner = WarmRunner(cold=cold, jobs_dir=out / "jobs")
+    best, runs, seconds = {}, 0, 0.0
+    t0 = time.monotonic()
+    try:
+        for k in knobs:
+            for r in range(len(k.ladder)):
+                rungs = {g.key: 0 for g in knobs} | {k.key: r}
+                over = knob_values(knobs, rungs)
+                got = probe(apply_overrides(inputs.trial_base, over), runner=runner, trial_dir=out / str(runs))
+                runs += 1
+                seconds += got.duration_s
+                by_phase = got.peak_memory_by_phase_gb
+                offset = max(0.0, (got.peak_memory_gb or 0.0) - max(by_phase.values(), default=0.0))
+                own = max((by_phase.get(p, 0.0) for p in k.phases), default=0.0) + offset
+                fits = got.status is Status.OK and own <= inputs.limit_gb
+                print(f"sweep {k.role} {k.ladder[r]}: {got.status.value} {own:.3f} GB {'fits' if fits else ''}")
+                if fits:
+                    best[k.key] = k.ladder[r]
+    finally:
+        runner.close()
+    return {"values": best, "runs": runs, "wall_s": time.monotonic() - t0, "trial_s": seconds}
+
+
+# --------------------------------------------------------------------------- a default search, replayed
+class _Until:
+    """Stops the replayed search once its study knows the fitted micro-batch fits and the next one up does not."""
+
+    def __init__(self, fits: tuple, fails: tuple):
+        self.fits, self.fails = fits, fails
+        self.ok = self.bad = False
+        self.trials = 0
+        self.seconds = 0.0
+        self.search = None
+        self.space = self.flat = None
+
+    def trial_done(self, event: TrialEvent) -> None:
+        self.seconds += float(event.record.duration_s or 0.0)
+        self.trials += 1
+        cand = self.space.complete(event.params, self.flat)
+        ident = self.space.identity(cand.effective)
+        self.ok |= ident == self.fits and event.status == Status.OK
+        self.bad |= ident == self.fails and event.status in (Status.OOM, Status.INFERRED_OOM)
+        if self.ok and self.bad:
+            self.search.session.stop_event.set()
+
+    def message(self, text: str) -> None:
+        pass
+
+
+def run_search(job: Job, fitted: int, seeds: int) -> Optional[dict]:
+    from bench_search import from_jsonl
+
+    rec = from_jsonl(job.grid)
+    base = rec.space.baseline_values(rec.flat)
+
+    def ident(micro: int) -> tuple:
+        return rec.space.identity(rec.space.complete({**base, MICRO: micro}, rec.flat).effective)
+
+    per_seed = []
+    for seed in range(seeds):
+        until = _Until(ident(fitted), ident(2 * fitted))
+        until.space, until.flat = rec.space, rec.flat
+        storage = optuna.storages.InMemoryStorage()
+        study = optuna.create_study(
+            storage=storage, directions=list(DIRECTIONS), sampler=build_sampler("tpe", seed=seed, n_trials=40)
+        )
+        session = TrialSession(
+            study=study,
+            storage=storage,
+            lock=StudyLock(None),
+            space=rec.space,
+            trial_base=rec.trial_base,
+            trial_flat=rec.flat,
+            runner=ReplayRunner(rec.table, rng=random.Random(seed)),
+            penalty_gb=rec.penalty_gb,
+            observer=until,
+        )
+        until.search = Search(options=SearchOptions(trials=10 * len(rec.table), seed=seed), session=session)
+        until.search.run()
+        per_seed.append((until.trials if until.ok and until.bad else math.inf, until.seconds))
+    trials = [t for t, _ in per_seed]
+    return {
+        "trials_median": statistics.median(trials),
+        "trial_s_median": statistics.median(s for _, s in per_seed),
+        "reached": sum(t < math.inf for t in trials),
+        "seeds": seeds,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--jobs", default="tiny", help=f"comma-separated, of {', '.join(JOBS)}")
+    ap.add_argument("--out", default="bench_out/fit")
+    ap.add_argument("--seeds", type=int, default=20)
+    ap.add_argument("--no-sweep", action="store_true", help="fit and search only")
+    args = ap.parse_args()
+    rows = {}
+    for name in args.jobs.split(","):
+        job, out = JOBS[name], Path(args.out) / name
+        out.mkdir(parents=True, exist_ok=True)
+        row = {"fit": run_fit(job, out / "fit")}
+        if not args.no_sweep:
+            row["sweep"] = run_sweep(job, out / "sweep")
+            row["equal"] = row["sweep"]["values"] == row["fit"]["values"]
+        fitted = row["fit"]["values"].get(MICRO)
+        if job.grid is not None and fitted is not None:
+            row["search"] = run_search(job, fitted, args.seeds)
+        rows[name] = row
+        print(json.dumps({name: row}, indent=2), flush=True)
+    (Path(args.out) / "bench_fit.json").write_text(json.dumps(rows, indent=2) + "\n")
+    for name, row in rows.items():
+        f, s, q = row["fit"], row.get("sweep"), row.get("search")
+        line = f"{name}: fit {f['runs']} runs {f['wall_s']:.0f} s wall ({f['trial_s']:.0f} trial-s)"
+        if s:
+            line += f" | sweep {s['runs']} runs {s['wall_s']:.0f} s ({s['trial_s']:.0f} trial-s), equal {row['equal']}"
+        if q:
+            reached = f"{q['reached']}/{q['seeds']}"
+            line += f" | search {q['trials_median']} trials {q['trial_s_median']:.0f} trial-s ({reached} seeds)"
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
