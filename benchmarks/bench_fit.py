@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import random
 import statistics
 import subprocess
 import sys
@@ -43,15 +42,11 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import optuna  # noqa: E402
 
 from trainer.config import apply_overrides  # noqa: E402
-from trainer.contracts import DIRECTIONS, Status, TrialRecord  # noqa: E402
+from trainer.contracts import Status, TrialRecord  # noqa: E402
 from tuner.fit.inputs import fit_inputs  # noqa: E402
 from tuner.fit.propose import knob_values  # noqa: E402
-from tuner.search.loop import Search, SearchOptions  # noqa: E402
-from tuner.search.policy import build_sampler  # noqa: E402
-from tuner.search.session import TrialEvent, TrialSession  # noqa: E402
 from tuner.stages.probe import probe  # noqa: E402
-from tuner.study.lifecycle import StudyLock  # noqa: E402
-from tuner.trials.runners import ReplayRunner, SubprocessRunner  # noqa: E402
+from tuner.trials.runners import SubprocessRunner  # noqa: E402
 from tuner.trials.warm import WarmRunner  # noqa: E402
 
 DATA = REPO / "benchmarks" / "data"
@@ -126,67 +121,35 @@ def run_sweep(job: Job, out: Path) -> dict:
 
 
 # --------------------------------------------------------------------------- a default search, replayed
-class _Until:
-    """Stops the replayed search once its study knows the fitted micro-batch fits and the next one up does not."""
-
-    def __init__(self, fits: tuple, fails: tuple):
-        self.fits, self.fails = fits, fails
-        self.ok = self.bad = False
-        self.trials = 0
-        self.seconds = 0.0
-        self.search = None
-        self.space = self.flat = None
-
-    def trial_done(self, event: TrialEvent) -> None:
-        self.seconds += float(event.record.duration_s or 0.0)
-        self.trials += 1
-        cand = self.space.complete(event.params, self.flat)
-        ident = self.space.identity(cand.effective)
-        self.ok |= ident == self.fits and event.status == Status.OK
-        self.bad |= ident == self.fails and event.status in (Status.OOM, Status.INFERRED_OOM)
-        if self.ok and self.bad:
-            self.search.session.stop_event.set()
-
-    def message(self, text: str) -> None:
-        pass
-
-
 def run_search(job: Job, fitted: int, seeds: int) -> Optional[dict]:
-    from bench_search import from_jsonl
+    """``bench_search.py``'s replay of the search as shipped (TPE, local steps), one per seed over the whole grid; when
+    its study first knew the fitted micro-batch ran (at the base config's other settings) and the next one up did not
+    (out of memory, measured or inferred): trials told by then and trial-seconds spent."""
+    import bench_search
 
-    rec = from_jsonl(job.grid)
+    rec = bench_search.from_jsonl(job.grid)
     base = rec.space.baseline_values(rec.flat)
 
     def ident(micro: int) -> tuple:
         return rec.space.identity(rec.space.complete({**base, MICRO: micro}, rec.flat).effective)
 
+    fits, fails = ident(fitted), ident(2 * fitted)
     per_seed = []
     for seed in range(seeds):
-        until = _Until(ident(fitted), ident(2 * fitted))
-        until.space, until.flat = rec.space, rec.flat
-        storage = optuna.storages.InMemoryStorage()
-        study = optuna.create_study(
-            storage=storage, directions=list(DIRECTIONS), sampler=build_sampler("tpe", seed=seed, n_trials=40)
-        )
-        session = TrialSession(
-            study=study,
-            storage=storage,
-            lock=StudyLock(None),
-            space=rec.space,
-            trial_base=rec.trial_base,
-            trial_flat=rec.flat,
-            runner=ReplayRunner(rec.table, rng=random.Random(seed)),
-            penalty_gb=rec.penalty_gb,
-            observer=until,
-        )
-        until.search = Search(options=SearchOptions(trials=10 * len(rec.table), seed=seed), session=session)
-        until.search.run()
-        per_seed.append((until.trials if until.ok and until.bad else math.inf, until.seconds))
-    trials = [t for t, _ in per_seed]
+        run = bench_search.run_search("ours", seed, rec, hint=40, cap_s=math.inf)
+        ok = bad = False
+        reached = (math.inf, math.inf)
+        for i, (spent, got, throughput) in enumerate(run.events):
+            ok |= got == fits and throughput is not None
+            bad |= got == fails and throughput is None
+            if ok and bad:
+                reached = (i + 1, spent)
+                break
+        per_seed.append(reached)
     return {
-        "trials_median": statistics.median(trials),
+        "trials_median": statistics.median(t for t, _ in per_seed),
         "trial_s_median": statistics.median(s for _, s in per_seed),
-        "reached": sum(t < math.inf for t in trials),
+        "reached": sum(t < math.inf for t, _ in per_seed),
         "seeds": seeds,
     }
 

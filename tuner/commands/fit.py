@@ -19,7 +19,14 @@ import optuna
 
 from trainer.config import flatten, parse_override
 from trainer.config.io import check_override_keys
-from trainer.contracts import DEFAULT_HEADROOM, STUDY_SCHEMA_VERSION, ExitCode, StorageError, parse_storage
+from trainer.contracts import (
+    DEFAULT_HEADROOM,
+    STUDY_SCHEMA_VERSION,
+    ExitCode,
+    StorageError,
+    StorageSpec,
+    parse_storage,
+)
 from trainer.launch.cliflags import add_override_flag, fail, overrides_of
 from tuner.fit.boundary import FitBlocked
 from tuner.fit.inputs import FitInputs, fit_inputs, ladder_space
@@ -85,21 +92,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_hang_flags(p, subject="a probe", step=False)
 
 
-def _inputs(args: argparse.Namespace) -> FitInputs:
+def _inputs(args: argparse.Namespace, out: Path) -> tuple[FitInputs, StorageSpec]:
+    """The fit and its storage, checked (ValueError: one line naming the file and the key)."""
     flat = dict(parse_override(o) for o in overrides_of(args))
     if flat:
         if args.engine == "verl":
             raise ValueError("-o: --engine verl takes its settings from the run file; put them there")
         check_override_keys(flat, over=args.base_config)
-    return fit_inputs(
-        args.base_config,
-        engine=args.engine,
-        overrides=flat,
-        nproc=args.nproc,
-        memory_limit_gb=args.memory_limit_gb,
-        headroom=args.memory_headroom,
-        engine_python=args.engine_python,
-    )
+    spec = parse_storage(args.storage, default_dir=out)
+    check_storage_file(spec)
+    flags = dict(nproc=args.nproc, memory_limit_gb=args.memory_limit_gb, headroom=args.memory_headroom)
+    inputs = fit_inputs(args.base_config, engine=args.engine, overrides=flat, engine_python=args.engine_python, **flags)
+    return inputs, spec
 
 
 def _study_attrs(args: argparse.Namespace, inputs: FitInputs) -> dict:
@@ -137,9 +141,7 @@ def run(args: argparse.Namespace) -> int:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     out = Path(args.out).resolve()
     try:
-        inputs = _inputs(args)
-        spec = parse_storage(args.storage, default_dir=out)
-        check_storage_file(spec)
+        inputs, spec = _inputs(args, out)
     except ValueError as e:  # ConfigError / StorageError / a bad flag: one line naming file and key
         return fail("fit", str(e))
     name = args.study or f"{Path(args.base_config).stem}--fit"
