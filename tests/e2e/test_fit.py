@@ -135,4 +135,4 @@ def test_a_verl_grpo_run_file_is_fitted_through_verl(cli, verl_grpo, tmp_path):
     lines = (tmp_path / "verl_overrides.txt").read_text().splitlines()
     assert "algorithm.adv_estimator=grpo" in lines and f"{MICRO}={data['values'][MICRO]}" in lines
     fit_file = yaml.safe_load((tmp_path / "fit.yaml").read_text())
-    assert fit_file["overrides"] == lines and "python" not in fit_file["ppotune"]
+    assert fit_file["overrides"] == lines and fit_file["ppotune"]["python"] == str(VERL_PY)  # as named
