@@ -124,7 +124,7 @@ def run_sweep(job: Job, out: Path) -> dict:
 def run_search(job: Job, fitted: int, seeds: int) -> Optional[dict]:
     """``bench_search.py``'s replay of the search as shipped (TPE, local steps), one per seed over the whole grid; when
     its study first knew the fitted micro-batch ran (at the base config's other settings) and the next one up did not
-    (out of memory, measured or inferred): trials told by then and trial-seconds spent."""
+    (out of memory, measured or inferred): trials launched by then and trial-seconds spent."""
     import bench_search
 
     rec = bench_search.from_jsonl(job.grid)
@@ -138,17 +138,20 @@ def run_search(job: Job, fitted: int, seeds: int) -> Optional[dict]:
     for seed in range(seeds):
         run = bench_search.run_search("ours", seed, rec, hint=40, cap_s=math.inf)
         ok = bad = False
-        reached = (math.inf, math.inf)
-        for i, (spent, got, throughput) in enumerate(run.events):
+        reached, launched, before = (math.inf, math.inf), 0, 0.0
+        for spent, got, throughput in run.events:
+            launched += spent > before  # a trial that cost seconds ran; a free one (inferred, duplicate) did not
+            before = spent
             ok |= got == fits and throughput is not None
             bad |= got == fails and throughput is None
             if ok and bad:
-                reached = (i + 1, spent)
+                reached = (launched, spent)
                 break
         per_seed.append(reached)
     return {
         "trials_median": statistics.median(t for t, _ in per_seed),
         "trial_s_median": statistics.median(s for _, s in per_seed),
+        "grid_s": rec.grid_s(),
         "reached": sum(t < math.inf for t, _ in per_seed),
         "seeds": seeds,
     }
