@@ -148,12 +148,14 @@ def run_search(job: Job, fitted: int, seeds: int) -> Optional[dict]:
                 reached = (launched, spent)
                 break
         per_seed.append(reached)
+    got = [(t, s) for t, s in per_seed if t < math.inf]
     return {
-        "trials_median": statistics.median(t for t, _ in per_seed),
-        "trial_s_median": statistics.median(s for _, s in per_seed),
-        "grid_s": rec.grid_s(),
-        "reached": sum(t < math.inf for t, _ in per_seed),
+        "reached": len(got),
         "seeds": seeds,
+        "trials_median_reached": statistics.median(t for t, _ in got) if got else None,
+        "trial_s_median_reached": statistics.median(s for _, s in got) if got else None,
+        "grid_s": rec.grid_s(),
+        "per_seed": [[t if t < math.inf else None, s if s < math.inf else None] for t, s in per_seed],
     }
 
 
@@ -163,13 +165,19 @@ def main() -> int:
     ap.add_argument("--out", default="bench_out/fit")
     ap.add_argument("--seeds", type=int, default=20)
     ap.add_argument("--no-sweep", action="store_true", help="fit and search only")
+    ap.add_argument("--search-only", action="store_true", help="the search column, from an earlier run's fit in --out")
     args = ap.parse_args()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
     rows = {}
     for name in args.jobs.split(","):
         job, out = JOBS[name], Path(args.out) / name
         out.mkdir(parents=True, exist_ok=True)
-        row = {"fit": run_fit(job, out / "fit")}
-        if not args.no_sweep:
+        done = out / "fit" / "fit.json"
+        if args.search_only and done.is_file():  # the search column again, from an earlier run's fit
+            row = {"fit": {"values": json.loads(done.read_text())["values"]}}
+        else:
+            row = {"fit": run_fit(job, out / "fit")}
+        if not args.no_sweep and not args.search_only:
             row["sweep"] = run_sweep(job, out / "sweep")
             row["equal"] = row["sweep"]["values"] == row["fit"]["values"]
         fitted = row["fit"]["values"].get(MICRO)
@@ -177,15 +185,21 @@ def main() -> int:
             row["search"] = run_search(job, fitted, args.seeds)
         rows[name] = row
         print(json.dumps({name: row}, indent=2), flush=True)
-    (Path(args.out) / "bench_fit.json").write_text(json.dumps(rows, indent=2) + "\n")
+    (Path(args.out) / f"bench_fit_{'_'.join(rows)}.json").write_text(json.dumps(rows, indent=2) + "\n")
     for name, row in rows.items():
         f, s, q = row["fit"], row.get("sweep"), row.get("search")
-        line = f"{name}: fit {f['runs']} runs {f['wall_s']:.0f} s wall ({f['trial_s']:.0f} trial-s)"
+        line = (
+            f"{name}: fit {f['runs']} runs {f['wall_s']:.0f} s wall ({f['trial_s']:.0f} trial-s)"
+            if "runs" in f
+            else name
+        )
         if s:
             line += f" | sweep {s['runs']} runs {s['wall_s']:.0f} s ({s['trial_s']:.0f} trial-s), equal {row['equal']}"
-        if q:
-            reached = f"{q['reached']}/{q['seeds']}"
-            line += f" | search {q['trials_median']} trials {q['trial_s_median']:.0f} trial-s ({reached} seeds)"
+        if q and q["reached"]:
+            reached = f"{q['reached']}/{q['seeds']} seeds reached it"
+            line += (
+                f" | search {q['trials_median_reached']} trials {q['trial_s_median_reached']:.0f} trial-s ({reached})"
+            )
         print(line)
     return 0
 
