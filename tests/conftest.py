@@ -212,6 +212,7 @@ _LONGEST_FIRST = (
     "real_search",
     "test_cluster.py",
     "test_train.py",
+    "test_fit.py",
     "test_search.py",
     "test_vllm_rollout.py",
     "test_fail_fast.py",

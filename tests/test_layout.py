@@ -40,7 +40,14 @@ TORCH_FREE_TRAINER_MODULES = frozenset(
 )
 #: code that launches trials: it never reads a study through results/ (the report's view of a finished study);
 #: the commands (``tuner.search.command``, ``tuner.validate``) compose the two
-LAUNCHING = ("tuner.trials", "tuner.stages", "tuner.search.loop", "tuner.search.policy", "tuner.search.session")
+LAUNCHING = (
+    "tuner.trials",
+    "tuner.stages",
+    "tuner.fit",
+    "tuner.search.loop",
+    "tuner.search.policy",
+    "tuner.search.session",
+)
 MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 80
 LONG_MARK = re.compile(r"#\s*long:\s*\S")  # "# long: why" -- a long function or module that says why

@@ -30,6 +30,10 @@ _COMMANDS = {
     "report": ("tuner.results.report", "write the Pareto report (HTML, PNG, CSV, summary.md) of a study"),
     "export": ("tuner.results.export", "write the chosen config: best_config.yaml, verl overrides, why.md"),
     "validate": ("tuner.validate", "run the exported config against the baseline, interleaved: PASS/FAIL vs the study"),
+    "fit": (
+        "tuner.commands.fit",
+        "the largest per-GPU sizes whose worst-case step keeps the headroom free: a few worst-case probes",
+    ),
     "probe": (
         "tuner.stages.probe",
         "run one worst-case-length step of a config (longest prompts and responses): its peaks",

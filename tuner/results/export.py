@@ -211,6 +211,8 @@ def write_export(
     """Choose, validate, then write the four files. Raises :class:`NoFit`/:class:`StorageError`
     (and verl_validate's errors with ``validate_verl``) before writing anything. ``engine_python``: the
     interpreter of the user's verl environment (``--engine-python``), the only one written where it runs."""
+    if isinstance(view.attrs.get("fit"), dict):  # its probes are worst cases, not trials to pick from
+        raise StorageError(f"study {view.name!r} is a ppotune fit's: its config is the fit.yaml ppotune fit wrote")
     choice = choose(view, pick=pick, headroom=headroom)
     overrides = chosen_overrides(view, choice.chosen)
     verl = verl_engine_of(view, engine_python)

@@ -25,7 +25,7 @@ from tuner.results.view import TIME_PREFIX, StudyView, missing, pareto_front
 from tuner.stages.confirm import CONFIRMATION_ATTR, describe
 from tuner.units import gb
 
-__all__ = ["report_html", "summary_md"]
+__all__ = ["report_html", "summary_md", "page_head", "trials_section"]
 
 
 def _f(v: Any, spec: str = ".2f") -> str:
@@ -200,7 +200,7 @@ def report_html(data: ReportData, images: dict[str, bytes]) -> str:
     view = data.view
     counts = _status_counts(view.trials)
     img = {k: "data:image/png;base64," + base64.b64encode(v).decode() for k, v in images.items()}
-    parts = _head(view)
+    parts = page_head(view)
     parts += _cards(data, counts)
     parts += _pareto_plot_section(data, img)
     parts += _baseline_section(data)
@@ -211,7 +211,7 @@ def report_html(data: ReportData, images: dict[str, bytes]) -> str:
     parts += _importances_section(data, img)
     parts += _no_effect_section(data)
     parts += _cost_section(data, counts)
-    parts += _trials_section(view)
+    parts += trials_section(view)
     parts.append("</body></html>")
     return "\n".join(parts)
 
@@ -221,7 +221,7 @@ def _status_counts(df: pd.DataFrame) -> dict:
     return df["status"].value_counts().to_dict() if not df.empty else {}
 
 
-def _head(view: StudyView) -> list[str]:
+def page_head(view: StudyView) -> list[str]:
     """The page's head, title, what measured the trials on what, and the warnings about the study itself."""
     df = view.trials
     dev, dev_label = view.device_memory
@@ -462,7 +462,7 @@ def _cost_section(data: ReportData, counts: dict) -> list[str]:
     ]
 
 
-def _trials_section(view: StudyView) -> list[str]:
+def trials_section(view: StudyView) -> list[str]:
     return [
         "<h2>All trials</h2>",
         "<p class='sub'>★ baseline · ◆ Pareto front. Knobs are shown where they differ from the baseline.</p>",

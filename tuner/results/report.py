@@ -31,6 +31,7 @@ from trainer.contracts import (
 )
 from trainer.launch.cliflags import deprecated, fail
 from tuner.results.analysis import build
+from tuner.results.fit_files import fit_summary, write_fit_report
 from tuner.results.html import report_html, summary_md
 from tuner.results.plots import figure_png, plot_importances, plot_pareto, plot_phases
 from tuner.results.view import StudyView, add_study_arguments, load, pareto_front, view_from_args
@@ -69,6 +70,9 @@ def write_report(
 def write_view_report(view: StudyView, out_dir: str | Path, *, memory_headroom: float = DEFAULT_HEADROOM) -> Path:
     """:func:`write_report` for a study already read; returns the path of report.html."""
     out = Path(out_dir)
+    fit = fit_summary(view)
+    if fit is not None:  # a ppotune fit's study: its table and its probes, no Pareto front (a probe's speed is moot)
+        return write_fit_report(view, fit, out)
     out.mkdir(parents=True, exist_ok=True)
     data = build(view, headroom=memory_headroom)
     df = view.trials
@@ -134,5 +138,6 @@ def run(args) -> int:
     page = write_view_report(view, to, memory_headroom=headroom)
     print(f"{page}  ({len(view.trials)} trials)")
     for name in REPORT_FILES:
-        print(f"  {to / name}")
+        if (to / name).is_file():
+            print(f"  {to / name}")
     return ExitCode.OK

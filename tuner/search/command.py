@@ -38,6 +38,7 @@ from trainer.config.io import COMMAND_LINE, blame_command_line, check_override_k
 from trainer.contracts import STUDY_SCHEMA_VERSION, ExitCode, StorageError, TrialRecord, parse_storage
 from trainer.launch.cliflags import fail, overrides_of
 from trainer.launch.preflight import preflight
+from tuner.fit.bounds import bounded_space, fitted_params, read_fit
 from tuner.search.budget import BASELINE_FAILED, MAX_FAILURES_IN_A_ROW
 from tuner.search.decide import count_progress
 from tuner.search.flags import add_arguments
@@ -229,12 +230,14 @@ class _Inputs:
     plan: WorldPlan
     trial_base: dict  # one complete trial config: the trial command carries only its path and --result
     trial_flat: dict
+    fitted: dict = dataclasses.field(default_factory=dict)  # --from-fit: the fit's sizes as params, tried second
 
 
 def _inputs(args: argparse.Namespace) -> _Inputs:
     """The flags, the space and the base config, validated (``ValueError``: one line naming file and key)."""
     options = options_from_args(args)
-    space = load_space(args.space)
+    fitted = read_fit(args.from_fit) if getattr(args, "from_fit", None) else {}
+    space = bounded_space(load_space(args.space), fitted)[0]  # --from-fit: the fitted sizes are upper bounds
     base_nested, verl, plan = _base_config(args, space)
     trial_extra = {
         "trainer.total_training_steps": args.steps,
@@ -253,7 +256,8 @@ def _inputs(args: argparse.Namespace) -> _Inputs:
             "the search probes its picks itself (--probe), or run ppotune probe CONFIG"
         )
     space.validate(trial_flat)
-    return _Inputs(options, space, base_nested, verl, plan, trial_base, trial_flat)
+    near = fitted_params(space, fitted, trial_flat)
+    return _Inputs(options, space, base_nested, verl, plan, trial_base, trial_flat, near)
 
 
 def _warn_if_shared(spec) -> None:
@@ -399,6 +403,8 @@ def _open(args: argparse.Namespace, inputs: _Inputs, device: dict, spec) -> "_Op
             study.set_user_attr(k, v)
         baseline = space.baseline_params(inputs.trial_flat)
         study.enqueue_trial(baseline, user_attrs=TrialRecord(baseline=True).to_user_attrs(only={"baseline"}))
+        if inputs.fitted and inputs.fitted != baseline:  # --from-fit: the largest sizes that fit, tried next
+            study.enqueue_trial(inputs.fitted)
         study.set_user_attr(st.SCHEMA_ATTR, STUDY_SCHEMA_VERSION)  # last: marks the study as set up
 
     options = inputs.options

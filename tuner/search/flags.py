@@ -50,6 +50,13 @@ def _study_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--study", default=None, help="study name (default: <base>--<space>)")
     p.add_argument(
+        "--from-fit",
+        default=None,
+        metavar="DIR",
+        help="start from a ppotune fit (its --out DIR): each size knob of the space at most its fitted value (a larger "
+        "one's worst case does not fit), and the fitted sizes tried right after the baseline (default: none)",
+    )
+    p.add_argument(
         "--heartbeat",
         type=float,
         default=st.HEARTBEAT_S,
