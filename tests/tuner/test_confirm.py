@@ -92,8 +92,8 @@ def test_paired_ratios_pair_the_same_round_and_skip_a_round_either_side_lost():
     base = [Rerun(11, "ok", 200.0, 1.0), Rerun(14, "crash"), Rerun(17, "ok", 190.0, 0.9)]
     assert confirm.paired_ratios(runs, base) == [1.5]  # round 2: no baseline; round 3: the finalist OOMed
     e = confirm.summarize(3, runs, base)
-    # one pair, no interval of its own on either run: 0.05 each, half 1.6449 x sqrt(0.005) = 0.11631 around ln 1.5
-    assert e["ratio"] == 1.5 and e["ratio_ci"] == pytest.approx([1.33530, 1.68502], abs=1e-5) and e["rounds"] == 1
+    # one pair, no interval of its own on either run: the floor 0.045 each, half 1.6449 x 0.045 x sqrt(2) = 0.104681
+    assert e["ratio"] == 1.5 and e["ratio_ci"] == pytest.approx([1.350918, 1.665534], abs=1e-6) and e["rounds"] == 1
     assert e["throughput"] == 290.0  # the median of the ok re-runs
     assert e["peak_memory_gb"] == 2.0  # the largest peak over the re-runs, the failed one included
     assert e["trials"] == [10, 13, 16] and e["failed"] == 1 and e["statuses"] == ["oom"]
@@ -265,12 +265,12 @@ def test_a_dominant_finalist_is_confirmed_in_one_round(setup):
     assert conf["separated"] and conf["leader"] == 1 and conf["dropped"] == [2]
     a, b = conf["finalists"]
     assert (a["number"], b["number"]) == (1, 2)
-    # one round, no interval of their own: half 1.6449 x sqrt(2 x 0.05^2) = 0.11631 around ln 1.6
-    assert a["ratio"] == pytest.approx(1.6) and a["ratio_ci"] == pytest.approx([1.42432, 1.79735], abs=1e-5)
+    # one round, no interval of their own: half 1.6449 x 0.045 x sqrt(2) = 0.104681 around ln 1.6
+    assert a["ratio"] == pytest.approx(1.6) and a["ratio_ci"] == pytest.approx([1.440979, 1.776570], abs=1e-6)
     assert b["ratio"] == pytest.approx(0.5) and b["rounds"] == 1 and b["peak_memory_gb"] == 2.0
     assert a["trials"] == [n for n, r in reruns if r.confirm_of == 1]
     assert conf["baseline_result"]["throughput"] == 200.0
-    assert confirm.describe(a) == "1.60x the baseline (90% interval 1.42–1.80, 1 interleaved round)"
+    assert confirm.describe(a) == "1.60x the baseline (90% interval 1.44–1.78, 1 interleaved round)"
 
 
 def test_close_finalists_are_re_run_interleaved_until_the_cap(setup):

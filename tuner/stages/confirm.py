@@ -48,9 +48,9 @@ __all__ = [
 CONFIRMATION_ATTR = "confirmation"
 #: ``ppotune search --confirm R`` default: at most this many interleaved rounds (0 turns confirmation off). The rounds
 #: stop as soon as the leader separates from the runner-up (:mod:`tuner.stages.race`): a dominant finalist costs one
-#: round. The family of simulated grids chose the cap (benchmarks/README.md, "The search on grids it was never tuned
-#: on").
-DEFAULT_ROUNDS = 3
+#: round. The family of simulated grids chose the cap: more rounds cost more than they gained in the pick there
+#: (benchmarks/README.md, "The search on grids it was never tuned on"); a larger R narrows the claim's interval.
+DEFAULT_ROUNDS = 1
 #: the configs export would take first that the worst-case probe runs by default (``--probe``), and the
 #: finalists' cap a caller of :func:`pick_finalists` gets unless it says otherwise
 MAX_FINALISTS = 3
