@@ -229,15 +229,20 @@ def run_search(
 
 
 def unsettled_configs(rec: Recording, trials: list) -> int:
-    """How many configs of the grid are neither measured (launched) nor ruled out (refused before launch, or at
-    least as memory-hungry as an OOM no measurement contradicts): checked independently of the search's own rule."""
+    """How many configs of the grid are neither measured (launched) nor ruled out (refused before launch as invalid
+    or by the memory model, or at least as memory-hungry as an OOM no measurement contradicts, now): checked from
+    the study's trials, independently of the search's own stop rule."""
     known = decide.known_configs(trials, rec.space, rec.flat)
-    seen = decide.seen_configs(trials, rec.space, rec.flat)
+    refused = {
+        ident
+        for ident, status in decide.held_configs(trials, rec.space, rec.flat)
+        if status in (Status.INVALID, Status.PREDICTED_OOM)
+    }
     evidence = decide.oom_evidence(known, rec.space, rec.flat)
     left = 0
     for cand in rec.space.grid(rec.flat):
         ident = rec.space.identity(cand.effective)
-        if ident not in known and ident not in seen and not evidence.rulers(cand.effective, rec.space):
+        if ident not in known and ident not in refused and not evidence.rulers(cand.effective, rec.space):
             left += 1
     return left
 

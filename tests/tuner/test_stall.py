@@ -99,3 +99,20 @@ def test_a_stalled_search_launches_the_noisy_boundary_and_walks_past_it(setup):
     )
     assert search.stopped_reason == "every config of the space is measured or ruled out (6 launched)"
     assert decide.count_progress(study.get_trials()) == runner.launched == 6 < 20
+
+
+def test_an_inference_whose_oom_was_contradicted_is_proposed_again(setup):
+    space, _, flat = setup
+    policy = _policy(space, flat)
+    trials = [
+        frozen(0, "oom", {MICRO: 2, GC: True}, values=[0.0, 64.0], constraint=1.5),
+        frozen(1, "inferred_oom", {MICRO: 4, GC: True}, values=[0.0, 64.0], inferred_from=0),
+        # (2, no GC) is at least as hungry as #0 and ran: #0's OOM was noise and rules nothing out any more
+        frozen(2, "ok", {MICRO: 2, GC: False}, throughput=200.0),
+        frozen(3, "ok", {MICRO: 4, GC: False}, throughput=400.0),
+        frozen(4, "ok", {MICRO: 1, GC: False}, throughput=100.0),
+        frozen(5, "ok", {MICRO: 1, GC: True}, throughput=80.0),
+    ]
+    got = propose_itself(policy, trials, _known(space, flat, trials))
+    # the best (4, no GC)'s one step left is (4, GC): held only as an inference that nothing supports now
+    assert got.rule == "neighbour" and got.point.params == {MICRO: 4, GC: True} and not got.launch_anyway

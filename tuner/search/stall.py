@@ -56,18 +56,23 @@ def propose_itself(policy: Any, trials: list, known: dict) -> SelfProposal:
         held.setdefault(ident, set()).add(status)
     evidence = decide.oom_evidence(known, space, flat)
 
-    def open_(cand: Candidate) -> bool:  # not in the study, and no OOM rules it out
-        return space.identity(cand.effective) not in held and not evidence.rulers(cand.effective, space)
+    def open_(cand: Candidate) -> bool:
+        """Never launched, not refused (an inference whose OOM a measurement has contradicted since is no refusal),
+        and no OOM rules it out now."""
+        ident = space.identity(cand.effective)
+        if ident in known or not held.get(ident, set()) <= {Status.INFERRED_OOM}:
+            return False
+        return not evidence.rulers(cand.effective, space)
 
     ranked = [decide.effective_of(t, flat) for t in decide.ranked_measured(known)]
     for near in ranked:
-        point = policy.unmeasured_neighbour(set(held), near, allowed=open_)
+        point = policy.unmeasured_neighbour(set(), near, allowed=open_)
         if point is not None:
             return SelfProposal(point, "neighbour")
     point = _boundary(policy, ranked, known, held, evidence)
     if point is not None:
         return SelfProposal(point, "boundary", launch_anyway=True)
-    point = policy.unmeasured(set(held), allowed=open_)
+    point = policy.unmeasured(set(), allowed=open_)
     if point is not None:
         return SelfProposal(point, "seeded")
     return SelfProposal(stop=_nothing_left(policy, known, held))
