@@ -16,16 +16,20 @@ The baseline trial is left out, so every trial is the sampler's own choice. Thre
   inference), OOM/hang COMPLETE with a binary constraint;
 * ``random``: ``tuner.search.loop.Search`` with Optuna's random sampler (rejections free, no config twice);
 * ``ours+confirm``: ``ours`` followed by ``--confirm R --finalists F`` (their defaults, or ``--confirm-rounds``
-  and ``--finalists`` here), replayed: the F best measured configs re-run R rounds with the baseline, the pick by
-  the median paired ratio; the re-runs' seconds count in the budget (the search stops earlier to leave room).
+  and ``--finalists`` here), replayed through the confirmation's own rules (``replay.confirm_after``: the finalists
+  of ``tuner.stages.confirm``, the rounds of ``tuner.stages.race`` until the leader separates, at most R), each
+  re-run a recorded repeat at random; the re-runs' seconds count in the budget (the search stops earlier to leave
+  room).
 
 What the local steps and the speed hints add, on request: ``--samplers ours-nolocal`` (``--local-every 0``: TPE
 with the search's rejections, no local step) and ``--no-speed-hints`` (the space's ``speed`` hints left out).
 
-For each, over ``--seeds`` seeds: the true quality of the config the search would pick (the one
-with the highest measured throughput so far; its true value is the median of its recorded
+For each, over ``--seeds`` seeds: the true quality of the config the search would pick (the best measured so far
+by the search's own rule, ``tuner.search.decide.measured_score``; its true value is the median of its recorded
 repeats) relative to the grid's best, once 10%, 15% and 25% of the grid's trial-seconds are spent,
-and the trial-seconds spent when the pick first reaches 97% of the grid's best.
+and the trial-seconds spent when the pick first reaches 97% of the grid's best. The shared pieces (a recording,
+one replayed search, the replayed confirmation) are in ``benchmarks/replay.py``; ``benchmarks/score_defaults.py``
+scores the defaults out of sample over every grid.
 
 The recording: ``--study-db`` (an Optuna storage: a .db/.log file or URL) with ``--study`` (one or
 more studies of the same space and base: the repeats); or ``--data`` (the JSON-lines file of
@@ -40,7 +44,6 @@ more studies of the same space and base: the repeats); or ``--data`` (the JSON-l
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
 import statistics
@@ -49,30 +52,38 @@ import sys
 import textwrap
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 import optuna  # noqa: E402
-import yaml  # noqa: E402
+from record_grid import recording_base  # noqa: E402  (the recorded grid's owner: what its trials ran)
+from replay import (  # noqa: E402
+    TARGET,
+    Event,
+    Recording,
+    Run,
+    confirmed_curve,
+    confirmed_found_at,
+    confirmed_seconds_to,
+    found_at,
+    from_jsonl,
+    from_studies,
+    median,
+    median_interval,
+    run_search,
+    seconds_to,
+)
 
 from trainer.config import flatten  # noqa: E402
-from trainer.contracts import CONSTRAINT_KEY, DIRECTIONS, Status, TrialRecord, parse_storage  # noqa: E402
+from trainer.contracts import CONSTRAINT_KEY, DIRECTIONS, Status  # noqa: E402
 from tuner.search import decide  # noqa: E402
-from tuner.search.loop import Search, SearchOptions  # noqa: E402
 from tuner.search.policy import build_sampler  # noqa: E402
-from tuner.search.session import TrialEvent, TrialSession  # noqa: E402
-from tuner.space import Space, base_flat_config, load_space, space_from_dict  # noqa: E402
-from tuner.stages.confirm import DEFAULT_FINALISTS, DEFAULT_ROUNDS, Rerun, paired_ratios  # noqa: E402
-from tuner.study.lifecycle import StudyLock  # noqa: E402
-from tuner.study.storage import open_storage  # noqa: E402
-from tuner.trials.runners import Recorded, ReplayRunner, TrialRequest  # noqa: E402
-
-sys.path.insert(0, str(REPO / "benchmarks"))
-from record_grid import recording_base  # noqa: E402  (the recorded grid's owner: what its trials ran)
+from tuner.space import base_flat_config, load_space  # noqa: E402
+from tuner.stages.confirm import DEFAULT_FINALISTS, DEFAULT_ROUNDS  # noqa: E402
+from tuner.trials.runners import ReplayRunner, TrialRequest  # noqa: E402
 
 SPACE = textwrap.dedent("""
     description: benchmark space - 2 x 3 x 2 x 2 = 24 configs; the 1024-wide model OOMs under the cap
@@ -87,91 +98,12 @@ STEPS, WARMUP, NPROC, CAP_GB = 4, 1, 2, 0.25
 BASE = REPO / "configs" / "tiny_cpu.yaml"
 STUDY = "bench-grid"
 LEVELS = (0.10, 0.15, 0.25)  # shares of the grid's trial-seconds
-TARGET = 0.97  # "found": the pick's true throughput is at least this share of the grid's best
 SAMPLERS = ("ours", "ours+confirm", "tpe-plain", "random")
 #: also on request (``--samplers``): ``ours`` without its local steps (``--local-every 0``: what they add)
 VARIANTS = ("ours-nolocal",)
 
 
 # --------------------------------------------------------------------------- the recording
-@dataclass
-class Recording:
-    space: Space
-    trial_base: dict  # nested: what a trial runs, before its overrides
-    flat: dict
-    penalty_gb: float
-    table: dict  # identity -> [Recorded]: ReplayRunner's table
-    label: str
-
-    def truth(self) -> dict:
-        """identity -> the config's true throughput (median of its ok repeats), 0.0 where it is not
-        feasible (fewer than half its repeats ran)."""
-        out = {}
-        for ident, rs in self.table.items():
-            ok = [r.throughput for r in rs if r.status == Status.OK and r.throughput]
-            out[ident] = statistics.median(ok) if ok and 2 * len(ok) >= len(rs) else 0.0
-        return out
-
-    def grid_s(self) -> float:
-        """What one launch of every config costs: the grid's trial-seconds."""
-        return sum(statistics.mean(r.duration_s for r in rs) for rs in self.table.values())
-
-
-def from_studies(storage: str, names: list[str]) -> Recording:
-    """One or more ``ppotune search`` studies of the same space and base: each a repeat of the grid."""
-    spec = parse_storage(storage)
-    opened = open_storage(spec, read_only=True)
-    if not names:
-        names = [s.study_name for s in optuna.get_all_study_summaries(opened)]
-    studies = [optuna.load_study(study_name=n, storage=opened) for n in names]
-    attrs = studies[0].user_attrs
-    space = space_from_dict(attrs["space"])
-    trial_base = recording_base(
-        attrs["base_config"], steps=attrs["steps"], warmup=attrs["warmup"], cap_gb=attrs.get("memory_limit_gb")
-    )
-    flat = flatten(trial_base)
-    table: dict = {}
-    for s in studies:
-        for ident, rs in ReplayRunner.from_study(s, space, flat).table.items():
-            table.setdefault(ident, []).extend(rs)
-    penalty = float(attrs.get("penalty_memory_gb") or 64.0)
-    return Recording(space, trial_base, flat, penalty, table, f"{spec.display} studies {', '.join(names)}")
-
-
-def without_speed_hints(path: Path) -> Space:
-    """The space file with every knob's ``speed`` hint left out (local steps then take the seeded grid order)."""
-    raw = yaml.safe_load(Path(path).read_text())
-    for spec in (raw.get("knobs") or {}).values():
-        if isinstance(spec, dict):
-            spec.pop("speed", None)
-    return space_from_dict(raw, source=str(path))
-
-
-def from_jsonl(data: Path, *, hints: bool = True) -> Recording:
-    """``benchmarks/record_grid.py``'s data file (one JSON line per recorded trial), with its space and base
-    (``hints=False``: its knobs' speed hints left out)."""
-    from record_grid import grid_of
-
-    grid = grid_of(data)
-    space = load_space(grid.space) if hints else without_speed_hints(grid.space)
-    trial_base = recording_base(
-        base_flat_config(str(grid.base), nproc=grid.nproc)[0], steps=grid.steps, warmup=grid.warmup, cap_gb=grid.cap_gb
-    )
-    flat = flatten(trial_base)
-    rows = [json.loads(line) for line in Path(data).read_text().splitlines() if line.strip()]
-    by_trial = {(r.get("repeat"), r.get("number")): r for r in rows}
-    table: dict = {}
-    for i, row in enumerate(rows):
-        status, phase = Status(row["status"]), row.get("oom_phase")
-        if status == Status.INFERRED_OOM:  # what launching it would have done: the OOM it follows from
-            status = Status.OOM
-            phase = by_trial.get((row.get("repeat"), row.get("inferred_from")), {}).get("oom_phase")
-        seconds = float(row.get("duration_s") or 0.0)
-        entry = Recorded(status, row.get("throughput"), row.get("peak_memory_gb"), seconds, i, phase)
-        table.setdefault(space.identity({**flat, **row["overrides"]}), []).append(entry)
-    return Recording(space, trial_base, flat, grid.cap_gb, table, str(data))
-
-
 def record_default(out: Path, reuse: bool) -> Recording:
     """The default recording: every config of SPACE once, for real (``ppotune search --sampler grid``)."""
     space_path = out / "bench_space.yaml"
@@ -196,68 +128,7 @@ def record_default(out: Path, reuse: bool) -> Recording:
     return from_studies(storage, [STUDY])
 
 
-# --------------------------------------------------------------------------- one replayed search
-@dataclass
-class Run:
-    events: list  # (trial-seconds spent after the trial, its identity, its measured throughput or None)
-    launched: int
-
-
-class _StopAt:
-    """A SearchObserver that stops the search once ``cap_s`` trial-seconds are spent."""
-
-    def __init__(self, cap_s: float):
-        self.cap_s, self.spent, self.search = cap_s, 0.0, None
-
-    def trial_done(self, event: TrialEvent) -> None:
-        self.spent += float(event.record.duration_s or 0.0)
-        if self.spent >= self.cap_s:
-            self.search.session.stop_event.set()
-
-    def message(self, text: str) -> None:
-        pass
-
-
-def run_search(
-    sampler: str, seed: int, rec: Recording, *, hint: int, cap_s: float, startup: Optional[int] = None
-) -> Run:
-    """``ppotune search``'s own loop (tuner.search.loop.Search), every launch answered by the replay runner."""
-    storage = optuna.storages.InMemoryStorage()
-    name = "tpe" if sampler in ("ours", "ours-nolocal") else sampler
-    study = optuna.create_study(
-        storage=storage,
-        directions=list(DIRECTIONS),
-        sampler=build_sampler(name, seed=seed, n_trials=hint, startup=startup),
-    )
-    runner = ReplayRunner(rec.table, rng=random.Random(seed))
-    stop = _StopAt(cap_s)
-    search = Search(
-        options=SearchOptions(
-            trials=10 * len(rec.table), sampler=name, seed=seed, local_every=0 if sampler == "ours-nolocal" else 2
-        ),
-        session=TrialSession(
-            study=study,
-            storage=storage,
-            lock=StudyLock(None),
-            space=rec.space,
-            trial_base=rec.trial_base,
-            trial_flat=rec.flat,
-            runner=runner,
-            penalty_gb=rec.penalty_gb,
-            observer=stop,
-        ),
-    )
-    stop.search = search
-    search.run()
-    events, spent = [], 0.0
-    for t in sorted(study.get_trials(), key=lambda t: t.number):
-        r = TrialRecord.from_user_attrs(t.user_attrs)
-        spent += float(r.duration_s or 0.0)
-        ident = rec.space.identity({**rec.flat, **(r.overrides or {})})
-        events.append((spent, ident, r.throughput if r.status == Status.OK else None))
-    return Run(events, runner.launched)
-
-
+# --------------------------------------------------------------------------- plain TPE
 def run_plain_tpe(seed: int, rec: Recording, *, hint: int, cap_s: float) -> Run:
     """A plain Optuna ask/tell loop with the same TPE sampler: categorical powers of two, every
     proposal launched, invalid configs FAIL (and count), OOM/hang COMPLETE with a binary constraint."""
@@ -283,7 +154,7 @@ def run_plain_tpe(seed: int, rec: Recording, *, hint: int, cap_s: float) -> Run:
         )
         if not verdict.launch:
             study.tell(trial, state=optuna.trial.TrialState.FAIL)
-            events.append((spent, ident, None))
+            events.append(Event(spent, ident))
             continue
         out = runner.run(TrialRequest(trial.number, verdict.config, ident, Path("trials")), never)
         spent += float(out.record.duration_s or 0.0)
@@ -295,107 +166,9 @@ def run_plain_tpe(seed: int, rec: Recording, *, hint: int, cap_s: float) -> Run:
             study.tell(trial, [0.0, rec.penalty_gb])
         else:
             study.tell(trial, state=optuna.trial.TrialState.FAIL)
-        events.append((spent, ident, out.record.throughput if out.status == Status.OK else None))
+        thr = out.record.throughput if out.status == Status.OK else None
+        events.append(Event(spent, ident, thr, thr))  # a plain loop picks the highest measured throughput
     return Run(events, runner.launched)
-
-
-def found_at(run: Run, truth: dict, budget_s: float) -> float:
-    """True throughput of the pick (highest measured so far) once ``budget_s`` trial-seconds are spent."""
-    best_measured, pick = -1.0, None
-    for spent, ident, measured in run.events:
-        if spent > budget_s:
-            break
-        if measured is not None and measured > best_measured:
-            best_measured, pick = measured, ident
-    return truth.get(pick, 0.0) if pick is not None else 0.0
-
-
-def seconds_to(run: Run, truth: dict, target: float) -> float:
-    """Trial-seconds spent when the pick's true throughput first reaches ``target`` (inf: never)."""
-    best_measured, pick = -1.0, None
-    for spent, ident, measured in run.events:
-        if measured is not None and measured > best_measured:
-            best_measured, pick = measured, ident
-        if pick is not None and truth.get(pick, 0.0) >= target:
-            return spent
-    return math.inf
-
-
-# --------------------------------------------------------------------------- the confirmation, replayed
-def confirmed_pick(
-    run: Run, k: int, rec: Recording, seed: int, rounds: int, finalists_cap: int = DEFAULT_FINALISTS
-) -> tuple[Optional[tuple], float]:
-    """What ``ppotune search --confirm R`` would pick after the first ``k`` events of ``run``, and what the
-    re-runs cost: the (up to ``finalists_cap``: ``--finalists``' default) configs with the best measured
-    throughput so far are re-run ``rounds`` times each with the baseline, every re-run answered by one recorded
-    repeat at random; the pick
-    is the finalist with the highest median of its paired ratios to the same round's baseline
-    (:func:`tuner.stages.confirm.paired_ratios`). A simplification of the search's own rule, which takes the Pareto
-    points under the headroom plus any trial within noise of the best: the replay keeps no intervals."""
-    best: dict = {}
-    for _, ident, measured in run.events[:k]:
-        if measured is not None:
-            best[ident] = max(best.get(ident, 0.0), measured)
-    finalists = sorted(best, key=lambda i: -best[i])[:finalists_cap]
-    if not finalists:
-        return None, 0.0
-    base = rec.space.identity(rec.flat)
-    rng = random.Random(f"{seed}-{k}")
-    cost, runs = 0.0, {}
-    for ident in [*finalists, base]:
-        drawn = [rng.choice(rec.table[ident]) for _ in range(rounds)] if ident in rec.table else []
-        cost += sum(r.duration_s for r in drawn)
-        runs[ident] = [Rerun(r.number, str(r.status), r.throughput, r.peak_memory_gb) for r in drawn]
-
-    def score(ident: tuple) -> float:
-        ratios = paired_ratios(runs[ident], runs[base]) if runs.get(base) else []
-        if ratios:
-            return statistics.median(ratios)
-        ok = [r.throughput for r in runs[ident] if r.ok]
-        return statistics.median(ok) / 1e9 if ok else -1.0  # no baseline to pair with: its own median
-
-    return max(finalists, key=score), cost
-
-
-def confirmed_curve(
-    run: Run, rec: Recording, seed: int, rounds: int, finalists_cap: int = DEFAULT_FINALISTS
-) -> list[tuple[float, Optional[tuple]]]:
-    """(search seconds + confirmation seconds, pick) for every prefix of the search."""
-    out = []
-    for k in range(1, len(run.events) + 1):
-        pick, cost = confirmed_pick(run, k, rec, seed, rounds, finalists_cap)
-        out.append((run.events[k - 1][0] + cost, pick))
-    return out
-
-
-def confirmed_found_at(curve: list, truth: dict, budget_s: float) -> float:
-    """True throughput of the confirmed pick of the longest search whose confirmation still fits the budget."""
-    fits = [pick for total, pick in curve if total <= budget_s and pick is not None]
-    return truth.get(fits[-1], 0.0) if fits else 0.0
-
-
-def confirmed_seconds_to(curve: list, truth: dict, target: float) -> float:
-    return next((total for total, pick in curve if pick is not None and truth.get(pick, 0.0) >= target), math.inf)
-
-
-def _median(xs: list) -> float:
-    return statistics.median(xs) if xs else math.nan
-
-
-def median_interval(xs: list, coverage: float = 0.90) -> tuple[float, float]:
-    """A distribution-free interval for the median over seeds: the order statistics x_(k) and x_(n+1-k) for
-    the largest k with P(Binomial(n, 1/2) < k) <= (1 - coverage) / 2 (inf values allowed: a seed that never
-    got there). With 20 seeds and 90%: the 6th and 15th smallest."""
-    v, n = sorted(xs), len(xs)
-    if n == 0:
-        return math.nan, math.nan
-    tail, k, cdf = (1.0 - coverage) / 2.0, 0, 0.0
-    while k < n // 2:
-        cdf += math.comb(n, k) / 2.0**n  # P(Binomial < k + 1)
-        if cdf > tail:
-            break
-        k += 1
-    return (v[0], v[-1]) if k == 0 else (v[k - 1], v[n - k])
 
 
 def main() -> int:
@@ -412,7 +185,7 @@ def main() -> int:
         "--samplers", default=",".join(SAMPLERS), help=f"comma-separated, of {', '.join(SAMPLERS + VARIANTS)}"
     )
     ap.add_argument("--no-speed-hints", action="store_true", help="--data: the space's speed hints left out")
-    ap.add_argument("--confirm-rounds", type=int, default=DEFAULT_ROUNDS, help="+confirm: the rounds replayed")
+    ap.add_argument("--confirm-rounds", type=int, default=DEFAULT_ROUNDS, help="+confirm: at most this many rounds")
     ap.add_argument("--finalists", type=int, default=DEFAULT_FINALISTS, help="+confirm: at most this many finalists")
     ap.add_argument("--startup", type=int, help="ours: TPE's random start-up trials (default: the search's rule)")
     a = ap.parse_args()
@@ -447,8 +220,8 @@ def main() -> int:
     print(
         f"replays: {a.seeds} seeds each ({a.first_seed}-{a.first_seed + a.seeds - 1}); TPE built for --trials {hint}; "
         "each launch answered by one recorded "
-        f"repeat at random; found = the TRUE throughput (median of repeats) of the config with the best "
-        f"measured throughput so far / the grid's best"
+        f"repeat at random; found = the TRUE throughput (median of repeats) of the search's pick so far "
+        f"(its best measured config) / the grid's best"
     )
     head = " ".join(f"{'@' + format(x, '.0%'):>14}" for x in LEVELS)
     print(
@@ -465,7 +238,7 @@ def main() -> int:
             else:
                 run = run_search(sampler.split("+")[0], seed, rec, hint=hint, cap_s=a.cap * grid_s, startup=a.startup)
             if sampler.endswith("+confirm"):
-                curve = confirmed_curve(run, rec, seed, a.confirm_rounds, a.finalists)
+                curve = confirmed_curve(run, rec, seed, rounds=a.confirm_rounds, finalists=a.finalists)
                 for x in LEVELS:
                     found[x].append(confirmed_found_at(curve, truth, x * grid_s) / best)
                 secs.append(confirmed_seconds_to(curve, truth, TARGET * best))
@@ -477,8 +250,8 @@ def main() -> int:
         cells = []
         for x in LEVELS:
             hits = sum(v >= TARGET for v in found[x])
-            cells.append(f"{_median(found[x]):6.3f} [{hits:2d}/{a.seeds}]")
-        med = _median(secs)
+            cells.append(f"{median(found[x]):6.3f} [{hits:2d}/{a.seeds}]")
+        med = median(secs)
         to97[sampler] = med
         lo, hi = median_interval(secs)
         share = f"{med / grid_s:.0%}" if math.isfinite(med) else f">{a.cap:.0%}"

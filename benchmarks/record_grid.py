@@ -29,6 +29,11 @@ and the third, the first grid's job and space under a tight cap (2 repeats, ~24 
 
     python benchmarks/record_grid.py --every-config --grid tiny_tight --repeats 2 [--data FILE]
 
+and the fourth, held out from every choice of the search's defaults (a deeper model on long, near-uniform prompts
+under a tight cap), in parts that each start no trial after ``--time-limit-s`` (the same command resumes):
+
+    python benchmarks/record_grid.py --every-config --grid deep_uniform --repeats 2 --time-limit-s 1100
+
 (``GRIDS`` below names each grid's base, space, cap and data file; bench_search.py finds a grid by its data file.)
 
 (The cap is RLIMIT_DATA above the post-start level, which counts vLLM's reservations too, and the trials run one
@@ -86,6 +91,9 @@ GRIDS = {
     # the third: the first grid's job and space under a tight cap (0.11 GB, from 0.15), where its fastest fitting
     # configs sit at the memory boundary; cold trials, every config every repeat
     "tiny_tight": Grid(BASE, SPACE, DATA_DIR / "grid_tiny_tight.jsonl", 0.11),
+    # the fourth, held out from every choice of the search's defaults: a deeper model (6 layers) on long,
+    # near-uniform prompts, grid 1's space, under a tight cap; cold trials, every config every repeat
+    "deep_uniform": Grid(DATA_DIR / "grid4_base.yaml", SPACE, DATA_DIR / "grid_deep_uniform.jsonl", 0.25),
 }
 
 
@@ -170,7 +178,8 @@ def recording_base(base_nested: dict, *, steps: int, warmup: int, cap_gb: float 
 
 
 def record_every_config(args: argparse.Namespace) -> int:
-    """Every config of the space, every repeat, through the search's own runner; appends to ``args.data``."""
+    """Every config of the space, every repeat, through the search's own runner; appends to ``args.data`` (a line
+    per trial as it ends, so a part stopped by ``--time-limit-s`` or Ctrl-C resumes); returns the trials written."""
     import random
     import threading
 
@@ -190,12 +199,16 @@ def record_every_config(args: argparse.Namespace) -> int:
     runner = SubprocessRunner(device_kind="cpu", nproc=grid.nproc, grace_s=3.0, timeout_s=600)
     os.environ["OMP_NUM_THREADS"] = "1"  # one core per rank: the trials are alike (as the search-based recording)
     data.parent.mkdir(parents=True, exist_ok=True)
+    t0, written = time.monotonic(), 0
     for r in range(args.repeats):
         order = list(range(len(configs)))
         random.Random(r).shuffle(order)  # a drift of the machine lands on other configs in each repeat
         for number in order:
             if (r, number) in done:
                 continue
+            if args.time_limit_s and time.monotonic() - t0 > args.time_limit_s:
+                print(f"record_grid: --time-limit-s {args.time_limit_s:g} reached; run it again to resume", flush=True)
+                return written
             cand = configs[number]
             config = config_to_dict(config_from_dict(apply_overrides(base, cand.overrides)))
             req = TrialRequest(
@@ -210,8 +223,9 @@ def record_every_config(args: argparse.Namespace) -> int:
             rec.status, rec.overrides = outcome.status, dict(cand.overrides)
             with data.open("a") as f:
                 f.write(json.dumps(row(r, number, rec, rec.duration_s), sort_keys=True) + "\n")
+            written += 1
             print(f"r{r} #{number}: {rec.status} {rec.throughput} tok/s {rec.peak_memory_gb} GB", flush=True)
-    return len(configs) * args.repeats
+    return written
 
 
 def main() -> int:
@@ -222,6 +236,11 @@ def main() -> int:
     ap.add_argument("--export-only", action="store_true", help="write the data file from what is recorded")
     ap.add_argument("--every-config", action="store_true", help="launch every config in every repeat (no search)")
     ap.add_argument("--grid", choices=sorted(set(GRIDS) - {"tiny_cpu"}), help="--every-config: the grid recorded")
+    ap.add_argument(
+        "--time-limit-s",
+        type=float,
+        help="--every-config: start no trial after this long (record in parts; the same command resumes)",
+    )
     args = ap.parse_args()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)

@@ -136,6 +136,11 @@ class Status(str, enum.Enum):
         return self is Status.OK
 
     @property
+    def loaded(self) -> bool:
+        """Measured under load (:attr:`load`): the confirmation claims nothing from such a run."""
+        return bool((self.load or {}).get("loaded"))
+
+    @property
     def counted(self) -> bool:
         """Counts toward ``--trials`` (an interrupted trial's retry counts instead; a duplicate and an
         inferred OOM were never run). ``invalid`` counts only when launched (exit 2): one refused
@@ -205,6 +210,11 @@ class TrialRecord:
     result_path: Optional[str] = None
     config_path: Optional[str] = None
     duration_s: Optional[float] = None  # wall seconds the trial cost (0 when not launched)
+    # what ran beside the trial while it was measured (tuner.trials.memory.LoadMeter): {"cpu_others" (host CPUs kept
+    # busy outside the trial's processes and the tuner, mean), "cpu_others_share" (of the host's CPUs), "cpu_trial",
+    # "gpu_other_processes" (others on its GPUs, most at once), "gpu_other_memory_gb", "loaded" (over the tuner's
+    # thresholds: the confirmation claims nothing from it)}
+    load: Optional[dict] = None
     returncode: Optional[int] = None
     oom_phase: Optional[str] = None
     oom_kind: Optional[str] = None  # oom: "device" (a GPU's memory; on CPU the rank's capped memory) or "host" (RAM)
@@ -234,6 +244,11 @@ class TrialRecord:
             v = getattr(self, f.name)
             out[f.name] = v.value if isinstance(v, Status) else v
         return out
+
+    @property
+    def loaded(self) -> bool:
+        """Measured under load (:attr:`load`): the confirmation claims nothing from such a run."""
+        return bool((self.load or {}).get("loaded"))
 
     @property
     def counted(self) -> bool:

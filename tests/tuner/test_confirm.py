@@ -1,5 +1,6 @@
-"""Finalists confirmed side by side: tuner.stages.confirm's pure decisions with hand-computed figures, then
-tuner.search.loop.Search.confirm over a replay runner (the real loop, no process): interleaving, resume."""
+"""Finalists confirmed side by side: tuner.stages.confirm's pure decisions with hand-computed figures, then the
+confirmation stage over a replay runner (the real loop, no process): interleaving, rounds until the leader separates,
+resume. The rounds' rule itself: tests/tuner/test_race.py."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from support import search_over, tiny_setup
 from trainer.contracts import DIRECTIONS, Status, TrialRecord
 from tuner.search.policy import build_sampler
 from tuner.stages import confirm
-from tuner.stages.confirm import Candidate, Rerun
+from tuner.stages.confirm import Candidate
+from tuner.stages.race import Rerun
 from tuner.trials.runners import Recorded, ReplayRunner, TrialOutcome
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -72,17 +74,6 @@ def test_schedule_rotates_so_no_config_always_runs_first():
     assert confirm.schedule([], None, 3) == [] and confirm.schedule(["A"], "b", 0) == []
 
 
-def test_next_slot_continues_where_the_rounds_stopped():
-    plan = confirm.schedule([3, 5], 0, 3)  # [[3, 5, 0], [5, 0, 3], [0, 3, 5]]
-    assert confirm.next_slot(plan, {}) == (0, 3)
-    assert confirm.next_slot(plan, {3: 1, 5: 1}) == (0, 0)
-    assert confirm.next_slot(plan, {3: 1, 5: 1, 0: 1}) == (1, 5)
-    # round 2 half done: 5 and 0 re-ran twice, 3 once
-    assert confirm.next_slot(plan, {3: 1, 5: 2, 0: 2}) == (1, 3)
-    assert confirm.next_slot(plan, {3: 3, 5: 3, 0: 3}) is None
-    assert confirm.next_slot(plan, {3: 9, 5: 9, 0: 9}) is None  # a larger --confirm earlier: nothing to add
-
-
 # --------------------------------------------------------------------------- the figures
 def test_log_interval_is_students_t_on_the_logs():
     ratio, ci = confirm.log_interval([1.2, 1.5, 1.4])
@@ -101,7 +92,8 @@ def test_paired_ratios_pair_the_same_round_and_skip_a_round_either_side_lost():
     base = [Rerun(11, "ok", 200.0, 1.0), Rerun(14, "crash"), Rerun(17, "ok", 190.0, 0.9)]
     assert confirm.paired_ratios(runs, base) == [1.5]  # round 2: no baseline; round 3: the finalist OOMed
     e = confirm.summarize(3, runs, base)
-    assert e["ratio"] == 1.5 and e["ratio_ci"] is None and e["rounds"] == 1
+    # one pair, no interval of its own on either run: the floor 0.045 each, half 1.6449 x 0.045 x sqrt(2) = 0.104681
+    assert e["ratio"] == 1.5 and e["ratio_ci"] == pytest.approx([1.350918, 1.665534], abs=1e-6) and e["rounds"] == 1
     assert e["throughput"] == 290.0  # the median of the ok re-runs
     assert e["peak_memory_gb"] == 2.0  # the largest peak over the re-runs, the failed one included
     assert e["trials"] == [10, 13, 16] and e["failed"] == 1 and e["statuses"] == ["oom"]
@@ -110,24 +102,26 @@ def test_paired_ratios_pair_the_same_round_and_skip_a_round_either_side_lost():
 def test_aggregate_holds_every_finalist_and_the_baseline():
     runs = {
         0: [Rerun(20, "ok", 100.0, 1.0), Rerun(23, "ok", 80.0, 1.0), Rerun(26, "ok", 90.0, 1.0)],
-        4: [Rerun(21, "ok", 150.0, 2.0), Rerun(24, "ok", 112.0, 2.1), Rerun(27, "ok", 117.0, 2.0)],
-        7: [Rerun(22, "ok", 120.0, 1.5), Rerun(25, "ok", 96.0, 1.5)],
+        4: [Rerun(21, "ok", 104.0, 2.0), Rerun(24, "ok", 84.0, 2.1), Rerun(27, "ok", 92.0, 2.0)],
+        7: [Rerun(22, "ok", 103.0, 1.5), Rerun(25, "ok", 82.0, 1.5)],
     }
     agg = confirm.aggregate(baseline=0, finalists=[4, 7], rounds=3, headroom=0.1, runs=runs)
     assert agg["baseline"] == 0 and agg["rounds"] == 3 and agg["headroom"] == 0.1
-    assert agg["complete"] is False  # #7 has two of its three re-runs
+    assert agg["complete"] is False and agg["rounds_run"] == 2  # #7 has two of round 3's re-runs missing one
     f4, f7 = agg["finalists"]
-    assert f4["ratios"] == pytest.approx([1.5, 1.4, 1.3]) and f4["ratio"] == pytest.approx(1.4)
+    # the figures come from the complete rounds: 1.04 and 1.05 (geometric mean 1.044988), 1.03 and 1.025
+    assert f4["ratios"] == pytest.approx([1.04, 1.05]) and f4["ratio"] == pytest.approx(1.044988, abs=1e-6)
     lo, hi = f4["ratio_ci"]
-    assert lo < 1.3 and hi > 1.5  # three rounds, t = 2.92: wider than the spread
-    assert f7["ratios"] == pytest.approx([1.2, 1.2]) and f7["rounds"] == 2
-    assert f4["throughput"] == 117.0 and f4["peak_memory_gb"] == 2.1
+    assert lo < 1.04 and hi > 1.05
+    assert f7["ratios"] == pytest.approx([1.03, 1.025]) and f7["rounds"] == 2
+    assert f4["throughput"] == 94.0 and f4["peak_memory_gb"] == 2.1
+    assert agg["leader"] == 4 and agg["runner_up"] == 7 and not agg["separated"]
     b = agg["baseline_result"]
-    assert b["number"] == 0 and b["ratio"] == 1.0 and b["throughput"] == 90.0 and b["rounds"] == 3
-    agg["finalists"][1]["trials"].append(28)
-    assert confirm.aggregate(baseline=0, finalists=[4, 7], rounds=3, headroom=0.1, runs=runs) != agg
-    runs[7].append(Rerun(28, "ok", 108.0, 1.5))
-    assert confirm.aggregate(baseline=0, finalists=[4, 7], rounds=3, headroom=0.1, runs=runs)["complete"]
+    assert b["number"] == 0 and b["ratio"] == 1.0 and b["throughput"] == 90.0 and b["rounds"] == 2
+    runs[7].append(Rerun(28, "ok", 91.0, 1.5))
+    done = confirm.aggregate(baseline=0, finalists=[4, 7], rounds=3, headroom=0.1, runs=runs)
+    assert done["complete"] and done["rounds_run"] == 3 and not done["separated"]
+    assert done["finalists"][0]["not_separated_from"] == "#7" and "not_separated_from" not in done["finalists"][1]
 
 
 def _conf(entries, baseline_thr=100.0):
@@ -203,12 +197,15 @@ def setup():
     return tiny_setup(SPACE)
 
 
-def _table(space, flat):
-    """throughput 100 x micro-batch (x0.8 with checkpointing), peak 1 + micro-batch GB; (4, no GC) OOMs."""
+def _table(space, flat, *, close: bool = False):
+    """throughput 100 x micro-batch (x0.8 with checkpointing), peak 1 + micro-batch GB; (4, no GC) OOMs.
+    ``close``: (4, GC), the fastest, only 2.5% faster than the baseline (2, no GC): the rounds go to their cap."""
     table = {}
     for i, cand in enumerate(space.grid(flat)):
         micro, gc = cand.params[MICRO], cand.params[GC]
         thr = None if micro == 4 and not gc else 100.0 * micro * (0.8 if gc else 1.0)
+        if close and (micro, gc) == (4, True):
+            thr = 205.0
         entry = Recorded(Status.OOM if thr is None else Status.OK, thr, None if thr is None else 1.0 + micro, 1.0, i)
         table[space.identity(cand.effective)] = [entry]
     return table
@@ -252,25 +249,43 @@ def _reruns(study):
     ]
 
 
-def test_the_search_confirms_its_finalists_interleaved_with_the_baseline(setup):
+def test_a_dominant_finalist_is_confirmed_in_one_round(setup):
     space, _, flat = setup
     study, storage = _study(space, flat, device_gb=10.0)  # limit 9 GB: everything fits
     runner = ReplayRunner(_table(space, flat), rng=random.Random(0))
     _search(setup, study, storage, runner).run()
-    # front: #1 (320 tokens/s at 5 GB), the baseline #0 (200 at 3), #2 (100 at 2); the baseline is no finalist
+    # front: #1 (320 tokens/s at 5 GB), the baseline #0 (200 at 3), #2 (100 at 2); the baseline is no finalist.
+    # Round 1: #1 runs 1.6x the baseline and #2 0.5x: #2 leaves the race, #1 separates from the baseline: done
     reruns = _reruns(study)
-    assert [r.confirm_of for _, r in reruns] == [1, 2, 0, 2, 0, 1, 0, 1, 2]  # A B base | B base A | base A B
+    assert [r.confirm_of for _, r in reruns] == [1, 2, 0]
     assert all(r.status == Status.OK and not r.counted for _, r in reruns)
-    assert runner.launched == 5 + 9
+    assert runner.launched == 5 + 3
     conf = study.user_attrs[confirm.CONFIRMATION_ATTR]
-    assert conf["baseline"] == 0 and conf["rounds"] == 3 and conf["complete"]
+    assert conf["baseline"] == 0 and conf["rounds"] == 3 and conf["rounds_run"] == 1 and conf["complete"]
+    assert conf["separated"] and conf["leader"] == 1 and conf["dropped"] == [2]
     a, b = conf["finalists"]
     assert (a["number"], b["number"]) == (1, 2)
-    assert a["ratio"] == pytest.approx(1.6) and a["ratio_ci"] == pytest.approx([1.6, 1.6])  # 320 / 200, every round
-    assert b["ratio"] == pytest.approx(0.5) and b["rounds"] == 3 and b["peak_memory_gb"] == 2.0
+    # one round, no interval of their own: half 1.6449 x 0.045 x sqrt(2) = 0.104681 around ln 1.6
+    assert a["ratio"] == pytest.approx(1.6) and a["ratio_ci"] == pytest.approx([1.440979, 1.776570], abs=1e-6)
+    assert b["ratio"] == pytest.approx(0.5) and b["rounds"] == 1 and b["peak_memory_gb"] == 2.0
     assert a["trials"] == [n for n, r in reruns if r.confirm_of == 1]
     assert conf["baseline_result"]["throughput"] == 200.0
-    assert confirm.describe(a) == "1.60x the baseline (90% interval 1.60–1.60, 3 interleaved rounds)"
+    assert confirm.describe(a) == "1.60x the baseline (90% interval 1.44–1.78, 1 interleaved round)"
+
+
+def test_close_finalists_are_re_run_interleaved_until_the_cap(setup):
+    space, _, flat = setup
+    study, storage = _study(space, flat, device_gb=10.0)
+    runner = ReplayRunner(_table(space, flat, close=True), rng=random.Random(0))
+    _search(setup, study, storage, runner).run()
+    # round 1: #1 #2 base; #2 (0.5x) leaves; #1 (1.025x) and the baseline, rotated: base #1 | #1 base
+    assert [r.confirm_of for _, r in _reruns(study)] == [1, 2, 0, 0, 1, 1, 0]
+    conf = study.user_attrs[confirm.CONFIRMATION_ATTR]
+    assert conf["complete"] and conf["rounds_run"] == 3 and not conf["separated"]
+    lead = conf["finalists"][0]
+    assert lead["rounds"] == 3 and lead["ratio"] == pytest.approx(1.025)
+    assert lead["not_separated_from"] == "the baseline"
+    assert "; not separated from the baseline after 3 interleaved rounds)" in confirm.describe(lead)
 
 
 def test_finalists_keep_the_export_headroom(setup):
@@ -279,7 +294,8 @@ def test_finalists_keep_the_export_headroom(setup):
     _search(setup, study, storage, ReplayRunner(_table(space, flat)), rounds=2).run()
     conf = study.user_attrs[confirm.CONFIRMATION_ATTR]
     assert [e["number"] for e in conf["finalists"]] == [2]
-    assert [r.confirm_of for _, r in _reruns(study)] == [2, 0, 0, 2]
+    # the baseline leads #2 (0.5x) by far: one round separates them
+    assert [r.confirm_of for _, r in _reruns(study)] == [2, 0] and conf["leader"] == 0 and conf["separated"]
 
 
 def test_confirm_0_runs_nothing(setup):
@@ -292,8 +308,8 @@ def test_confirm_0_runs_nothing(setup):
 def test_an_interrupted_confirmation_resumes_where_it_stopped(setup):
     space, _, flat = setup
     study, storage = _study(space, flat, device_gb=10.0)
-    # the 5 search trials, then re-runs 1 2 0 2 | the 4th re-run (#2, round 2) is stopped mid-trial
-    first = _search(setup, study, storage, InterruptsAt(_table(space, flat), at=5 + 4))
+    # the 5 search trials, then re-runs 1 2 0 | 0 ...: the 4th re-run (the baseline, round 2) is stopped mid-trial
+    first = _search(setup, study, storage, InterruptsAt(_table(space, flat, close=True), at=5 + 4))
     first.run()
     conf = study.user_attrs[confirm.CONFIRMATION_ATTR]
     assert not conf["complete"]  # what was measured so far is stored, marked incomplete
@@ -302,20 +318,20 @@ def test_an_interrupted_confirmation_resumes_where_it_stopped(setup):
         (1, Status.OK),
         (2, Status.OK),
         (0, Status.OK),
-        (2, Status.INTERRUPTED),
-        (2, None),  # enqueued again, waiting
+        (0, Status.INTERRUPTED),
+        (0, None),  # enqueued again, waiting
     ]
     # the same search again: the retry first, then the rest of round 2 and round 3; nothing redone
-    again = _search(setup, study, storage, ReplayRunner(_table(space, flat)))
+    again = _search(setup, study, storage, ReplayRunner(_table(space, flat, close=True)))
     again.run()
     done = [(n, r.confirm_of) for n, r in _reruns(study) if r.status == Status.OK]
-    assert [c for _, c in done] == [1, 2, 0, 2, 0, 1, 0, 1, 2]
-    assert again.session.runner.launched == 6 and sum(1 for _, r in _reruns(study) if r.status is None) == 0
+    assert [c for _, c in done] == [1, 2, 0, 0, 1, 1, 0]
+    assert again.session.runner.launched == 4 and sum(1 for _, r in _reruns(study) if r.status is None) == 0
     retry = [r for _, r in _reruns(study) if r.retry_of is not None]
-    assert len(retry) == 1 and retry[0].confirm_of == 2 and retry[0].status == Status.OK
+    assert len(retry) == 1 and retry[0].confirm_of == 0 and retry[0].status == Status.OK
     conf = study.user_attrs[confirm.CONFIRMATION_ATTR]
-    assert conf["complete"] and [e["rounds"] for e in conf["finalists"]] == [3, 3]
-    assert math.isclose(conf["finalists"][0]["ratio"], 1.6)
+    assert conf["complete"] and [e["rounds"] for e in conf["finalists"]] == [3, 1]
+    assert math.isclose(conf["finalists"][0]["ratio"], 1.025)
 
 
 @dataclass
@@ -346,7 +362,7 @@ class Said:
 def test_timeout_bounds_the_confirmation_too(setup, monkeypatch):
     space, _, flat = setup
     study, storage = _study(space, flat, device_gb=10.0)
-    runner, said = Clocked(_table(space, flat)), Said()
+    runner, said = Clocked(_table(space, flat, close=True)), Said()
     monkeypatch.setattr("tuner.search.budget.time", type("Clock", (), {"monotonic": staticmethod(runner.monotonic)}))
     search = search_over(
         setup, study, storage, runner, trials=len(ORDER), sampler="grid", confirm=3, timeout_s=85.0, observer=said
@@ -373,7 +389,7 @@ def test_the_confirmation_stage_runs_on_its_own_over_a_finished_study(setup):
     search.run()
     assert _reruns(study) == []
     ConfirmationStage(search.session).run(3)
-    assert [r.confirm_of for _, r in _reruns(study)] == [1, 2, 0, 2, 0, 1, 0, 1, 2]
+    assert [r.confirm_of for _, r in _reruns(study)] == [1, 2, 0]  # #1 separates in one round
     conf = study.user_attrs[confirm.CONFIRMATION_ATTR]
     assert conf["complete"] and [e["number"] for e in conf["finalists"]] == [1, 2]
     # the confirmed ranking: #1 (1.6x the baseline), the baseline (1.0x), #2 (0.5x)

@@ -13,10 +13,10 @@ from optuna.trial import TrialState, create_trial
 from support import search_over, tiny_setup
 from trainer.contracts import CONSTRAINT_KEY, DIRECTIONS, PHASES, Status, TrialRecord
 from tuner.search import decide
-from tuner.search.budget import MAX_CONSECUTIVE_FREE
 from tuner.search.loop import WAIT, Search, SearchOptions
-from tuner.search.policy import EXPLORE_AFTER_DUPLICATES, Pick, build_sampler
+from tuner.search.policy import Pick, build_sampler
 from tuner.search.session import TrialEvent, TrialSession
+from tuner.search.stall import STALL_AFTER
 from tuner.space import LOG2_PREFIX, space_from_dict
 from tuner.study import lifecycle as st
 from tuner.trials.runners import Recorded, ReplayRunner
@@ -141,13 +141,12 @@ def test_graded_constraint_orders_early_oom_over_late_oom_over_feasible():
 
 def test_stop_reason():
     ok = [frozen(i, "ok", {}) for i in range(3)]
-    kw = dict(elapsed_s=1.0, timeout_s=None, free_in_a_row=0, max_free_in_a_row=100)
+    kw = dict(elapsed_s=1.0, timeout_s=None)
     assert decide.stop_reason(ok, budget=4, **kw) is None
     assert "holds 3 counted" in decide.stop_reason(ok, budget=3, **kw)
     dup = [*ok, frozen(3, "duplicate", {}, duplicate_of=0)]
     assert decide.stop_reason(dup, budget=4, **kw) is None  # a duplicate is not counted
     assert "--timeout" in decide.stop_reason(ok, budget=9, **{**kw, "timeout_s": 0.5})
-    assert "in a row" in decide.stop_reason(ok, budget=9, **{**kw, "free_in_a_row": 100})
     rejected = [*ok, frozen(3, "inferred_oom", {}, inferred_from=0), frozen(4, "invalid", {}, duration_s=0.0)]
     assert decide.stop_reason(rejected, budget=4, **kw) is None  # rejected before launch: not counted
     launched_invalid = [*ok, frozen(3, "invalid", {}, duration_s=7.5, returncode=2)]
@@ -261,7 +260,7 @@ def test_rejected_configs_never_consume_the_budget_and_the_space_runs_out(setup)
     search.run()
     trials = study.get_trials()
     recs = [TrialRecord.from_user_attrs(t.user_attrs) for t in trials]
-    assert "every one of the 8 configs" in search.stopped_reason
+    assert search.stopped_reason.startswith("every config of the space is measured or ruled out (")
     launched = [r for r in recs if r.status in (Status.OK, Status.OOM)]
     # micro-batch 8 is refused by the config (the per-GPU mini-batch of 4 does not divide by 8)
     invalid = [t for t, r in zip(trials, recs) if r.status == Status.INVALID]
@@ -273,22 +272,22 @@ def test_rejected_configs_never_consume_the_budget_and_the_space_runs_out(setup)
     assert {r.status for r in recs} <= {Status.OK, Status.OOM, Status.INFERRED_OOM, Status.INVALID, Status.DUPLICATE}
 
 
-def test_free_rejections_in_a_row_stop_the_search(setup):
-    """The stop guard counts every rejection before launch: a sampler that keeps proposing refused
-    configs (here: 150 enqueued copies of an invalid one) stops the process with a clear reason."""
+def test_rejections_in_a_row_never_stop_the_search(setup):
+    """A sampler that keeps proposing refused configs (here: 150 enqueued copies of an invalid one) does not stop
+    the search: each costs nothing, and once they are told the search goes on to its budget."""
     space, trial_base, flat = setup
     wide = _wide(space)
     storage = optuna.storages.InMemoryStorage()
     study = optuna.create_study(storage=storage, directions=list(DIRECTIONS))
-    for _ in range(MAX_CONSECUTIVE_FREE + 50):
+    for _ in range(150):
         study.enqueue_trial(wide.to_params({MICRO: 8, GC: True}))
     runner = ReplayRunner(_replay_table(space, flat))
-    search = _search((wide, trial_base, flat), study, storage, runner, trials=5, sampler="random")
+    search = _search((wide, trial_base, flat), study, storage, runner, trials=4, sampler="random")
     search.run()
-    assert f"{MAX_CONSECUTIVE_FREE} configs in a row that were not run" in search.stopped_reason
     trials = study.get_trials()
-    assert runner.launched == 0 and decide.count_progress(trials) == 0
-    assert sum(t.state == TrialState.COMPLETE for t in trials) == MAX_CONSECUTIVE_FREE
+    assert "holds 4 counted" in search.stopped_reason
+    assert runner.launched == decide.count_progress(trials) == 4
+    assert sum(TrialRecord.from_user_attrs(t.user_attrs).status == Status.INVALID for t in trials) >= 150
 
 
 def test_distance_counts_ordered_steps_and_incumbent_is_the_fastest(setup):
@@ -313,9 +312,9 @@ def test_distance_counts_ordered_steps_and_incumbent_is_the_fastest(setup):
     assert decide.incumbent({}, flat) is None
 
 
-def test_after_three_duplicates_in_a_row_the_nearest_unmeasured_config_runs(setup):
-    """TPE stuck on measured configs: after 3 duplicates in a row the tuner enqueues the unmeasured
-    config nearest the fastest measured one (here one step from micro-batch 2 with checkpointing)."""
+def test_after_three_duplicates_in_a_row_the_search_proposes_a_neighbour_of_the_best(setup):
+    """The sampler stalled on measured configs: after 3 rejections in a row the search proposes itself an
+    unmeasured neighbour of the best measured config (here one step from micro-batch 2 with checkpointing)."""
     space, _, flat = setup
     storage = optuna.storages.InMemoryStorage()
     study = optuna.create_study(storage=storage, directions=list(DIRECTIONS), sampler=optuna.samplers.RandomSampler(0))
@@ -448,7 +447,7 @@ def test_timeout_leaves_the_confirmation_its_time():
     assert decide.after_search_s(ok, runs=40, timeout_s=1000.0) == 500.0  # at most half of the timeout
     assert decide.after_search_s(ok, runs=0, timeout_s=1000.0) == 0.0
     assert decide.after_search_s([], runs=4, timeout_s=1000.0) == 0.0  # nothing measured yet
-    kw = dict(budget=9, timeout_s=100.0, free_in_a_row=0, max_free_in_a_row=100)
+    kw = dict(budget=9, timeout_s=100.0)
     assert decide.stop_reason(ok, elapsed_s=70.0, reserve_s=20.0, **kw) is None
     why = decide.stop_reason(ok, elapsed_s=81.0, reserve_s=20.0, **kw)
     assert why == "--timeout 100 s: ~20 s of it left for the confirmation and the probes"
@@ -577,14 +576,14 @@ def test_the_policy_alone_walks_the_grid_in_its_seeded_order_then_stops(setup):
     assert len(order) == space.size(flat) == 6
     trials = []
     for i, expected in enumerate(order):
-        pick = policy.pick(trials, known={}, startup=0, duplicates=0)
-        assert pick.stop is None and pick.point.params == expected.params, i
+        pick = policy.pick(trials, known={}, startup=0, stalled=0)
+        assert pick.stop is None and pick.point.params == expected.params and pick.rule == "grid", i
         trials.append(frozen(i, "ok", expected.overrides))
-    pick = policy.pick(trials, known={}, startup=0, duplicates=0)
+    pick = policy.pick(trials, known={}, startup=0, stalled=0)
     assert pick.point is None and pick.stop == "every one of the 6 configs of the space is in the study"
 
 
-def test_the_policy_takes_a_local_step_on_its_turn_and_explores_after_duplicates(setup):
+def test_the_policy_takes_a_local_step_on_its_turn_and_proposes_itself_when_the_sampler_stalls(setup):
     space, _, flat = setup
     ok = [
         frozen(0, "ok", {MICRO: 1, GC: True}, values=[100.0, 1.0], throughput=100.0),
@@ -595,15 +594,15 @@ def test_the_policy_takes_a_local_step_on_its_turn_and_explores_after_duplicates
     assert near[MICRO] == 2 and near[GC] is True
     policy = _policy(space, flat)
     # 2 launched, start-up 1: (2 - 1) % 2 == 1, a local turn: one ordered step from the fastest measured config
-    pick = policy.pick(ok, known=known, startup=1, duplicates=0)
+    pick = policy.pick(ok, known=known, startup=1, stalled=0)
     assert pick.point is not None and decide.distance(space, pick.point.effective, near) == 1.0
-    assert space.identity(pick.point.effective) not in known
-    assert policy.pick(ok, known=known, startup=2, duplicates=0) == Pick()  # not its turn: the sampler proposes
+    assert space.identity(pick.point.effective) not in known and pick.rule == "local"
+    assert policy.pick(ok, known=known, startup=2, stalled=0) == Pick()  # not its turn: the sampler proposes
     # without serialized asks (no cross-process lock) there is no local step
-    assert _policy(space, flat, serialized=False).pick(ok, known=known, startup=1, duplicates=0) == Pick()
-    # the sampler stuck on measured configs: the unmeasured config nearest the incumbent, streak answered
-    pick = policy.pick(ok, known=known, startup=2, duplicates=EXPLORE_AFTER_DUPLICATES)
-    assert pick.explored and decide.distance(space, pick.point.effective, near) == 1.0
+    assert _policy(space, flat, serialized=False).pick(ok, known=known, startup=1, stalled=0) == Pick()
+    # the sampler stalled (proposals rejected before launch): an unmeasured neighbour of the best measured config
+    pick = policy.pick(ok, known=known, startup=2, stalled=STALL_AFTER)
+    assert pick.rule == "neighbour" and decide.distance(space, pick.point.effective, near) == 1.0
 
 
 def test_the_budget_alone(monkeypatch):
@@ -614,17 +613,17 @@ def test_the_budget_alone(monkeypatch):
     budget = Budget(trials=3, timeout_s=100.0, confirm=1, finalists=3, probe=1, started=clock[0])
     ok = [frozen(i, "ok", {}, duration_s=10.0) for i in range(2)]
     # 1 confirmation round (at most 3 finalists + the baseline) and 1 probe: 5 runs of the median 10 s kept
-    assert budget.reserve_s(ok) == 50.0 and budget.stop_reason(ok, free_in_a_row=0) is None
+    assert budget.reserve_s(ok) == 50.0 and budget.stop_reason(ok) is None
     assert Budget(trials=3, timeout_s=100.0, confirm=2, finalists=1, probe=0).reserve_s(ok) == 40.0  # 2 x (1 + 1)
     clock[0] += 60.0
-    assert budget.stop_reason(ok, free_in_a_row=0).startswith("--timeout 100 s")
+    assert budget.stop_reason(ok).startswith("--timeout 100 s")
     said = []
     assert not budget.past_timeout("confirm", said.append) and said == []
     clock[0] += 50.0
     assert budget.past_timeout("confirm", said.append) and said == [
         "confirm: --timeout 100 s reached; no further run started"
     ]
-    assert budget.stop_reason([*ok, frozen(2, "ok", {})], free_in_a_row=0) is not None
+    assert budget.stop_reason([*ok, frozen(2, "ok", {})]) is not None
     assert not budget.taken_by_others(ok, 2, counted=False)  # a --confirm re-run is outside the budget
 
 
@@ -680,7 +679,7 @@ def test_the_incumbents_neighbour_is_launched_rather_than_inferred_and_a_local_s
     # a local step proposes it again (the policy passes over configs held only as inferred OOMs)
     policy = _policy(space, flat)
     for turn in range(8):  # every local turn until it proposes the inferred neighbour
-        pick = policy.pick(trials, known=known, startup=1, duplicates=0)
+        pick = policy.pick(trials, known=known, startup=1, stalled=0)
         assert pick.point is not None
         if space.identity(pick.point.effective) == space.identity(near.effective):
             break

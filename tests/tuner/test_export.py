@@ -119,7 +119,7 @@ def test_without_a_confirmation_export_says_unconfirmed(demo_out, tmp_path, caps
 
 def test_export_picks_the_confirmed_ratio_not_the_single_trial(confirmed_out, tmp_path, capsys):
     """#11 was the fastest single trial (2150 vs #3's 2100); side by side #3 is faster: its paired
-    ratios 2200/1500, 2050/1400, 2150/1450 = 1.467, 1.464, 1.483 (median 1.467) beat #11's 1.345."""
+    ratios 2200/1500, 2050/1400, 2150/1450 = 1.467, 1.464, 1.483 (geometric mean 1.471) beat #11's 1.345."""
     rc, to = _export(confirmed_out, tmp_path)
     assert rc == 0
     assert _chosen(to) == 3
@@ -127,7 +127,7 @@ def test_export_picks_the_confirmed_ratio_not_the_single_trial(confirmed_out, tm
     assert "The pick rests on a **confirmation**" in why and "Unconfirmed" not in why
     assert "Confirmed: **1.47x the baseline (90% interval " in why and ", 3 interleaved rounds)**" in why
     assert "median 2150.0 tokens/s/GPU" in why and "peak 61.20 GB" in why
-    assert "Trial #11, confirmed: 1.34x the baseline" in why  # the runner-up, by its confirmed figure
+    assert "Trial #11, confirmed: 1.35x the baseline" in why  # the runner-up, by its confirmed figure
     table = why.split("## Confirmation")[1].split("##")[0]
     assert "| #3 | 1.47x |" in table and "| #10 | 1.21x |" in table and "| #0 (baseline) | 1.00x |" in table
     header = (to / "best_config.yaml").read_text()

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 
+import psutil
 import pytest
 
 from support import REPO, processes_with, wait_until
@@ -383,3 +384,32 @@ def test_serve_refuses_what_cannot_run_warm(cli, tmp_path, extra, says):
     r = cli("train", REPO / "configs" / "tiny_cpu.yaml", *extra, "--serve", tmp_path / "job")
     assert r.returncode == 2 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not (tmp_path / "job").exists()  # nothing was started
+
+
+SPIN = "import time\nt = time.time()\nwhile time.time() - t < 2.5: pass"
+
+
+def test_the_load_meter_counts_cpu_outside_the_trial_not_the_trials_own():
+    """The trial's own CPU is its own; a process outside it kept busy is load (tuner.trials.memory.LoadMeter)."""
+    proc = subprocess.Popen([PY, "-c", SPIN])  # a trial that spins
+    sampler = MemorySampler(proc.pid, use_nvml=False, hz=20)
+    sampler.start()
+    proc.wait()
+    own = sampler.stop().load
+    assert own["cpu_trial"] > 0.4 and own["gpu_other_processes"] == 0
+    outside = subprocess.Popen([PY, "-c", SPIN])  # a trial that sleeps beside a process that spins
+    proc = subprocess.Popen([PY, "-c", "import time; time.sleep(2)"])
+    sampler = MemorySampler(proc.pid, use_nvml=False, hz=20)
+    sampler.start()
+    proc.wait()
+    beside = sampler.stop().load
+    outside.wait()
+    assert beside["cpu_others"] > 0.4 and beside["cpu_trial"] < 0.2
+    assert beside["cpu_others_share"] == pytest.approx(beside["cpu_others"] / psutil.cpu_count(), abs=1e-3)
+
+
+def test_a_trial_is_loaded_over_a_quarter_of_the_hosts_cpus_or_with_another_process_on_its_gpus():
+    from tuner.trials.memory import LOADED_CPU_SHARE, is_loaded
+
+    assert LOADED_CPU_SHARE == 0.25
+    assert not is_loaded(0.25, 0) and is_loaded(0.26, 0) and is_loaded(0.0, 1) and not is_loaded(None, 0)

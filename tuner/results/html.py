@@ -22,7 +22,7 @@ from tuner.results.analysis import (
 from tuner.results.memory_findings import findings_md, projection_text
 from tuner.results.plots import STATUS_STYLE
 from tuner.results.view import TIME_PREFIX, StudyView, missing, pareto_front
-from tuner.stages.confirm import CONFIRMATION_ATTR, describe
+from tuner.stages.confirm import CONFIRMATION_ATTR, describe, rounds_text
 from tuner.units import gb
 
 __all__ = ["report_html", "summary_md", "page_head", "trials_section"]
@@ -157,7 +157,7 @@ def _confirmation_table(conf: dict) -> str:
             f"<td>{e.get('rounds', 0)}</td><td class='small'>{trials}</td><td>{failed}</td></tr>"
         )
     return (
-        "<table class='t'><tr><th>trial</th><th>vs baseline<br>(median of paired ratios)</th><th>90% interval</th>"
+        "<table class='t'><tr><th>trial</th><th>vs baseline<br>(paired ratios)</th><th>90% interval</th>"
         "<th>confirmed<br>tokens/s/GPU</th><th>90% interval</th><th>peak GB<br>(max)</th><th>rounds</th>"
         f"<th>re-runs</th><th>not ok</th></tr>{''.join(rows)}</table>"
     )
@@ -360,11 +360,11 @@ def _confirmation_section(conf: Optional[dict]) -> list[str]:
         return []
     return [
         "<h2>Finalists confirmed side by side</h2>",
-        f"<p class='sub'>After the search the finalists (Pareto points under the headroom, and trials whose "
-        f"throughput interval reaches the best's) and the baseline were re-run interleaved, {conf.get('rounds')} "
-        "rounds, rotated each round so no config always ran first. A finalist's figure is the median of its "
-        "paired ratios (its throughput / the same round's baseline throughput); the 90% interval is Student's t "
-        "on the log-ratios, wide with few rounds. Export ranks by it. ★ baseline."
+        f"<p class='sub'>The finalists (Pareto points under the headroom, trials whose throughput interval reaches "
+        f"the best's) and the baseline re-run interleaved, rotated each round, until the leader separated from the "
+        f"runner-up ({_e(rounds_text(conf))}). A figure is the geometric mean of paired ratios (throughput / the same "
+        "round's baseline's), its 90% interval from the runs' own noise and the rounds' scatter; rounds under load "
+        "are not claimed from. Export ranks by it. ★ baseline."
         + ("" if conf.get("complete") else " <b>Incomplete</b>: the search was stopped; re-run it to finish.")
         + "</p>",
         _confirmation_table(conf),

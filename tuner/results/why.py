@@ -16,7 +16,7 @@ from trainer.contracts import Status
 from tuner.results.memory_findings import findings_md, memory_findings
 from tuner.results.pick import Choice, pct, trial_row, worst_case_text
 from tuner.results.view import StudyView
-from tuner.stages.confirm import describe, entry_of
+from tuner.stages.confirm import describe, entry_of, rounds_text
 from tuner.stages.probe import ProbeResult
 from tuner.study.frame import headroom_filter, missing
 from tuner.world import WorldPlan
@@ -81,9 +81,9 @@ def _pick_section(view: StudyView, choice: Choice) -> list[str]:
     conf = choice.confirmation
     if choice.unconfirmed is None:
         out.append(
-            f"The pick rests on a **confirmation**: the finalists and the baseline were re-run interleaved for "
-            f"{conf.get('rounds')} rounds (each round rotated, so no config always ran first), and the ranking "
-            "is the median of each finalist's throughput divided by the same round's baseline throughput."
+            f"The pick rests on a **confirmation**: the finalists and the baseline were re-run interleaved, "
+            f"{rounds_text(conf)} (each round rotated, so no config always ran first); the ranking is each "
+            "finalist's throughput divided by the same round's baseline throughput, with a 90% interval."
             + ("" if conf.get("complete") else " The confirmation is incomplete (the search was interrupted).")
         )
     else:
@@ -280,7 +280,7 @@ def _under_limit(view: StudyView, choice: Choice) -> pd.Series:
 def _confirmation_table(conf: dict) -> list[str]:
     """The study's ``confirmation`` as a Markdown table: one row per finalist, then the baseline."""
     out = [
-        "| trial | vs baseline (median of paired ratios) | 90% interval | confirmed tokens/s/GPU | 90% interval "
+        "| trial | vs baseline (paired ratios) | 90% interval | confirmed tokens/s/GPU | 90% interval "
         "| peak GB (max) | re-runs | failed |",
         "|---|---|---|---|---|---|---|---|",
     ]

@@ -24,7 +24,6 @@ from tuner.study import lifecycle as st
 
 __all__ = [
     "Budget",
-    "MAX_CONSECUTIVE_FREE",
     "MAX_FAILURES_IN_A_ROW",
     "BASELINE_FAILED",
     "Halt",
@@ -32,7 +31,6 @@ __all__ = [
     "error_signature",
 ]
 
-MAX_CONSECUTIVE_FREE = 100  # proposals in a row rejected before launch (free) before this process gives up
 MAX_FAILURES_IN_A_ROW = 3  # launched trials in a row failing with the same error before the search stops
 
 
@@ -53,15 +51,13 @@ class Budget:
     def elapsed_s(self) -> float:
         return time.monotonic() - self.started
 
-    def stop_reason(self, trials: list, *, free_in_a_row: int) -> Optional[str]:
+    def stop_reason(self, trials: list) -> Optional[str]:
         """Why the search takes no further trial (:func:`tuner.search.decide.stop_reason`), or None."""
         return decide.stop_reason(
             trials,
             budget=self.trials,
             elapsed_s=self.elapsed_s(),
             timeout_s=self.timeout_s,
-            free_in_a_row=free_in_a_row,
-            max_free_in_a_row=MAX_CONSECUTIVE_FREE,
             reserve_s=self.reserve_s(trials),
         )
 

@@ -16,8 +16,10 @@ sampler: :mod:`tuner.search.loop` does that and calls these.
   None of these consumes ``--trials``: the loop records it and asks the sampler again;
 * :func:`constraint` -- the graded constraint Optuna gets (``<= 0`` feasible, ``> 0`` how far over);
 * :func:`seen_configs` -- every config the study holds, measured or rejected (space exhaustion);
-* :func:`incumbent`, :func:`distance` -- the fastest measured config, and how many ordered steps
-  apart two configs are (where the loop explores once the sampler only repeats measured configs);
+* :func:`incumbent`, :func:`ranked_measured`, :func:`measured_score`, :func:`distance` -- the best measured config
+  (by the lower end of its own throughput interval: the winner's curse), the measured configs best first, and how
+  many ordered steps apart two configs are (where the search proposes itself once the sampler stalls);
+* :func:`oom_evidence` -- the OOMs that still rule configs out, and the configs that ran;
 * :func:`stop_reason` -- the budget: when a search process stops asking;
 * :func:`after_search_s` -- the seconds ``--timeout`` leaves the confirmation and the worst-case probes;
 * :func:`over_budget` -- after an ``ask()`` taken without a cross-process lock: was the
@@ -40,7 +42,12 @@ __all__ = [
     "Prediction",
     "known_configs",
     "seen_configs",
+    "held_configs",
     "ruling_oom",
+    "OomEvidence",
+    "oom_evidence",
+    "measured_score",
+    "ranked_measured",
     "inferred_only",
     "distance",
     "incumbent",
@@ -123,23 +130,18 @@ def stop_reason(
     budget: int,
     elapsed_s: float,
     timeout_s: Optional[float],
-    free_in_a_row: int,
-    max_free_in_a_row: int,
     reserve_s: float = 0.0,
 ) -> Optional[str]:
-    """Why this search process should ask no more trials (None: go on). ``reserve_s``: the part of
-    ``timeout_s`` kept for the confirmation and the probes (:func:`after_search_s`)."""
+    """Why this search process should ask no more trials (None: go on): the budget or the timeout. ``reserve_s``:
+    the part of ``timeout_s`` kept for the confirmation and the probes (:func:`after_search_s`). Proposals rejected
+    before launch never stop a search: when the sampler stalls the search proposes itself (:mod:`tuner.search.stall`),
+    until every config is measured or ruled out."""
     if count_progress(trials) >= budget:
         return f"the study holds {budget} counted trials"
     if timeout_s is not None and elapsed_s > timeout_s - reserve_s:
         if reserve_s > 0:
             return f"--timeout {timeout_s:g} s: ~{reserve_s:.0f} s of it left for the confirmation and the probes"
         return f"--timeout {timeout_s:g} s reached"
-    if free_in_a_row >= max_free_in_a_row:
-        return (
-            f"the sampler proposed {max_free_in_a_row} configs in a row that were not run "
-            "(already measured, invalid or inferred OOM)"
-        )
     return None
 
 
@@ -210,10 +212,12 @@ def seen_configs(trials: Iterable[FrozenTrial], space: Space, trial_flat: dict) 
     """Identities of every config the study holds: measured, running, or rejected before launch
     (invalid, inferred OOM). An interrupted trial's config is held by its retry; an over-budget ask
     was never judged; a ``--confirm`` re-run repeats a config already there."""
-    return {ident for ident, _ in _held(trials, space, trial_flat)}
+    return {ident for ident, _ in held_configs(trials, space, trial_flat)}
 
 
-def _held(trials: Iterable[FrozenTrial], space: Space, trial_flat: dict) -> Iterable[tuple[tuple, Optional[Status]]]:
+def held_configs(
+    trials: Iterable[FrozenTrial], space: Space, trial_flat: dict
+) -> Iterable[tuple[tuple, Optional[Status]]]:
     """(identity, status) of each trial that holds its config in the study (see :func:`seen_configs`)."""
     for t in trials:
         if t.state not in _IN_STUDY:
@@ -248,34 +252,53 @@ def distance(space: Space, eff_a: dict, eff_b: dict) -> float:
     return total
 
 
-def incumbent(known: dict[tuple, FrozenTrial], trial_flat: dict) -> Optional[dict]:
-    """The flat effective config of the fastest measured feasible trial (None before one)."""
-    best, best_thr = None, None
+def measured_score(rec: TrialRecord) -> Optional[float]:
+    """What a measured config is ranked by, in the search and its finalists: the lower end of the trial's own 90%
+    throughput interval when it has one (a lower confidence bound), else its median throughput. The maximum of many
+    noisy medians is the luckiest sample (the winner's curse); a config must beat the others' figures by more than
+    its own measured noise to lead (benchmarks/README.md, "The search on grids it was never tuned on")."""
+    if rec.throughput is None:
+        return None
+    ci = rec.throughput_ci
+    if isinstance(ci, (list, tuple)) and len(ci) == 2 and ci[0] is not None and 0 < ci[0] <= rec.throughput:
+        return float(ci[0])
+    return float(rec.throughput)
+
+
+def ranked_measured(known: dict[tuple, FrozenTrial]) -> list[FrozenTrial]:
+    """The measured feasible trials of ``known``, best first by :func:`measured_score` (ties: lower number)."""
+    scored = []
     for t in known.values():
         rec = TrialRecord.from_user_attrs(t.user_attrs)
-        if t.state == TrialState.COMPLETE and rec.status == Status.OK and rec.throughput is not None:
-            if best_thr is None or rec.throughput > best_thr:
-                best, best_thr = t, rec.throughput
-    return None if best is None else effective_of(best, trial_flat)
+        score = measured_score(rec) if t.state == TrialState.COMPLETE and rec.status == Status.OK else None
+        if score is not None:
+            scored.append((-score, t.number, t))
+    return [t for _, _, t in sorted(scored, key=lambda x: x[:2])]
 
 
-def ruling_oom(
-    eff: dict, known: dict[tuple, FrozenTrial], space: Space, trial_flat: dict, revisitable: frozenset = frozenset()
-) -> Optional[FrozenTrial]:
-    """The launched OOM that rules out config ``eff`` without a launch (None: nothing does).
+def incumbent(known: dict[tuple, FrozenTrial], trial_flat: dict) -> Optional[dict]:
+    """The flat effective config of the best measured feasible trial (:func:`ranked_measured`; None before one)."""
+    ranked = ranked_measured(known)
+    return effective_of(ranked[0], trial_flat) if ranked else None
 
-    An OOM rules out every config at least as memory-hungry on every monotone knob (of the memory it ran out of:
-    an offload knob moves device and host memory opposite ways). Near the cap an OOM is noisy, though: the same
-    config runs out of memory in one run and fits in the next (on a reviewer's recorded grid of long, uniform prompts
-    under a tight cap, 11 of 101 configs did, over 2 repeats). So one OOM is evidence, not a verdict for ever:
 
-    * an OOM that a measurement contradicts rules out nothing: a config at least as hungry as the OOM's has run
-      (``ok``) since, so the OOM was the noise of a config at the boundary;
-    * a config inferred before (``revisitable``: :func:`inferred_only`) that is now the incumbent's neighbour (one
-      ordered step from the fastest measured config, where the search's local steps look) is launched: measured
-      once, and if it fits, the OOM that ruled it out is contradicted and rules out nothing more.
-    """
-    ooms, fitted = [], []  # (trial, its config, a host OOM?) / the configs that ran
+@dataclass
+class OomEvidence:
+    """The launched OOMs of a study that still rule configs out, and the configs that ran (:func:`oom_evidence`)."""
+
+    ooms: list  # (trial, its flat config, a host OOM?): each OOM no measurement contradicts
+    fitted: list  # the flat configs that ran (ok)
+
+    def rulers(self, eff: dict, space: Space) -> list[FrozenTrial]:
+        """The OOMs that rule config ``eff`` out: it is at least as memory-hungry as each on every monotone knob."""
+        return [t for t, other, host in self.ooms if space.at_least_as_hungry(eff, other, host=host)]
+
+
+def oom_evidence(known: dict[tuple, FrozenTrial], space: Space, trial_flat: dict) -> OomEvidence:
+    """The OOMs of ``known`` that no measurement contradicts (no config at least as hungry has run since), and
+    the configs that ran. Near the cap an OOM is noisy: the same config runs out of memory in one run and fits in
+    the next, so an OOM a fitted hungrier config contradicts was the noise of a config at the boundary."""
+    ooms, fitted = [], []
     for t in known.values():
         rec = TrialRecord.from_user_attrs(t.user_attrs)
         other = effective_of(t, trial_flat) if t.state == TrialState.COMPLETE else None
@@ -283,15 +306,39 @@ def ruling_oom(
             ooms.append((t, other, rec.oom_kind == "host"))
         elif other is not None and rec.status == Status.OK:
             fitted.append(other)
-    ruling = next(
-        (
-            t
-            for t, other, host in ooms
-            if space.at_least_as_hungry(eff, other, host=host)
-            and not any(space.at_least_as_hungry(ran, other, host=host) for ran in fitted)
-        ),
-        None,
-    )
+    trusted = [
+        (t, other, host)
+        for t, other, host in ooms
+        if not any(space.at_least_as_hungry(ran, other, host=host) for ran in fitted)
+    ]
+    return OomEvidence(trusted, fitted)
+
+
+def ruling_oom(
+    eff: dict,
+    known: dict[tuple, FrozenTrial],
+    space: Space,
+    trial_flat: dict,
+    revisitable: frozenset = frozenset(),
+    launch_anyway: frozenset = frozenset(),
+) -> Optional[FrozenTrial]:
+    """The launched OOM that rules out config ``eff`` without a launch (None: nothing does).
+
+    An OOM rules out every config at least as memory-hungry on every monotone knob (of the memory it ran out of:
+    an offload knob moves device and host memory opposite ways). Near the cap an OOM is noisy, though (the same
+    config runs out of memory in one run and fits in the next), so one OOM is evidence, not a verdict for ever:
+
+    * an OOM that a measurement contradicts rules out nothing (:func:`oom_evidence`);
+    * a config inferred before (``revisitable``: :func:`inferred_only`) that is now the incumbent's neighbour (one
+      ordered step from the best measured config, where the search's local steps look) is launched: measured
+      once, and if it fits, the OOM that ruled it out is contradicted and rules out nothing more;
+    * a config the search proposes itself at the memory boundary (``launch_anyway``: its only evidence is one OOM,
+      :mod:`tuner.search.stall`) is launched.
+    """
+    rulers = oom_evidence(known, space, trial_flat).rulers(eff, space)
+    ruling = rulers[0] if rulers else None
+    if ruling is not None and space.identity(eff) in launch_anyway:
+        return None
     if ruling is not None and space.identity(eff) in revisitable:
         best = incumbent(known, trial_flat)
         if best is not None and distance(space, eff, best) == 1:
@@ -303,7 +350,7 @@ def inferred_only(trials: Iterable[FrozenTrial], space: Space, trial_flat: dict)
     """Identities of the configs the study holds only as inferred OOMs (never launched, never refused otherwise):
     the ones :func:`ruling_oom` may let a local step revisit."""
     inferred, other = set(), set()
-    for ident, status in _held(trials, space, trial_flat):
+    for ident, status in held_configs(trials, space, trial_flat):
         (inferred if status == Status.INFERRED_OOM else other).add(ident)
     return frozenset(inferred - other)
 
@@ -374,12 +421,14 @@ def judge(
     is_confirm: bool = False,
     predict: Optional[Callable[[dict], Optional[Prediction]]] = None,
     revisitable: frozenset = frozenset(),
+    launch_anyway: frozenset = frozenset(),
 ) -> Verdict:
     """Launch ``cand`` (trial ``number``) or record it at zero cost; see the module docstring.
 
     A ``--confirm`` re-run is checked for validity only: it repeats a measured config on purpose.
     ``predict``: the study's memory model, given the candidate's flat config (None: no model yet).
-    ``revisitable``: the configs the study holds only as inferred OOMs (:func:`inferred_only`, :func:`ruling_oom`).
+    ``revisitable``: the configs the study holds only as inferred OOMs (:func:`inferred_only`, :func:`ruling_oom`);
+    ``launch_anyway``: the configs the search proposed itself at the memory boundary (:func:`ruling_oom`).
     """
     invalid = INVALID_CONSTRAINT
     if cand.error:
@@ -409,7 +458,7 @@ def judge(
             values=tuple(prev.values) if twin else None,
             constraint=constraint_of(prev) if twin else None,
         )
-    t = ruling_oom(cand.effective, known, space, trial_flat, revisitable)
+    t = ruling_oom(cand.effective, known, space, trial_flat, revisitable, launch_anyway)
     if t is not None:
         return Verdict(
             Status.INFERRED_OOM,

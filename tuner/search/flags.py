@@ -191,8 +191,9 @@ def _stage_flags(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_ROUNDS,
         metavar="R",
         help="after the search, re-run the finalists (the --pick's first choice, then Pareto points under "
-        "--memory-headroom and trials within noise of the best, at most --finalists) interleaved with the baseline "
-        "for R rounds; export ranks them by the median of paired throughput ratios to the baseline "
+        "--memory-headroom and trials within noise of the best, at most --finalists) interleaved with the baseline, "
+        "round after round until the leader's paired-ratio interval separates from the runner-up's, at most R "
+        "rounds measured without load; export ranks them by their paired throughput ratios to the baseline "
         f"(default {DEFAULT_ROUNDS}; 0: off)",
     )
     p.add_argument(
@@ -200,7 +201,7 @@ def _stage_flags(p: argparse.ArgumentParser) -> None:
         type=int,
         default=DEFAULT_FINALISTS,
         metavar="F",
-        help=f"at most F finalists confirmed, each costing R re-runs (default {DEFAULT_FINALISTS})",
+        help=f"at most F finalists confirmed, each a re-run per round it stays in (default {DEFAULT_FINALISTS})",
     )
     p.add_argument(
         "--probe",

@@ -201,8 +201,8 @@ class Search:
 
         A candidate rejected before launch (invalid, duplicate, inferred OOM) is told here, under the
         lock (no other worker ever counts it as running), and the sampler is asked again: it costs
-        nothing and does not count toward ``--trials``. :data:`tuner.search.budget.MAX_CONSECUTIVE_FREE` of
-        them in a row stop this process."""
+        nothing and does not count toward ``--trials``. When the sampler stalls on such proposals the search
+        proposes itself (:mod:`tuner.search.stall`) until every config is measured or ruled out."""
         with self.session.lock():
             while True:
                 got = self._ask_once()
@@ -218,9 +218,7 @@ class Search:
         self.session.sweep_if_due()
         trials = self.session.study.get_trials(deepcopy=False)
         stopping = self.session.stop_event.is_set()
-        reason = (
-            "interrupted" if stopping else self.budget.stop_reason(trials, free_in_a_row=self.session.free_in_a_row)
-        )
+        reason = "interrupted" if stopping else self.budget.stop_reason(trials)
         if reason and not stopping and self.budget.others_still_running(trials):
             return WAIT
         if reason:
@@ -228,25 +226,28 @@ class Search:
             return None
         space, flat = self.session.space, self.session.trial_flat
         known = decide.known_configs(trials, space, flat)
+        anyway: frozenset = frozenset()
         if not any(t.state == TrialState.WAITING for t in trials):
             pick = self.policy.pick(
                 trials,
                 known=known,
                 startup=startup_trials(self.session.study.sampler),
-                duplicates=self.session.dup_in_a_row,
+                stalled=self.session.free_in_a_row,
             )
             if pick.stop:
                 self.stopped_reason = pick.stop
                 return None
-            if pick.point is not None:
-                self.session.study.enqueue_trial(self.session.space.to_params(pick.point.params), skip_if_exists=False)
-            if pick.explored:
-                self.session.dup_in_a_row = 0
+            if pick.point is not None:  # Optuna pops the enqueued config first: the sampler sees it as its own
+                self.session.study.enqueue_trial(space.to_params(pick.point.params), skip_if_exists=False)
+                if pick.launch_anyway:
+                    anyway = frozenset({space.identity(pick.point.effective)})
         trial = self.session.ask()
         if self.asked_over_budget(trial):
             return WAIT
         revisitable = decide.inferred_only(trials, space, flat)
-        return self.session.propose(trial, known, predict=self.gate.predictor(trials), revisitable=revisitable)
+        return self.session.propose(
+            trial, known, predict=self.gate.predictor(trials), revisitable=revisitable, launch_anyway=anyway
+        )
 
     def asked_over_budget(self, trial: optuna.trial.Trial) -> bool:
         """Record ``trial`` as ``over_budget`` if another worker took the budget's last slot in the

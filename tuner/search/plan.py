@@ -145,7 +145,8 @@ def plan_lines(args, options, space, flat: dict, device: str, trials: list, stat
         f"({args.warmup} warm-up), {o.parallel} at a time; sampler {o.sampler}; "
         f"recommends {o.selection.flags()}",
         f"runs: {runs.trials} trials + {runs.reruns} confirmation re-runs (at most: --confirm {o.confirm} rounds x "
-        f"up to {o.finalists} finalists and the baseline) + {runs.probes} worst-case probes "
+        f"up to {o.finalists} finalists and the baseline; the rounds stop once the leader separates) + "
+        f"{runs.probes} worst-case probes "
         f"= {runs.total} runs at most",
         est.line(),
     ]

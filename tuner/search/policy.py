@@ -1,4 +1,4 @@
-"""Which config the search tries next: the sampler, local steps, the grid order and exploration.
+"""Which config the search tries next: the sampler, local steps, the grid order, and the search's own proposals.
 
 Optuna's sampler proposes by default. Before it is asked, :meth:`ProposalPolicy.pick` may put a config of its own
 in the study's queue (Optuna then pops that one first):
@@ -6,12 +6,12 @@ in the study's queue (Optuna then pops that one first):
 * ``--sampler grid``: the next unmeasured config of the space, in an order the seed fixes (Optuna's GridSampler
   cannot do conditional knobs);
 * a local step (TPE, every ``--local-every``-th launched trial after its random start-up): the unmeasured config
-  one ordered step from the fastest measured one, the knobs' ``speed`` hints first;
-* exploration, after :data:`EXPLORE_AFTER_DUPLICATES` duplicates in a row: the unmeasured config nearest the
-  fastest measured one (the sampler is stuck on measured configs);
+  one ordered step from the best measured one, the knobs' ``speed`` hints first;
+* a config it proposes itself once the sampler stalls (:data:`tuner.search.stall.STALL_AFTER` proposals in a row
+  rejected before launch, or every config in the study): :func:`tuner.search.stall.propose_itself`;
 
-or say that there is nothing left to try. The policy never launches or tells anything: it reads the study's
-trials and the space, and answers with a :class:`Pick`.
+or say that there is nothing left to try (every config measured or ruled out). The policy never launches or tells
+anything: it reads the study's trials and the space, and answers with a :class:`Pick`.
 """
 
 from __future__ import annotations
@@ -19,18 +19,17 @@ from __future__ import annotations
 import random
 import warnings
 from dataclasses import dataclass
-from itertools import chain
-from typing import Optional
+from typing import Callable, Optional
 
 import optuna
 
 from trainer.contracts import TrialRecord
 from tuner.search import decide
+from tuner.search.stall import STALL_AFTER, propose_itself
 from tuner.space import Candidate, Space
 
 __all__ = [
     "SAMPLERS",
-    "EXPLORE_AFTER_DUPLICATES",
     "ENUMERATE_BELOW",
     "build_sampler",
     "startup_trials",
@@ -39,14 +38,8 @@ __all__ = [
 ]
 
 SAMPLERS = ("tpe", "nsga2", "random", "grid")
-# Duplicates in a row after which the sampler is taken to be stuck on measured configs (TPE over a
-# discrete space keeps re-proposing its best points, the more so as each duplicate is told again as
-# COMPLETE): the tuner enqueues the unmeasured config nearest the fastest measured one. In a replay of
-# a synthetic 104-config grid shaped like benchmarks/data/grid_space.yaml this reached 97% of the best in
-# 23% of the grid's trial-seconds (median, 20 seeds) against 28% with a random unmeasured config and 31%
-# with none; on bench_search.py's recorded 24-config grid it never fired before 25%.
-EXPLORE_AFTER_DUPLICATES = 3
 ENUMERATE_BELOW = 100_000  # spaces up to this size are explored by enumeration, larger ones by sampling
+RANDOM_DRAWS = 200  # a space too large to enumerate: draws per look for a config outside the study
 
 
 def build_sampler(
@@ -83,11 +76,13 @@ def startup_trials(sampler: optuna.samplers.BaseSampler) -> int:
 @dataclass(frozen=True)
 class Pick:
     """What to do before the sampler is asked: enqueue ``point``, or stop for ``stop``; neither: the sampler
-    proposes. ``explored``: the duplicate streak was answered (the caller starts counting it again)."""
+    proposes. ``rule``: which rule chose the point (local, neighbour, boundary, seeded, grid); ``launch_anyway``:
+    a boundary config the judge launches although one OOM rules it out (:func:`tuner.search.decide.ruling_oom`)."""
 
     point: Optional[Candidate] = None
     stop: Optional[str] = None
-    explored: bool = False
+    rule: Optional[str] = None
+    launch_anyway: bool = False
 
 
 class ProposalPolicy:
@@ -116,22 +111,28 @@ class ProposalPolicy:
         self._rank: Optional[dict] = None  # identity -> position in the shuffled grid (local steps break ties by it)
         self._size: Optional[int] = None
 
-    def pick(self, trials: list, *, known: dict, startup: int, duplicates: int) -> Pick:
+    def pick(self, trials: list, *, known: dict, startup: int, stalled: int) -> Pick:
         """The policy's move given the study's ``trials`` (none WAITING), ``known`` (:func:`decide.known_configs`),
-        TPE's ``startup`` trials and the ``duplicates`` told in a row."""
+        TPE's ``startup`` trials and the proposals ``stalled`` in a row (rejected before launch)."""
         seen = decide.seen_configs(trials, self.space, self.trial_flat)
-        if self.exhausted(seen):
-            return Pick(stop=f"every one of the {self.space_size()} configs of the space is in the study")
         if self.sampler == "grid":
             point = self.unmeasured(seen)
-            return Pick(point=point) if point is not None else Pick(stop="no unmeasured config left")
+            if point is None:
+                return Pick(stop=f"every one of the {self.space_size()} configs of the space is in the study")
+            return Pick(point=point, rule="grid")
         if self.local_turn(trials, startup):
             # an inferred OOM one step from the incumbent is revisited: launched once (decide.ruling_oom)
             held = seen - decide.inferred_only(trials, self.space, self.trial_flat)
-            return Pick(point=self.unmeasured_neighbour(held, decide.incumbent(known, self.trial_flat)))
-        if duplicates >= EXPLORE_AFTER_DUPLICATES:
-            return Pick(point=self.unmeasured(seen, near=decide.incumbent(known, self.trial_flat)), explored=True)
+            point = self.unmeasured_neighbour(held, decide.incumbent(known, self.trial_flat))
+            if point is not None:
+                return Pick(point=point, rule="local")
+        if stalled >= STALL_AFTER or self.exhausted(seen):
+            got = propose_itself(self, trials, known)
+            return Pick(point=got.point, stop=got.stop, rule=got.rule, launch_anyway=got.launch_anyway)
         return Pick()
+
+    def enumerable(self) -> bool:
+        return self.space_size() <= ENUMERATE_BELOW
 
     def space_size(self) -> int:
         if self._size is None:
@@ -155,17 +156,19 @@ class ProposalPolicy:
         launched = sum(1 for r in records if r.status is not None and r.status.launched)
         return launched >= startup and (launched - startup) % every == every - 1
 
-    def unmeasured_neighbour(self, seen: set, near: Optional[dict]) -> Optional[Candidate]:
+    def unmeasured_neighbour(
+        self, seen: set, near: Optional[dict], *, allowed: Optional[Callable[[Candidate], bool]] = None
+    ) -> Optional[Candidate]:
         """A config one step from ``near`` (:meth:`tuner.space.Space.neighbours`: distance 1) not yet in the
         study: first those the knobs' ``speed`` hints expect to be faster (:meth:`tuner.space.Space.expected_speed`),
         among them the first in the seeded grid order (a space too large to enumerate: drawn at random among them);
-        None when there is none (or no ``near``). Generated from ``near``,
+        None when there is none (or no ``near``); ``allowed``: a further filter. Generated from ``near``,
         never by scanning the grid: a local turn runs under the study lock, and a scan of a 100k-config grid
         for each one took seconds there (benchmarks/bench_storage.py)."""
         if near is None:
             return None
         steps = self.space.neighbours(near, self.trial_flat)
-        steps = [c for c in steps if self.space.identity(c.effective) not in seen]
+        steps = [c for c in steps if self.space.identity(c.effective) not in seen and (allowed is None or allowed(c))]
         if not steps:
             return None
         # the knobs' speed hints first (a step the space expects to be faster), then the seeded grid order
@@ -189,19 +192,16 @@ class ProposalPolicy:
             self._rank = {ident: i for i, (ident, _) in enumerate(self.shuffled_grid())}
         return self._rank
 
-    def unmeasured(self, seen: set, *, near: Optional[dict] = None) -> Optional[Candidate]:
-        """A config not yet in the study (the shuffled grid when it is small, else sampling): a random one,
-        or with ``near`` (a flat effective config) the nearest to it (:func:`tuner.search.decide.distance`).
-        ``seen``: :func:`tuner.search.decide.seen_configs` (rejected configs count as seen)."""
-        if self.space_size() <= ENUMERATE_BELOW:
+    def unmeasured(self, seen: set, *, allowed: Optional[Callable[[Candidate], bool]] = None) -> Optional[Candidate]:
+        """The first config not yet in the study in the seeded grid order (a space too large to enumerate: random
+        draws). ``seen``: :func:`tuner.search.decide.seen_configs` (rejected configs count as seen); ``allowed``: a
+        further filter."""
+        if self.enumerable():
             pool = (c for ident, c in self.shuffled_grid() if ident not in seen)
-        else:  # too large to enumerate: random draws, and the neighbours of ``near`` (draws rarely land there)
-            drawn = (self.space.sample(self.trial_flat, self._rng) for _ in range(200))
-            steps = self.space.neighbours(near, self.trial_flat) if near is not None else []
-            pool = (c for c in chain(steps, drawn) if c is not None and self.space.identity(c.effective) not in seen)
-        if near is None:
-            return next(pool, None)
-        return min(pool, key=lambda c: decide.distance(self.space, c.effective, near), default=None)
+        else:
+            drawn = (self.space.sample(self.trial_flat, self._rng) for _ in range(RANDOM_DRAWS))
+            pool = (c for c in drawn if c is not None and self.space.identity(c.effective) not in seen)
+        return next((c for c in pool if allowed is None or allowed(c)), None)
 
     def exhausted(self, seen: set) -> bool:
         """Is every config of the space in the study (measured, running, or rejected before launch)?"""

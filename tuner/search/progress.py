@@ -195,6 +195,7 @@ def summary(study: optuna.Study, search: Any) -> None:
     print(f"ppotune search: done ({search.stopped_reason or 'stopped'}) | {len(df)} trials: {counts}", flush=True)
     if df.empty:
         return
+    loaded_summary(study)
     front = df[df["pareto"]].sort_values("throughput", ascending=False)
     base = df[df["baseline"] & (df["status"] == Status.OK)]
     base_thr = float(base["throughput"].iloc[0]) if len(base) and base["throughput"].iloc[0] else None
@@ -208,6 +209,20 @@ def summary(study: optuna.Study, search: Any) -> None:
     worst_case_summary(study)
 
 
+def loaded_summary(study: optuna.Study) -> None:
+    """How many launched trials ran under load (TrialRecord.load), when any did."""
+    recs = [TrialRecord.from_user_attrs(t.user_attrs) for t in study.get_trials(deepcopy=False)]
+    metered = [r for r in recs if r.load]
+    loaded = [r for r in metered if r.loaded]
+    if loaded:
+        reruns = sum(1 for r in loaded if r.confirm_of is not None)
+        print(
+            f"ppotune search: {len(loaded)} of {len(metered)} launched trials ran under load (other processes busy on "
+            f"their CPUs or GPUs; {reruns} of them confirmation re-runs, whose rounds are not claimed from)",
+            flush=True,
+        )
+
+
 def worst_case_summary(study: optuna.Study) -> None:
     """The worst-case probes (study attr ``worst_case``), one line each."""
     from tuner.stages.probe import WORST_CASE_ATTR, ProbeResult
@@ -218,12 +233,13 @@ def worst_case_summary(study: optuna.Study) -> None:
 
 def confirm_summary(study: optuna.Study) -> None:
     """The confirmed finalists (study attr ``confirmation``), as export ranks them."""
-    from tuner.stages.confirm import CONFIRMATION_ATTR, describe
+    from tuner.stages.confirm import CONFIRMATION_ATTR, describe, rounds_text
 
     conf = study.user_attrs.get(CONFIRMATION_ATTR)
     if not conf:
         return
     state = "" if conf.get("complete") else " (incomplete: re-run the same command to finish)"
+    state = f", {rounds_text(conf)}" + state
     print(f"ppotune search: confirmed side by side with baseline #{conf.get('baseline')}{state}:", flush=True)
     for e in conf.get("finalists") or []:
         mem = f", peak {gb(e['peak_memory_gb'])} GB" if e.get("peak_memory_gb") is not None else ""

@@ -82,10 +82,8 @@ class TrialSession:
     stop_event: threading.Event = field(default_factory=threading.Event)
     heartbeat_s: float = st.HEARTBEAT_S  # how often a RUNNING trial's heartbeat is written
     grace_s: float = st.STALE_AFTER_S  # another host's RUNNING trial with no heartbeat for this long is stale
-    #: proposals in a row told before launch (free), and duplicates in a row: the loop's stop rule and the
-    #: policy's exploration read them
+    #: proposals in a row told before launch (free): the policy proposes itself once the sampler stalls
     free_in_a_row: int = 0
-    dup_in_a_row: int = 0
     _last_sweep: float = 0.0
 
     # ---- the study's other workers
@@ -119,12 +117,14 @@ class TrialSession:
         known: dict,
         predict: Optional[Callable] = None,
         revisitable: frozenset = frozenset(),
+        launch_anyway: frozenset = frozenset(),
     ) -> Proposal:
-        """Claim ``trial`` and judge its config (``revisitable``: :func:`tuner.search.decide.inferred_only`); a
+        """Claim ``trial`` and judge its config (``revisitable``: :func:`tuner.search.decide.inferred_only`;
+        ``launch_anyway``: a boundary config the search proposed itself, :func:`tuner.search.decide.ruling_oom`); a
         trial that cannot even be prepared (e.g. enqueued params outside the space) is judged invalid, never left
         RUNNING."""
         try:
-            return self._propose(trial, known, predict, revisitable)
+            return self._propose(trial, known, predict, revisitable, launch_anyway)
         except Exception as e:  # noqa: BLE001 - recorded as an invalid trial, at zero cost
             cand = Candidate(params=from_params(trial.params), overrides={}, effective={})
             reason = f"tuner: could not prepare the trial: {type(e).__name__}: {e}"
@@ -132,7 +132,12 @@ class TrialSession:
             return Proposal(trial, cand, decide.Verdict(Status.INVALID, reason), confirm_of=confirm_of)
 
     def _propose(
-        self, trial: optuna.trial.Trial, known: dict, predict: Optional[Callable], revisitable: frozenset
+        self,
+        trial: optuna.trial.Trial,
+        known: dict,
+        predict: Optional[Callable],
+        revisitable: frozenset,
+        launch_anyway: frozenset,
     ) -> Proposal:
         asked = TrialRecord.from_user_attrs(trial.user_attrs)  # what was enqueued with it
         st.claim(trial)
@@ -156,6 +161,7 @@ class TrialSession:
             is_confirm=asked.confirm_of is not None,
             predict=predict,
             revisitable=revisitable,
+            launch_anyway=launch_anyway,
         )
         return Proposal(trial, cand, verdict, baseline=baseline, confirm_of=asked.confirm_of)
 
@@ -252,7 +258,6 @@ class TrialSession:
         if self.heartbeat is not None:
             self.heartbeat.remove(trial_id(self.storage, self.study, trial.number))
         self.free_in_a_row = self.free_in_a_row + 1 if free else 0
-        self.dup_in_a_row = self.dup_in_a_row + 1 if record.status == Status.DUPLICATE else 0
         if self.observer:
             self.observer.trial_done(
                 TrialEvent(

@@ -1,7 +1,8 @@
 """Finalists confirmed side by side: which configs to re-run, in which order, and what the re-runs say.
 
-Pure functions (no optuna, no process, no pandas). :meth:`tuner.search.loop.Search.confirm` runs the
-schedule through the search's own runner and stores :func:`aggregate` in the study attribute
+Pure functions (no optuna, no process, no pandas). :class:`tuner.stages.confirmation.ConfirmationStage` runs the
+rounds through the search's own runner, as long as :func:`tuner.stages.race.race` says (until the leader separates
+from the runner-up, at most ``--confirm R`` rounds), and stores :func:`aggregate` in the study attribute
 ``confirmation`` (docs/contracts.md section 3); ``ppotune export``, the report, the search's summary
 and ``ppotune validate`` read it.
 
@@ -10,8 +11,8 @@ a study picks the luckiest sample (the winner's curse), and the machine's load d
 (the baseline runs first, perhaps on a quieter machine). So the finalists and the baseline are run
 again, interleaved -- round 1: A B C base, round 2: B C base A, round 3: C base A B -- so every round
 sees the same conditions and no config always runs first after a pause; a finalist's figure is the
-median over rounds of its throughput divided by the *same round's* baseline throughput (a paired
-ratio: the drift between rounds cancels).
+geometric mean over rounds of its throughput divided by the *same round's* baseline throughput (a paired
+ratio: the drift between rounds cancels), with a 90% interval (:func:`tuner.stages.race.paired_interval`).
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Hashable, Mapping, Optional, Sequence, TypeVar
 
-from trainer.contracts import Status
 from trainer.summary import interval
+from tuner.stages.race import RUN_NOISE_FLOOR, Rerun, paired_interval, race
 
 __all__ = [
     "CONFIRMATION_ATTR",
@@ -30,11 +31,9 @@ __all__ = [
     "MAX_FINALISTS",
     "DEFAULT_FINALISTS",
     "Candidate",
-    "Rerun",
     "within_noise",
     "pick_finalists",
     "schedule",
-    "next_slot",
     "paired_ratios",
     "log_interval",
     "summarize",
@@ -42,15 +41,15 @@ __all__ = [
     "rank_confirmed",
     "entry_of",
     "describe",
+    "rounds_text",
 ]
 
 #: the study user attribute holding :func:`aggregate`'s result
 CONFIRMATION_ATTR = "confirmation"
-#: ``ppotune search --confirm R`` default: interleaved rounds (0 turns confirmation off). One round of the two
-#: best and the baseline (R1 F2) is what the recorded grids favour (benchmarks/README.md, "Samplers"): 3 rounds of 3
-#: finalists cost 12 re-runs, 8-10% of a grid's trial-seconds, and reached 97% of the best later (24% and 18% of
-#: grids 1 and 2, against 14% and 7%); one finalist cannot change the pick. More rounds give an interval
-#: (``--confirm 3``); one round gives a paired ratio.
+#: ``ppotune search --confirm R`` default: at most this many interleaved rounds (0 turns confirmation off). The rounds
+#: stop as soon as the leader separates from the runner-up (:mod:`tuner.stages.race`): a dominant finalist costs one
+#: round. The family of simulated grids chose the cap: more rounds cost more than they gained in the pick there
+#: (benchmarks/README.md, "The search on grids it was never tuned on"); a larger R narrows the claim's interval.
 DEFAULT_ROUNDS = 1
 #: the configs export would take first that the worst-case probe runs by default (``--probe``), and the
 #: finalists' cap a caller of :func:`pick_finalists` gets unless it says otherwise
@@ -72,6 +71,15 @@ class Candidate:
     throughput_ci: Optional[tuple[float, float]]  # its 90% interval; None: unknown
     pareto: bool  # on the Pareto front of the trials under the headroom
 
+    @property
+    def score(self) -> float:
+        """What finalists are ranked by: the lower end of its interval when known (the search's incumbent rule,
+        :func:`tuner.search.decide.measured_score`), else its throughput."""
+        ci = self.throughput_ci
+        if ci is not None and ci[0] is not None and 0 < ci[0] <= self.throughput:
+            return float(ci[0])
+        return float(self.throughput)
+
 
 def within_noise(best: Candidate, other: Candidate) -> bool:
     """Could ``other`` be as fast as ``best``? Their 90% intervals overlap (``other``'s upper end reaches
@@ -82,16 +90,16 @@ def within_noise(best: Candidate, other: Candidate) -> bool:
 
 
 def pick_finalists(cands: Sequence[Candidate], *, exclude: Sequence[int] = (), cap: int = MAX_FINALISTS) -> list[int]:
-    """The configs to confirm: the Pareto points among ``cands`` plus any trial within noise of the fastest
-    (:func:`within_noise`), fastest first, at most ``cap``.
+    """The configs to confirm: the Pareto points among ``cands`` plus any trial within noise of the best
+    (:func:`within_noise`), best first by :attr:`Candidate.score`, at most ``cap``.
 
     ``exclude`` (the baseline: it is re-run in every round anyway) is never a finalist, but it still
-    defines the fastest when it is. Ties in throughput: the lower trial number first."""
+    defines the best when it is. Ties: the lower trial number first."""
     if not cands:
         return []
-    best = max(cands, key=lambda c: (c.throughput, -c.number))
+    best = max(cands, key=lambda c: (c.score, -c.number))
     chosen = [c for c in cands if c.number not in exclude and (c.pareto or within_noise(best, c))]
-    chosen.sort(key=lambda c: (-c.throughput, c.number))
+    chosen.sort(key=lambda c: (-c.score, c.number))
     return [c.number for c in chosen[: max(0, cap)]]
 
 
@@ -105,34 +113,7 @@ def schedule(finalists: Sequence[T], baseline: Optional[T], rounds: int) -> list
     return [items[r % len(items) :] + items[: r % len(items)] for r in range(max(0, rounds))]
 
 
-def next_slot(plan: Sequence[Sequence[T]], taken: Mapping[T, int]) -> Optional[tuple[int, T]]:
-    """The first ``(round, item)`` of ``plan`` not yet taken, or None when all are.
-
-    An item appears once per round, so its ``r``-th slot (0-based) is taken once ``taken[item] > r``
-    re-runs of it exist (finished, or running in another worker): a resumed search continues the rounds
-    instead of restarting them, and two workers never take the same slot."""
-    for r, items in enumerate(plan):
-        for item in items:
-            if taken.get(item, 0) <= r:
-                return r, item
-    return None
-
-
 # --------------------------------------------------------------------------- what the re-runs say
-@dataclass(frozen=True)
-class Rerun:
-    """One finished re-run (a trial with ``confirm_of``)."""
-
-    number: int
-    status: str  # its Status value (a re-run that did not end ok is a failed one)
-    throughput: Optional[float] = None
-    peak_memory_gb: Optional[float] = None
-
-    @property
-    def ok(self) -> bool:
-        return self.status == Status.OK and self.throughput is not None and self.throughput > 0
-
-
 def paired_ratios(runs: Sequence[Rerun], base_runs: Sequence[Rerun]) -> list[float]:
     """``runs[k].throughput / base_runs[k].throughput`` for every round ``k`` both measured.
 
@@ -161,30 +142,43 @@ def _round(v: Optional[float], digits: int = 6) -> Optional[float]:
     return None if v is None else round(float(v), digits)
 
 
-def summarize(number: int, runs: Sequence[Rerun], base_runs: Optional[Sequence[Rerun]] = None) -> dict:
+def summarize(
+    number: int,
+    runs: Sequence[Rerun],
+    base_runs: Optional[Sequence[Rerun]] = None,
+    *,
+    claimed: Optional[Sequence[int]] = None,
+    noise_floor: float = RUN_NOISE_FLOOR,
+) -> dict:
     """One config's confirmed figures (an entry of :func:`aggregate`; ``base_runs`` None: no baseline).
 
-    ``ratio``/``ratio_ci``: median and 90% interval of the paired ratios (:func:`log_interval`);
-    ``throughput``/``throughput_ci``: the same over its ok re-runs' throughputs; ``peak_memory_gb``: the
-    largest peak over its re-runs; ``trials``: the re-runs' numbers; ``failed``: re-runs that did not end
-    ok; ``rounds``: the figures the median is over (paired rounds, or ok re-runs without a baseline)."""
-    ok = [r for r in runs if r.ok]
+    ``claimed``: the rounds the figures come from (None: all; the rounds measured under load are left out by the
+    caller: ``loaded_rounds`` counts this config's runs in them). ``ratio``/``ratio_ci``: the geometric mean and 90%
+    interval of the paired ratios (:func:`tuner.stages.race.paired_interval`; one round has one too, from the runs'
+    own noise); ``throughput``/``throughput_ci``: the median and Student's t interval over its ok re-runs'
+    throughputs (:func:`log_interval`); ``peak_memory_gb``: the largest peak over its re-runs; ``trials``: the
+    re-runs' numbers; ``failed``: re-runs that did not end ok; ``rounds``: the figures the ratio is over (paired
+    rounds, or ok re-runs without a baseline)."""
+    idx = list(range(len(runs))) if claimed is None else [k for k in claimed if k < len(runs)]
+    used = [runs[k] for k in idx]
+    ok = [r for r in used if r.ok]
     thr, thr_ci = log_interval([r.throughput for r in ok])
     peaks = [r.peak_memory_gb for r in runs if r.peak_memory_gb is not None]
-    ratios = paired_ratios(runs, base_runs) if base_runs is not None else []
-    ratio, ratio_ci = log_interval(ratios)
+    pairs = [(runs[k], base_runs[k]) for k in idx if k < len(base_runs)] if base_runs is not None else []
+    got = paired_interval(pairs, noise_floor=noise_floor)
     return {
         "number": int(number),
-        "ratio": _round(ratio),
-        "ratio_ci": None if ratio_ci is None else [_round(ratio_ci[0]), _round(ratio_ci[1])],
-        "ratios": [_round(x) for x in ratios],
+        "ratio": None if got is None else _round(got[0]),
+        "ratio_ci": None if got is None else [_round(got[1]), _round(got[2])],
+        "ratios": [_round(a.throughput / b.throughput) for a, b in pairs if a.ok and b.ok],
         "throughput": _round(thr, 3),
         "throughput_ci": None if thr_ci is None else [_round(thr_ci[0], 3), _round(thr_ci[1], 3)],
         "peak_memory_gb": _round(max(peaks), 4) if peaks else None,
         "trials": [int(r.number) for r in runs],
         "failed": sum(1 for r in runs if not r.ok),
         "statuses": sorted({r.status for r in runs if not r.ok}),
-        "rounds": len(ratios) if base_runs is not None else len(ok),
+        "rounds": sum(1 for a, b in pairs if a.ok and b.ok) if base_runs is not None else len(ok),
+        "loaded_rounds": len(runs) - len(idx),
     }
 
 
@@ -195,25 +189,43 @@ def aggregate(
     rounds: int,
     headroom: float,
     runs: Mapping[int, Sequence[Rerun]],
+    noise_floor: float = RUN_NOISE_FLOOR,
 ) -> dict:
     """The study attribute ``confirmation`` (docs/contracts.md section 3) from the finished re-runs.
 
-    ``runs``: config number -> its re-runs in trial-number order. ``complete``: every config of the
-    plan has at least ``rounds`` finished re-runs (False after an interruption: a resumed search runs
-    the rest)."""
+    ``runs``: config number -> its re-runs in trial-number order (its k-th ran in round k); ``rounds``: the cap.
+    The race (:func:`tuner.stages.race.race`) says which rounds are claimed from (those measured without load), the
+    leader, its runner-up and whether they separated; ``complete``: the race is over (False after an interruption:
+    a resumed search runs the rest)."""
+    state = race(runs, finalists=finalists, baseline=baseline, rounds=rounds, noise_floor=noise_floor)
     base_runs = list(runs.get(baseline, ())) if baseline is not None else None
-    members = list(finalists) + ([baseline] if baseline is not None else [])
+    kw = dict(claimed=state.clean, noise_floor=noise_floor)
+    entries = [summarize(n, runs.get(n, ()), base_runs, **kw) for n in finalists]
     base_entry = None
     if baseline is not None:
-        base_entry = summarize(baseline, base_runs or [])
+        base_entry = summarize(baseline, base_runs or [], **kw)
         if base_entry["throughput"] is not None:
-            base_entry.update(ratio=1.0, ratio_ci=None, ratios=[], rounds=len([r for r in base_runs if r.ok]))
+            ok = sum(1 for k in state.clean if k < len(base_runs) and base_runs[k].ok)
+            base_entry.update(ratio=1.0, ratio_ci=None, ratios=[], rounds=ok)
+    for e in [*entries, base_entry]:
+        if e is not None and e["number"] == state.leader and state.rounds:
+            up = state.runner_up
+            e["separated"] = state.separated
+            e["not_separated_from"] = (
+                None if state.separated or up is None else "the baseline" if up == baseline else f"#{up}"
+            )
     return {
         "baseline": baseline,
         "rounds": int(rounds),
+        "rounds_run": state.rounds,
+        "loaded_rounds": len(state.loaded),
         "headroom": float(headroom),
-        "complete": all(len(runs.get(n, ())) >= rounds for n in members),
-        "finalists": [summarize(n, runs.get(n, ()), base_runs) for n in finalists],
+        "complete": state.done,
+        "leader": state.leader,
+        "runner_up": state.runner_up,
+        "separated": state.separated,
+        "dropped": list(state.dropped),
+        "finalists": entries,
         "baseline_result": base_entry,
     }
 
@@ -234,7 +246,7 @@ def rank_confirmed(
 ) -> tuple[list[dict], list[tuple[int, str]]]:
     """The confirmed configs a pick may take, best first, and the ones left out with why.
 
-    Ranked by the median paired ratio to the baseline (the baseline itself is 1.0), ties by less memory;
+    Ranked by the paired ratio to the baseline (the baseline itself is 1.0), ties by less memory;
     without a baseline measured in the re-runs, by the median confirmed throughput. Left out: not in
     ``eligible`` (export's headroom filter on the original trial), a re-run that did not end ok (a config
     that once ran out of memory or crashed is no recommendation), a confirmed peak over ``limit_gb``, no
@@ -262,22 +274,39 @@ def rank_confirmed(
     return ranked, left_out
 
 
+def rounds_text(conf: Mapping) -> str:
+    """How a confirmation's rounds ended: ``2 of at most 3 rounds, 1 under load: the leader separated`` (a study
+    confirmed before the rounds were adaptive: ``3 rounds``)."""
+    run, cap = conf.get("rounds_run"), conf.get("rounds")
+    if run is None:
+        return f"{cap} rounds"
+    loaded = f", {conf['loaded_rounds']} under load (not claimed from)" if conf.get("loaded_rounds") else ""
+    how = "the leader separated" if conf.get("separated") else "the leader did not separate"
+    return f"{run} of at most {cap} rounds{loaded}: {how}"
+
+
 def _rounds(n: int) -> str:
     return f"{n} interleaved round{'s' if n != 1 else ''}"
 
 
 def describe(entry: Mapping, *, baseline: str = "the baseline") -> str:
-    """One line: ``1.42x the baseline (90% interval 1.31–1.55, 3 interleaved rounds)``; without a paired
-    ratio, the median confirmed throughput with its interval."""
+    """One line: ``1.42x the baseline (90% interval 1.31–1.55, 2 interleaved rounds)``, or for a leader the rounds
+    did not separate from its runner-up ``1.03x the baseline (90% interval 0.96–1.10, 3 interleaved rounds; not
+    separated from #7 after 3 rounds)``, and the rounds measured under load that nothing was claimed from; without a
+    paired ratio, the median confirmed throughput with its interval."""
     n = int(entry.get("rounds") or 0)
     ratio, ci = entry.get("ratio"), entry.get("ratio_ci")
+    loaded = int(entry.get("loaded_rounds") or 0)
+    tail = f"; {loaded} round{'s' if loaded != 1 else ''} under load, not claimed from" if loaded else ""
+    if entry.get("separated") is False and entry.get("not_separated_from"):
+        tail = f"; not separated from {entry['not_separated_from']} after {_rounds(n)}" + tail
     if ratio is not None:
         if not entry.get("ratios"):  # the baseline: 1 by definition
-            return f"{baseline} itself (1.00x; {_rounds(n)})"
+            return f"{baseline} itself (1.00x; {_rounds(n)}{tail})"
         inner = f"90% interval {ci[0]:.2f}–{ci[1]:.2f}, " if ci else "no interval from one round, " if n == 1 else ""
-        return f"{ratio:.2f}x {baseline} ({inner}{_rounds(n)})"
+        return f"{ratio:.2f}x {baseline} ({inner}{_rounds(n)}{tail})"
     thr, tci = entry.get("throughput"), entry.get("throughput_ci")
     if thr is None:
-        return "not confirmed (no re-run measured)"
+        return f"not confirmed (no re-run measured{' without load' if loaded else ''}{tail})"
     inner = f"90% interval {tci[0]:.1f}–{tci[1]:.1f}, " if tci else ""
-    return f"{thr:.1f} tokens/s/GPU ({inner}median of {_rounds(n)}; no baseline to pair with)"
+    return f"{thr:.1f} tokens/s/GPU ({inner}median of {_rounds(n)}; no baseline to pair with{tail})"

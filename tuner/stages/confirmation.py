@@ -16,6 +16,7 @@ from tuner.search import decide
 from tuner.search.budget import Budget
 from tuner.search.session import Proposal, TrialSession
 from tuner.stages import confirm as rules
+from tuner.stages.race import Rerun, race
 from tuner.study.frame import headroom_filter, measured_feasible, missing, pareto_mask, trials_frame
 from tuner.study.selection import Selection, rank_trials
 
@@ -36,9 +37,10 @@ class ConfirmationStage:
     def run(self, rounds: int, *, finalists: int = rules.DEFAULT_FINALISTS) -> None:
         """Confirm the finalists side by side, then store the aggregate in the study attribute ``confirmation``.
 
-        Each re-run is a trial of its own (``confirm_of`` = the finalist's or the baseline's number)
-        launched by the session's runner exactly like a search trial, one at a time (two at once would skew
-        the pair). Nothing done is redone: the slots already taken (re-runs finished, or running in
+        Rounds go on until the leader separates from the runner-up, at most ``rounds`` rounds measured without
+        load (:func:`tuner.stages.race.race`). Each re-run is a trial of its own (``confirm_of`` = the finalist's or
+        the baseline's number) launched by the session's runner exactly like a search trial, one at a time (two at
+        once would skew the pair). Nothing done is redone: the re-runs already taken (finished, or running in
         another worker) are counted, so a resumed search or a second worker runs only the rest, and an
         interrupted re-run, enqueued again by the interruption, is run first."""
         s = self.session
@@ -46,31 +48,35 @@ class ConfirmationStage:
             plan = self.plan(rounds, finalists=finalists)
         if plan is None:
             return
-        finalists, baseline, order = plan
+        finalists, baseline = plan
         base = f" against the baseline #{baseline}" if baseline is not None else " (no baseline to pair with)"
-        s.say(f"confirm: finalists {', '.join(f'#{n}' for n in finalists)}{base}, {rounds} interleaved round(s)")
+        s.say(
+            f"confirm: finalists {', '.join(f'#{n}' for n in finalists)}{base}, interleaved rounds until the leader "
+            f"separates (at most {rounds})"
+        )
         last_round = -1
         while not s.stop_event.is_set() and not self._past_timeout():
             with s.lock():
-                got = self._next(order)
+                got = self._next(finalists, baseline, rounds)
             if got is None:
                 break
-            r, prop = got
+            r, members, prop = got
             if r is not None and r != last_round:
                 last_round = r
-                s.say(f"confirm round {r + 1}/{rounds}: " + " ".join(f"#{n}" for n in order[r]))
+                s.say(f"confirm round {r + 1}: " + " ".join(f"#{n}" for n in members))
             s.process(prop, 0)
         with s.lock():
-            self._record(finalists, baseline, rounds)
+            conf = self._record(finalists, baseline, rounds)
+        if conf["loaded_rounds"]:
+            s.say(f"confirm: {conf['loaded_rounds']} round(s) measured under load: not claimed from")
 
     def _past_timeout(self) -> bool:
         return self.budget is not None and self.budget.past_timeout("confirm", self.session.say)
 
     def plan(
         self, rounds: int, *, finalists: int = rules.DEFAULT_FINALISTS
-    ) -> Optional[tuple[list[int], Optional[int], list[list[int]]]]:
-        """(at most ``finalists`` finalists, baseline number or None, the interleaved schedule), or None: nothing
-        to confirm.
+    ) -> Optional[tuple[list[int], Optional[int]]]:
+        """(at most ``finalists`` finalists, baseline number or None), or None: nothing to confirm.
 
         Finalists come from the search's own trials (re-runs left out), under the selection's headroom filter
         (export's), so a resumed search finds the same ones; the pick's first choice is always among them."""
@@ -101,19 +107,26 @@ class ConfirmationStage:
         if not finalists:
             self.session.say("confirm: no finalist besides the baseline fits the memory limit; nothing to do")
             return None
-        return finalists, baseline, rules.schedule(finalists, baseline, rounds)
+        return finalists, baseline
 
-    def _next(self, order: list[list[int]]) -> Optional[tuple[Optional[int], Proposal]]:
-        """The next re-run to launch (its round, or None for an interrupted trial run again), under the lock."""
+    def _next(
+        self, finalists: list[int], baseline: Optional[int], rounds: int
+    ) -> Optional[tuple[Optional[int], list[int], Proposal]]:
+        """The next re-run to launch (its round and that round's members, or None for an interrupted trial run
+        again), under the lock; None when the race is over (or the rest of the round runs in another worker)."""
         s = self.session
         s.sweep_if_due()
         trials = s.study.get_trials(deepcopy=False)
-        r = None
+        r, members = None, []
         if not any(t.state == TrialState.WAITING for t in trials):
-            slot = rules.next_slot(order, _taken(trials))
-            if slot is None:
+            state = race(_reruns(trials, {*finalists, baseline}), finalists=finalists, baseline=baseline, rounds=rounds)
+            if state.done:
                 return None
-            r, number = slot
+            r, members = state.rounds, state.members(baseline)
+            taken = _taken(trials)
+            number = next((n for n in members if taken.get(n, 0) <= r), None)
+            if number is None:
+                return None  # the round's last re-runs run in another worker
             s.study.enqueue_trial(
                 dict(trials[number].params),  # numbers are list positions
                 user_attrs=TrialRecord(confirm_of=number).to_user_attrs(only={"confirm_of"}),
@@ -121,27 +134,34 @@ class ConfirmationStage:
             )
         # else: an interrupted trial enqueued again (Optuna pops the oldest waiting one first): run it now
         trial = s.ask()
-        return r, s.propose(trial, decide.known_configs(trials, s.space, s.trial_flat))
+        return r, members, s.propose(trial, decide.known_configs(trials, s.space, s.trial_flat))
 
-    def _record(self, finalists: list[int], baseline: Optional[int], rounds: int) -> None:
+    def _record(self, finalists: list[int], baseline: Optional[int], rounds: int) -> dict:
         """Aggregate every finished re-run of the plan's configs into the study attribute ``confirmation``."""
         study = self.session.study
-        members = set(finalists) | ({baseline} if baseline is not None else set())
-        runs: dict[int, list] = {n: [] for n in members}
-        for t in sorted(study.get_trials(deepcopy=False), key=lambda t: t.number):
-            rec = TrialRecord.from_user_attrs(t.user_attrs)
-            if rec.confirm_of in members and t.state.is_finished() and rec.status not in (None, Status.INTERRUPTED):
-                runs[rec.confirm_of].append(rules.Rerun(t.number, rec.status.value, rec.throughput, rec.peak_memory_gb))
-        study.set_user_attr(
-            rules.CONFIRMATION_ATTR,
-            rules.aggregate(
-                baseline=baseline, finalists=finalists, rounds=rounds, headroom=self.selection.headroom, runs=runs
-            ),
+        runs = _reruns(study.get_trials(deepcopy=False), {*finalists, baseline})
+        conf = rules.aggregate(
+            baseline=baseline, finalists=finalists, rounds=rounds, headroom=self.selection.headroom, runs=runs
         )
+        study.set_user_attr(rules.CONFIRMATION_ATTR, conf)
+        return conf
+
+
+def _reruns(trials: list, members: set) -> dict[int, list[Rerun]]:
+    """The finished re-runs of ``members``, each config's in trial-number order (its k-th ran in round k)."""
+    runs: dict[int, list[Rerun]] = {n: [] for n in members if n is not None}
+    for t in sorted(trials, key=lambda t: t.number):
+        rec = TrialRecord.from_user_attrs(t.user_attrs)
+        if rec.confirm_of in runs and t.state.is_finished() and rec.status not in (None, Status.INTERRUPTED):
+            ci = tuple(rec.throughput_ci) if rec.throughput_ci else None
+            runs[rec.confirm_of].append(
+                Rerun(t.number, rec.status.value, rec.throughput, rec.peak_memory_gb, ci, loaded=rec.loaded)
+            )
+    return runs
 
 
 def _taken(trials: list) -> dict[int, int]:
-    """Re-runs per config that hold a slot of the schedule: finished, running or waiting, not interrupted."""
+    """Re-runs per config that hold a round: finished, running or waiting, not interrupted."""
     taken: dict[int, int] = {}
     for t in trials:
         rec = TrialRecord.from_user_attrs(t.user_attrs)

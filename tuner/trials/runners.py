@@ -98,6 +98,11 @@ def trial_record(run: TrialRun, *, config_path: Path, gpus: Optional[list[str]],
         notes.append(f"measured {summary.get('num_measured_steps')} steps: {stopped}")
     if run.leftover_pids:
         notes.append(f"processes still alive after cleanup: {run.leftover_pids}")
+    if mem.load and mem.load.get("loaded"):
+        notes.append(
+            f"measured under load: {mem.load['cpu_others']:.2f} CPUs busy outside the trial on average, "
+            f"{mem.load['gpu_other_processes']} other process(es) on its GPUs"
+        )
     record = TrialRecord(
         throughput=summary.get("throughput"),
         throughput_cv=summary.get("throughput_cv"),
@@ -139,6 +144,7 @@ def trial_record(run: TrialRun, *, config_path: Path, gpus: Optional[list[str]],
         else None,
         gpus=gpus,
         engine=engine,
+        load=mem.load,
     )
     return record
 
@@ -270,6 +276,8 @@ class Recorded:
     duration_s: float
     number: int  # the recorded trial
     oom_phase: Optional[str] = None  # an OOM: the phase it ran out of memory in (grades its constraint)
+    throughput_ci: Optional[tuple] = None  # its own 90% interval over its measured steps
+    load: Optional[dict] = None  # what ran beside it (TrialRecord.load)
 
 
 @dataclass
@@ -307,7 +315,10 @@ class ReplayRunner:
                 entry = Recorded(Status.OOM, None, None, float(src.duration_s or 0.0), t.number, src.oom_phase)
             else:
                 seconds = float(rec.duration_s or 0.0)
-                entry = Recorded(rec.status, rec.throughput, rec.peak_memory_gb, seconds, t.number, rec.oom_phase)
+                ci = tuple(rec.throughput_ci) if rec.throughput_ci else None
+                entry = Recorded(
+                    rec.status, rec.throughput, rec.peak_memory_gb, seconds, t.number, rec.oom_phase, ci, rec.load
+                )
             table.setdefault(space.identity(eff), []).append(entry)
         return cls(table=table, rng=rng or random.Random(0))
 
@@ -326,8 +337,10 @@ class ReplayRunner:
             got.status,
             TrialRecord(
                 throughput=got.throughput,
+                throughput_ci=list(got.throughput_ci) if got.throughput_ci else None,
                 peak_memory_gb=got.peak_memory_gb,
                 duration_s=got.duration_s,
+                load=got.load,
                 memory_source="replay",
                 oom_phase=got.oom_phase,
                 engine=self.name,
