@@ -354,7 +354,8 @@ def full_state_dict(sharded: Sharded, *, device: torch.device) -> dict | None:
         from torch.distributed.fsdp import FullStateDictConfig, StateDictType
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-        # offload_to_cpu=True segfaults on a CPU-only FSDP1 run; it only matters on GPU (docs/decisions.md#fsdp1-state-dict-on-cpu)
+        # offload_to_cpu=True segfaults on a CPU-only FSDP1 run; it only matters on GPU
+        # (docs/decisions.md#fsdp1-state-dict-on-cpu)
         cfg = FullStateDictConfig(offload_to_cpu=device.type != "cpu", rank0_only=True)
         with FSDP.state_dict_type(sharded.module, StateDictType.FULL_STATE_DICT, cfg):
             sd = sharded.module.state_dict()

@@ -30,7 +30,8 @@ Why this and not plain least squares:
   keeps their weight at 1, so that projecting to another world size scales the states analytically;
 * weights stay non-negative (a term cannot free memory), solved exactly by enumerating which weights sit
   at 0 (a handful of features per phase);
-* σ = 3 %: a measured peak's repeat-to-repeat noise (see docs/decisions.md#memory-model-noise); τ = 0.5: the analytic terms are trusted to within a factor of about 1.5-2 (allocator rounding,
+* σ = 3 %: a measured peak's repeat-to-repeat noise (see docs/decisions.md#memory-model-noise); τ = 0.5: the
+  analytic terms are trusted to within a factor of about 1.5-2 (allocator rounding,
   framework tensors not counted, the recorded lengths' own spread).
 
 The model's error is measured by leave-one-out over the calibration trials: each trial predicted by a
