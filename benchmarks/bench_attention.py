@@ -11,17 +11,7 @@ the forward+backward allocated, the mask included. Time is the median of ``--ite
 forward+backward passes after that first one (the warm-up).
 
 The model is attention-heavy on purpose (hidden 64, 2 layers, small vocab), so the quadratic
-term of the old path shows at a few thousand tokens. Measured 2026-11-29 on a 2-core CPU, no GPU
-(torch 2.13 CPU, transformers 5.24), ``--runs 2``::
-
-     tokens |   old MB   new MB old/new |   old s   new s old/new | old MB / at 2048 new MB / at 2048
-       2048 |     75.5     43.3    1.75 |   0.125   0.043    2.88 |            1.00            1.00
-       4096 |    206.6     68.9    3.00 |   0.494   0.126    3.93 |            2.74            1.59
-       8192 |    690.7    125.5    5.50 |   1.993   0.185   10.76 |            9.15            2.90
-      16384 |   2505.3    242.1   10.35 |   7.309   0.353   20.70 |           33.18            5.60
-
-8x the tokens: 33x the memory on the old path (the T x T mask), 5.6x on the new one (linear plus
-the fixed cost of the weights' gradients).
+term of the old path shows at a few thousand tokens. The results: benchmarks/README.md, "Packed attention".
 
     python benchmarks/bench_attention.py [--tokens 2048 4096 8192 16384] [--runs 1] [--iters 2]
     python benchmarks/bench_attention.py worker --path new --tokens 4096   # one measurement, JSON on stdout

@@ -8,16 +8,7 @@ runs of each rank's growth and the ratio new/old.
 
     python benchmarks/bench_host_memory.py [--runs 3] [--hidden 512] [--layers 8]
 
-Measured 2026-11-30 on the 2-core CPU machine (each model ~31.5 M parameters, 126 MB in fp32)::
-
-    fsdp: hidden 512, 8 layers, 2 gloo ranks, median of 3 runs
-      every rank loads                 rank 0     488   rank 1     488
-      rank 0 loads, meta elsewhere     rank 0     380   rank 1     274
-      new / old:   rank 0 0.78   rank 1 0.56
-    fsdp2: hidden 512, 8 layers, 2 gloo ranks, median of 3 runs
-      every rank loads                 rank 0     488   rank 1     488
-      rank 0 loads, meta elsewhere     rank 0     383   rank 1     203
-      new / old:   rank 0 0.79   rank 1 0.42
+The results: benchmarks/README.md, "Host memory at start-up".
 """
 
 import argparse

@@ -17,7 +17,7 @@
    of the bisection's end points, which are checked).
 3. Launch: what a job's start costs with and without torchrun's agent. The time from starting 2 ranks to
    both having imported torch and transformers' Qwen2 and formed a gloo process group, through
-   ``python -m torch.distributed.run --standalone`` (what ``ppotune train`` ran until 2026-12-01) and through
+   ``python -m torch.distributed.run --standalone`` (what ``ppotune train`` ran before) and through
    :class:`trainer.launch.ranks.RankGroup` (what it runs now), ``--launch-rounds`` times each, interleaved.
 
     python benchmarks/bench_overhead.py [--trials 12] [--seed 0] [--rounds 2] [--json FILE]

@@ -37,10 +37,8 @@ under a tight cap), in parts that each start no trial after ``--time-limit-s`` (
 (``GRIDS`` below names each grid's base, space, cap and data file; bench_search.py finds a grid by its data file.)
 
 (The cap is RLIMIT_DATA above the post-start level, which counts vLLM's reservations too, and the trials run one
-OpenMP thread, as recorded (more threads hold more memory: at 1.0 GB micro-batch 32 with 64 sequences in flight
-and a 0.8 KV share ran out of memory in update_actor on 2 threads and fitted on 1, 0.67 GB). At 0.9 GB on one
-thread the base config fits (0.53 GB on the objective's basis) and that one runs out in update_actor; at 0.8 GB
-the base runs out in set-up. 2026-12-02, the 2-core CPU VM.)
+OpenMP thread, as recorded: more threads hold more memory. Why grid 2's cap is where it is: benchmarks/README.md,
+"Figures behind the code's comments".)
 """
 
 from __future__ import annotations

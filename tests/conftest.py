@@ -205,8 +205,9 @@ _REAL_SEARCH_READERS = {
 }
 
 
-#: the longest groups, longest first (`--durations`, 2026-12-02): handed out first, so that no worker starts one
-#: of them while the other has run out of work (pytest_configure keeps this order); the rest follow
+#: the longest groups, longest first (benchmarks/README.md, "The demo and the test suite"): handed out first,
+#: so that no worker starts one of them while the other has run out of work (pytest_configure keeps this order);
+#: the rest follow
 _LONGEST_FIRST = (
     "test_verl.py",
     "real_search",

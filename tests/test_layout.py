@@ -293,3 +293,84 @@ def test_status_strings_are_not_spelled_in_the_tuner():
             ):
                 bad.append(f"{p.relative_to(REPO)}:{i}: {line.strip()}")
     assert bad == []
+
+
+# Evidence lives in docs/decisions.md and benchmarks/README.md (dated, with machine and command); a comment gives
+# the reason in one line and points there, so that it cannot go stale when the code changes.
+EVIDENCE_TREES = ("trainer", "tuner", "tests", "scripts", "benchmarks")
+#: "path:line" of a comment or docstring allowed to hold a date or a measured figure, each with its reason
+EVIDENCE_ALLOWED: dict[str, str] = {}
+EVIDENCE_DATE = re.compile(r"\b20\d\d-\d\d(-\d\d)?\b")
+#: words that report an observation (``measured: 3.2 s``, ``seen on an H200``), not ones that name a quantity
+#: (``the measured peak``, ``its measured steps``)
+EVIDENCE_WORD = re.compile(
+    r"\bmeasured(\s*:|\s+(on|in|at|here|over|with|by)\b|\s+\d)|\bseen(\s*:|\s+(on|in)\b)|\d\s*\w*\s+seen\b"
+    r"|\btook\b|\bon the CPU demo\b|\bon a CI run\b|\bon (an? |the first )?H200|2-core|CPU VM|recorded grid"
+    r"|\bmedians? of \d+",
+    re.IGNORECASE,
+)
+EVIDENCE_FIGURE = re.compile(
+    r"\d(x|×)(?!\w)|\d+(\.\d+)?\s*(%|(s|ms|min|seconds?|GB|GiB|MB|MiB|tok/s|tokens/s)\b)", re.IGNORECASE
+)
+#: not evidence: text in double backticks (a format example) and a paper citation ("Schulman et al. 2017")
+EVIDENCE_SKIP = re.compile(r"``.*?``|\bet al\.?,? \(?\d{4}\)?|\b\d+ ?% interval", re.DOTALL)
+
+
+def _comment_texts(source: str) -> list[tuple[int, str]]:
+    """(first line, text) of each comment block (consecutive comment lines) and each string statement."""
+    import io
+    import tokenize
+
+    blocks: list[tuple[int, str]] = []
+    last = -1
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type != tokenize.COMMENT:
+            continue
+        text = tok.string.lstrip("#:").strip()
+        alone = tok.line.lstrip().startswith("#")  # a comment on its own line continues the block above it
+        if alone and blocks and tok.start[0] == last + 1:
+            blocks[-1] = (blocks[-1][0], blocks[-1][1] + "\n" + text)
+        else:
+            blocks.append((tok.start[0], text))
+        last = tok.start[0] if alone else -1
+    for node in ast.walk(ast.parse(source)):  # docstrings and the attribute docstrings under fields
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            blocks.append((node.lineno, node.value.value))
+    return blocks
+
+
+def _evidence(source: str) -> list[tuple[int, str]]:
+    """(line, sentence) of each comment or docstring sentence holding a date, or a measured figure."""
+    found = []
+    for first, text in _comment_texts(source):
+        text = EVIDENCE_SKIP.sub(lambda m: "\n" * m.group().count("\n"), text)  # keeps line numbers
+        at = 0
+        for sentence in re.split(r"(?<=[.;!?])\s+|\n\s*\n", text):
+            line = first + text.count("\n", 0, text.find(sentence, at))
+            at = text.find(sentence, at) + len(sentence)
+            figure = EVIDENCE_WORD.search(sentence) and EVIDENCE_FIGURE.search(sentence)
+            if EVIDENCE_DATE.search(sentence) or figure:
+                found.append((line, " ".join(sentence.split())))
+    return sorted(found)
+
+
+def test_no_evidence_in_code_comments():
+    """No date and no measured figure in a comment or docstring: see docs/decisions.md for where they go."""
+    bad = []
+    for tree in EVIDENCE_TREES:
+        for p in sorted(REPO.glob(f"{tree}/**/*.py")):
+            rel = p.relative_to(REPO)
+            for line, sentence in _evidence(p.read_text()):
+                if f"{rel}:{line}" not in EVIDENCE_ALLOWED:
+                    bad.append(f"{rel}:{line}: {sentence[:140]}")
+    assert bad == [], "move these to docs/decisions.md or benchmarks/README.md and point there:\n" + "\n".join(bad)
+
+
+def test_evidence_in_a_comment_is_found():
+    source = (
+        '"""A module.\n\nChosen on 2026-12-01 after a sweep."""\n'
+        "x = 1  # fine: the reason alone\n"
+        "# one line of context,\n# measured: 3.2 s a step\n"
+        "def f():\n    '''Doubles ``1.42x the baseline`` as Schulman et al. 2017 say.'''\n"
+    )
+    assert [line for line, _ in _evidence(source)] == [3, 5]

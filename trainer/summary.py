@@ -35,8 +35,8 @@ def interval(xs: Sequence[float]) -> Optional[tuple[float, float]]:
 
 
 #: a later trial of a warm job measures its first step unless that step took more than this times the median of
-#: the next ones (then it is the warm-up it skipped). On the 2-core CPU, a later warm trial's warm-up step took
-#: 0.74-1.38x the median of its measured steps (36 trials, median 1.02): it was a measured step in all but name.
+#: the next ones (then it is the warm-up it skipped): a later trial's first step is a measured step in all but
+#: name (see docs/decisions.md#first-step-outlier).
 FIRST_STEP_OUTLIER = 1.5
 
 

@@ -1,7 +1,7 @@
 """How the tuner writes a memory figure: in GB, with enough digits to tell trials apart.
 
-Two decimals hide what the knobs change in a small run (on the CPU demo every trial read "0.03 GB", from
-32 to 37 MB): below 1 GB a figure keeps three significant digits (``0.0341``, ``0.512``), from 1 GB on two
+Two decimals hide what the knobs change in a small run (see docs/decisions.md#gb-digits): below 1 GB a figure
+keeps three significant digits (``0.0341``, ``0.512``), from 1 GB on two
 decimals (``12.34``)."""
 
 from __future__ import annotations

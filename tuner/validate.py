@@ -20,8 +20,8 @@ PASS/FAIL (:func:`verdict`): the ratio passes when the measured median is within
 or when the measured and the study's 90% intervals overlap; memory passes when the measured peak is at
 most the study's + 5% (at least the report's memory noise floor,
 :data:`tuner.results.analysis.MEMORY_ABS_TOL_GB`). Why the overlap: a FAIL should mean evidence that
-the study's figure does not hold; with a few rounds of a noisy machine (step-time CV 12-29% on the CPU
-demo) a ±5% band alone fails a sound config on ordinary noise, and the interval says when the
+the study's figure does not hold; with a few rounds of a noisy machine (docs/decisions.md#validate-pass-rule)
+a ±5% band alone fails a sound config on ordinary noise, and the interval says when the
 difference is within it. Wide intervals make a weak PASS: the output prints them, and more
 ``--rounds`` narrow them. A run of CONFIG that fails (OOM, crash, hang) is a FAIL.
 

@@ -1,4 +1,4 @@
-"""``ppotune fit`` on REAL CPU probes under a real cap: the recorded grid's job (benchmarks/data/grid_base.yaml: the
+"""``ppotune fit`` on REAL CPU probes under a real cap: the grid recording's job (benchmarks/data/grid_base.yaml: the
 tiny model 128 wide, 32 padded sequences of <= 128 tokens per GPU, 1 process) with its fixed micro-batches under
 0.15 GB (the recording's cap: micro-batch 32 runs out of memory there), the same job with token budgets and packed
 sequences under 0.11 GB, and a GRPO verl run file through ``--engine verl`` (real verl 0.9.1 in .venv-verl).

@@ -1,9 +1,9 @@
 """The search's memory-model gate (issue 12.2) on REAL trials: ``tuner.search.loop.Search`` with the real warm runner on
-the recorded grid's preset (a 128-wide tiny model, 1 CPU process, a real 0.15 GB cap: RLIMIT_DATA above the
+the grid recording's preset (a 128-wide tiny model, 1 CPU process, a real 0.15 GB cap: RLIMIT_DATA above the
 post-start level). Nine configs are measured first (micro-batch 1..8 x gradient checkpointing and micro-batch
 16 with it, FSDP1), which calibrates the model; then a candidate it puts far over the cap (micro-batch 32, no
 checkpointing) is recorded ``predicted_oom`` and never launched, and one within the model's error of the cap
-(micro-batch 16 without checkpointing on FSDP2: its FSDP1 twin peaks at ~0.14 GB) is launched, so the boundary
+(micro-batch 16 without checkpointing on FSDP2: its FSDP1 twin peaks just under the cap) is launched, so the boundary
 is measured, not guessed."""
 
 from __future__ import annotations

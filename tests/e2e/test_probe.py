@@ -4,11 +4,10 @@ gloo processes), and its bad input in one line.
 The constructed case: the embedded tiny model (hidden 128, fp32) on the synthetic task, whose prompts are
 short and skewed (p90 ~32 tokens) and whose random policy stops most responses early, under a
 ``data.max_prompt_length`` of 1024 and a ``max_response_length`` of 512, with 8-sequence micro-batches and no
-gradient checkpointing: activations, not model states, set the training phases' memory. Measured on this
-machine (RSS above the post-start level, max over ranks): a typical 1-step trial peaks at ~0.15 GB (its
-rollout, which pads every prompt to max_prompt_length anyway), the probe at ~0.57 GB (the critic and actor
-updates over 8 x 1536 tokens). A 0.3 GB cap (RLIMIT_DATA per process) sits between the two: the typical
-trial fits, the probe runs out of memory in an update.
+gradient checkpointing: activations, not model states, set the training phases' memory (RSS above the
+post-start level, max over ranks: benchmarks/README.md, "The worst-case probe"). A 0.3 GB cap (RLIMIT_DATA
+per process) sits between a typical trial and the probe: the typical trial fits, the probe runs out of
+memory in an update.
 """
 
 from __future__ import annotations

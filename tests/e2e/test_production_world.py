@@ -103,6 +103,6 @@ def test_two_process_trials_keep_the_per_gpu_batch_and_project_to_four(tmp_path)
         f"{measured:.4f} GB; model error {error:.1%}; state {state_two:.4f} -> {state_four:.4f} GB"
     )
     assert abs(projected - measured) <= error * measured + 0.005  # + 5 MB: the RSS floor's own jitter
-    # Not asserted: that the projection beats the unprojected 2-rank figure. On this CPU the per-rank peak fell
-    # by 11-14 MB from 2 ranks to 4 (three runs each, 2026-11-30) where the model sheds 21 MB of state, so the
-    # two are about as far from the 4-rank figure, and one run's RSS noise (~5 MB) decides which is nearer.
+    # Not asserted: that the projection beats the unprojected 2-rank figure. On a CPU the two are about as far
+    # from the 4-rank figure, and one run's RSS noise decides which is nearer (benchmarks/README.md,
+    # "Figures behind the code's comments").

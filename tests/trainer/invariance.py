@@ -199,7 +199,7 @@ EXACT = Tolerance(params=TOL, grads=3 * TOL, stats_rel=1e-4, stats_abs=1e-6)
 # Measured worst (the table test_invariance.py prints): gradients 6.0e-3 of their norm (bf16 knobs) and
 # 7.1e-3 (bf16 vs fp32); parameters 2.9e-2 (knobs) and 6.4e-2 (vs fp32) of the update; statistics
 # 4.7e-4 relative (grad_norm), and ppo_kl, a mean of log-prob differences near zero, 4.9e-5 absolute.
-# The tolerances keep a 3x margin (2-core x86 CPU, gloo) and stay far below what a bug does: a missing,
+# The tolerances keep a 3x margin (x86 CPU, gloo) and stay far below what a bug does: a missing,
 # doubled or reversed update is 1 to 2 of the update; a doubled loss doubles grad_norm (the gradients
 # themselves are compared after clipping, which normalizes them); the entropy bonus at entropy_coeff=1
 # moves the actor's gradient by 6.8e-2 and must fail the bf16 gradient tolerance

@@ -136,7 +136,7 @@ def test_peak_memory_grows_linearly_with_packed_tokens():
 
     Sequences of 512 tokens, 2k vs 8k tokens per micro-batch, an attention-dominated shape (hidden 32,
     2 layers). The old path (sdpa's dense T x T block mask) is measured too, to show the measurement
-    sees a quadratic when there is one (about 11x measured on a 2-core CPU, against about 3x new).
+    sees a quadratic when there is one (benchmarks/README.md, "Packed attention").
     """
     bench = _bench()
     shape = ("--hidden", "32", "--heads", "2", "--kv-heads", "1", "--layers", "2")

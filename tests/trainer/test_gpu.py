@@ -7,8 +7,7 @@ Skipped without a CUDA device; never needed in CI (its plan is: tests/test_gpu_c
 the realistic shape first (the question the next loan must answer), then correctness (the invariance suite on
 CUDA, activation offload included), then the rest; each group's estimate is printed before it starts and each
 test's outcome as it ends, so a timeout keeps what finished. The estimates come from the first H200 run
-(2026-11-30, torch 2.11: nvml 0 s, e2e_nccl 18 s each, packed attention 8 s, real OOM 17 s, invariance 61 s, the
-offload matrix 104-117 s, MFU 50 s, a search over 150 s) and, for the realistic shape (not run yet), from its size.
+(docs/gpu.md, its groups' times) and, for the realistic shape (not run yet), from its size.
 
 Run on a GPU machine with either of:
     python -m pytest tests/trainer/test_gpu.py -v -s
@@ -218,7 +217,7 @@ def test_real_cuda_oom_under_the_cap(tmp_path):
 def test_mfu_half_b_shape(tmp_path):
     """The actor update's MFU on the 0.5B shape in verl's bf16, with the step's time by phase and the
     operators of one profiled step (the step of a GPU trial was overhead-bound on the first H200 run)."""
-    # 3 steps: warm-up, profiled, measured (a bf16 step of this shape took over 20 s on the first H200 run)
+    # 3 steps: warm-up, profiled, measured (a bf16 step of this shape is slow: docs/gpu.md)
     bf16 = [f"{k}={v}" for k, v in BF16.items()]
     proc, r = _train(tmp_path, *HALF_B, *bf16, "--nproc", 1, "--steps", 3, "--warmup", 1, "--profile-step", 2)
     print(proc.stdout[proc.stdout.find("profile of step") :][:6000])

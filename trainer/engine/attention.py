@@ -212,7 +212,7 @@ def _per_sequence_sdpa(query, key, value, seq_lens, *, dropout: float, scaling, 
     output concatenation (T x H x D), so memory stays linear in T.
     """
     n_rep = query.shape[1] // key.shape[1]
-    # Grouped kv heads: CPU's fused kernel takes them as they are (enable_gqa, measured linear here);
+    # Grouped kv heads: CPU's fused kernel takes them as they are (enable_gqa: see benchmarks/README.md);
     # elsewhere not every fused kernel does (CUDA's memory-efficient one, used for fp32), and a
     # fallback to the math kernel would keep L x L weights, so the kv heads are repeated (T x H x D).
     gqa = n_rep > 1 and query.device.type == "cpu"

@@ -328,7 +328,7 @@ class PhaseMeter:
             self.reserved_peak = max(self.reserved_peak, reserved)
             self.sample()
             # what this phase itself needs: the allocator's cache keeps every earlier phase's blocks
-            # reserved, so the reserved peak reads the same in every phase (seen on an H200); the
+            # reserved, so the reserved peak reads the same in every phase (docs/gpu.md); the
             # step's reserved peak and NVML stay the objective
             self.memory[name] = max(self.memory.get(name, 0.0), alloc + self._outside_peak)
         else:

@@ -268,7 +268,7 @@ def full_params(sharded: Sharded):
 
     FSDP1: ``summon_full_params`` gathers every unit, and the FSDP-wrapped blocks are swapped for the
     modules they wrap for the duration: called through their wrappers, they would re-gather (and
-    free) their parameters on every decoded token (measured: 2 all-gathers per token with 2 blocks).
+    free) their parameters on every decoded token (see docs/decisions.md#gather-once-for-generation).
     FSDP2: unshard every group once and keep it unsharded across the many small forwards of decoding.
     """
     if sharded.strategy == "fsdp":
@@ -354,7 +354,8 @@ def full_state_dict(sharded: Sharded, *, device: torch.device) -> dict | None:
         from torch.distributed.fsdp import FullStateDictConfig, StateDictType
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-        # offload_to_cpu=True segfaults on a CPU-only FSDP1 run (measured); it only matters on GPU.
+        # offload_to_cpu=True segfaults on a CPU-only FSDP1 run; it only matters on GPU
+        # (docs/decisions.md#fsdp1-state-dict-on-cpu)
         cfg = FullStateDictConfig(offload_to_cpu=device.type != "cpu", rank0_only=True)
         with FSDP.state_dict_type(sharded.module, StateDictType.FULL_STATE_DICT, cfg):
             sd = sharded.module.state_dict()
@@ -417,10 +418,8 @@ def free_memory(sharded: Sharded, optimizer: Optional[torch.optim.Optimizer] = N
     FSDP1 flat-parameter buffer and optimizer moment is resized to 0. The module must not be used again.
 
     Dropping the last reference is not enough: torch's FSDP1 keeps each FlatParameter (its whole local
-    shard) alive after its module is gone, reachable from no Python object (measured on torch 2.13, CPU: a
-    one-process FSDP1 model's flat parameter outlives it). In a warm job each trial then added its models to
-    the memory of every later one (seen on an H200: the same config's peak 4.7 GB as the job's 3rd trial,
-    7.6 GB as its 8th).
+    shard) alive after its module is gone, reachable from no Python object; in a warm job each trial then
+    added its models to the memory of every later one (see docs/decisions.md#free-fsdp1-flat-params).
     """
     from torch.distributed.tensor import DTensor
 

@@ -166,7 +166,7 @@ def leave_rank() -> None:
 
     Call it once the rank's work is recorded and its process group destroyed. Teardown with FSDP
     modules and gloo's threads still alive occasionally aborts ("terminate called without an active
-    exception", seen on 2 busy cores), which the launcher would report as a failed rank.
+    exception"), which the launcher would report as a failed rank (see docs/decisions.md#exit-without-teardown).
     """
     sys.stdout.flush()
     sys.stderr.flush()

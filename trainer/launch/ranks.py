@@ -12,10 +12,8 @@ torchrun's agent did for a single-node run:
 * ``poll``/``wait`` give the group's exit code: 0 when every rank exited 0, else the first failure's
   (a Popen code: ``-N`` for signal N).
 
-Why not torchrun: its agent imports torch before any rank starts. On the 2-core CPU machine two ranks had
-imported torch and transformers and formed their gloo group 3.17 s after the start this way, 4.23 s through
-torchrun (medians of 6 interleaved starts, ``benchmarks/bench_overhead.py --only launch``, 2026-12-01): ~1 s
-of every cold trial and of every warm job's start.
+Why not torchrun: its agent imports torch before any rank starts, which delays every cold trial and every
+warm job's start (see docs/decisions.md#ranks-without-torchrun).
 """
 
 from __future__ import annotations

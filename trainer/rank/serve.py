@@ -116,7 +116,7 @@ def release(device) -> float:
 
     gc.collect()  # FSDP's modules and hooks hold cycles
     # what outlives a trial (modules, caches, the kept weights) is not looked at again: the next trial's
-    # collection walks only what that trial made (a full one takes ~0.2 s with torch and transformers loaded)
+    # collection walks only what that trial made (a full one is slow: see docs/decisions.md#gc-freeze-between-trials)
     gc.freeze()
     soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
     if soft != hard:

@@ -148,7 +148,7 @@ def run_overrides(spec: RunSpec, *, device: str, workdir: Path) -> list[str]:
         "++trainer.resume_mode=disable",
     ]
     if spec.get("ray_kwargs.ray_init.include_dashboard") is None:
-        out.append("++ray_kwargs.ray_init.include_dashboard=False")  # measured: 1.7 s of a 35 s CPU trial's start
+        out.append("++ray_kwargs.ray_init.include_dashboard=False")  # docs/decisions.md#verl-no-ray-dashboard
     if device == "cpu":
         for key in STRATEGY_KEYS:
             value = spec.get(key)

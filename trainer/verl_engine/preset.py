@@ -231,7 +231,7 @@ def make_verl_preset(
         # a CPU-sized PPO job on one rank (verl's defaults are sized for a GPU node: 1024 prompts a step)
         "algorithm.adv_estimator=gae",
         "data.train_batch_size=8",
-        "data.dataloader_num_workers=0",  # verl's 8 loader processes took the cores: 2.5 s a step, 1.8 without
+        "data.dataloader_num_workers=0",  # loaders take the cores: docs/decisions.md#verl-preset-loaders
         "actor_rollout_ref.actor.ppo_mini_batch_size=4",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",

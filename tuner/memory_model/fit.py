@@ -4,9 +4,9 @@ Features (GB) of a phase are its analytic terms (:mod:`tuner.memory_model.terms`
 largest transient (buffers, activations, attention, logits, KV cache, engine) of any phase of the step.
 On CPU the recorded per-phase peaks are high-water marks of memory that the allocator keeps: glibc's heap
 keeps much of what a phase freed resident, so a phase's recorded peak includes what an earlier phase or
-step left behind (measured on CPU, hidden 256: reward and adv, which allocate nothing, record 70-90 % of
-the step's largest peak). On a GPU a phase records the allocator's *allocated* peak within it (the
-reserved peak reads the same in every phase: the caching allocator keeps every segment; seen on an H200),
+step left behind (phases that allocate nothing record most of the step's largest peak: benchmarks/README.md,
+"The memory model"). On a GPU a phase records the allocator's *allocated* peak within it (the
+reserved peak reads the same in every phase: the caching allocator keeps every segment; docs/gpu.md),
 and the objective offset (NVML and the reserved peak over the largest phase) carries the cache and the
 CUDA context. ``carry`` stands for what is left behind, with a prior weight of 0 (the analytic model has
 no such memory) that the data moves. What the allocator keeps varies from run to run, so the per-phase
@@ -30,8 +30,8 @@ Why this and not plain least squares:
   keeps their weight at 1, so that projecting to another world size scales the states analytically;
 * weights stay non-negative (a term cannot free memory), solved exactly by enumerating which weights sit
   at 0 (a handful of features per phase);
-* σ = 3 %: a measured peak's repeat-to-repeat noise (median range over 3 repeats of the recorded grid:
-  3.6 %); τ = 0.5: the analytic terms are trusted to within a factor of about 1.5-2 (allocator rounding,
+* σ = 3 %: a measured peak's repeat-to-repeat noise (see docs/decisions.md#memory-model-noise); τ = 0.5: the
+  analytic terms are trusted to within a factor of about 1.5-2 (allocator rounding,
   framework tensors not counted, the recorded lengths' own spread).
 
 The model's error is measured by leave-one-out over the calibration trials: each trial predicted by a
@@ -41,10 +41,8 @@ A candidate is "over a limit" only when its prediction exceeds the limit by more
 the largest of the leave-one-out maximum, k(n) x the RMS and 5 % (:meth:`MemoryModel.over_limit`), and only
 from 5 calibration trials on. k(n) is the two-sided 99 % prediction factor of one new trial from n
 leave-one-out errors (Student's t with n - 1 degrees of freedom, x sqrt(1 + 1/n)): 5.0 at 5 trials, 4.3 at
-6, 3.4 at 10, 3.0 at 16, 2.6 in the limit. On the recorded grid (benchmarks/bench_memory_model.py, 20
-random calibrations of 5, 8 and 16 configs) 0.5-2.4 % of the held-out trials fell beyond that error, either
-side; a fixed 2.5 x the RMS left 8 % beyond it (and a 6-trial model's held-out trial at 8.1 % against a
-stated 7.5 % on a CI run), the leave-one-out maximum alone 9-27 %.
+6, 3.4 at 10, 3.0 at 16, 2.6 in the limit: a fixed multiple of the RMS, or the leave-one-out maximum alone,
+let more held-out trials fall beyond the stated error (see docs/decisions.md#memory-gate-error).
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ __all__ = [
 
 MIN_TRIALS_FOR_IMPORTANCE = 4
 # "No effect" thresholds: a throughput change below max(5%, 2 x the larger step-time CV)
-# and a memory change below max(3%, 0.05 GB) is indistinguishable from run-to-run noise.
+# and a memory change below max(3%, 0.05 GB) is taken for run-to-run noise (docs/decisions.md#no-effect-thresholds).
 THROUGHPUT_REL_TOL = 0.05
 MEMORY_REL_TOL = 0.03
 MEMORY_ABS_TOL_GB = 0.05

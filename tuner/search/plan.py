@@ -36,8 +36,8 @@ __all__ = [
 
 #: a guess at one cold trial's start-up (process start, imports, model build) per device kind, in seconds
 STARTUP_GUESS_S = {"cpu": 15.0, "cuda": 60.0}
-#: ``--engine verl``: verl's own start-up (Ray, its workers, its config) in every trial; ~45 s measured on the 2-core
-#: CPU VM (benchmarks/README.md, "A verl trial on CPU"); a GPU node's is not measured yet
+#: ``--engine verl``: verl's own start-up (Ray, its workers, its config) in every trial (see
+#: docs/decisions.md#verl-startup-guess); a GPU node's is not measured yet
 VERL_STARTUP_GUESS_S = {"cpu": 45.0, "cuda": 90.0}
 #: a guess at one PPO step of a short trial per device kind, in seconds
 STEP_GUESS_S = {"cpu": 3.0, "cuda": 5.0}

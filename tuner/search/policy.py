@@ -51,10 +51,7 @@ def build_sampler(
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         if name == "tpe":
             # Random start-up trials: a tenth of the budget, 3 to 10 (Optuna's default 10 would be the whole of a
-            # short search). The local steps take over from them: replayed on the recorded grids (bench_search.py
-            # --startup, one confirmation round of the best counted, 2 x 20 seeds), a tenth rather than a third took
-            # the median trial-seconds to 97% of the best from 11%/11% to 6%/7% of grid 2's; on grid 1 it moved
-            # within the noise (14%/15% to 16%/10%).
+            # short search). The local steps take over from them sooner (see docs/decisions.md#tpe-startup).
             return optuna.samplers.TPESampler(
                 seed=seed,
                 n_startup_trials=max(3, min(10, n_trials // 10)) if startup is None else startup,
@@ -145,10 +142,8 @@ class ProposalPolicy:
 
         TPE models "good" vs "bad" regions from noisy single measurements and, multi-objective, spreads its
         proposals over the whole Pareto front; the per-GPU knobs' landscape is mostly monotone in each
-        knob's order, so one notch from the fastest config is often faster still. On the recorded grid
-        (benchmarks/bench_search.py) alternating the two took the median trial-seconds to 97 % of the
-        grid's best from 28 % of the grid's trial-seconds to 16 % (every trial local: 18 %), and taking first
-        the steps the knobs' ``speed`` hints favour to 12 %."""
+        knob's order, so one notch from the fastest config is often faster still; alternating the two, the
+        ``speed`` hints' steps first, reaches the best sooner (see docs/decisions.md#local-steps)."""
         every = self.local_every
         if every <= 0 or self.sampler != "tpe" or not self.serialized:
             return False
