@@ -149,7 +149,7 @@ def run_plain_tpe(seed: int, rec: Recording, *, hint: int, cap_s: float) -> Run:
             params[knob.key] = eff[knob.key] = value
         cand = rec.space.complete(params, rec.flat)
         ident = rec.space.identity(cand.effective)
-        verdict = decide.judge(
+        verdict = decide.judge_candidate(
             cand, number=trial.number, space=rec.space, trial_base=rec.trial_base, trial_flat=rec.flat, known={}
         )
         if not verdict.launch:

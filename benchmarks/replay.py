@@ -300,7 +300,7 @@ def finalists_of(events: list, rec: Recording, cap: int) -> list:
             and (o.throughput > e.throughput or (o.peak or 0) < (e.peak or 0))
             for o in measured.values()
         )  # fmt: skip
-        cands.append(confirm.Candidate(i, e.throughput, e.ci, not dominated))
+        cands.append(confirm.Contender(i, e.throughput, e.ci, not dominated))
     exclude = [i for i, ident in enumerate(idents) if ident == base]
     chosen = confirm.pick_finalists(cands, exclude=exclude, cap=cap)
     top = max(range(len(idents)), key=lambda i: (measured[idents[i]].throughput, -i), default=None)

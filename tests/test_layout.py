@@ -293,3 +293,35 @@ def test_status_strings_are_not_spelled_in_the_tuner():
             ):
                 bad.append(f"{p.relative_to(REPO)}:{i}: {line.strip()}")
     assert bad == []
+
+
+#: public names defined more than once on purpose (starts empty: a second thing gets its own name)
+ALLOWED_DUPLICATES: dict[str, set[str]] = {}
+#: the command protocol: every ``ppotune`` subcommand's module defines these, and the CLI calls them by name
+COMMAND_PROTOCOL = frozenset({"add_arguments", "run"})
+
+
+def _public_definitions() -> dict[str, list[str]]:
+    """``{name: [where, ...]}`` of every module-level public class and function in trainer/ and tuner/."""
+    from tuner.cli import _COMMANDS
+
+    commands = {module for module, _ in _COMMANDS.values()}
+    defs: dict[str, list[str]] = {}
+    for module, path in sorted(MODULES.items()):
+        command = module in commands
+        for node in ast.parse(path.read_text()).body:
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                continue
+            if node.name.startswith("_") or (command and node.name in COMMAND_PROTOCOL):
+                continue
+            defs.setdefault(node.name, []).append(f"{path.relative_to(REPO)}:{node.lineno}")
+    return defs
+
+
+def test_one_name_per_concept():
+    """No public class or function name is defined twice for two things (the command protocol aside)."""
+    twice = {name: where for name, where in _public_definitions().items() if len(where) > 1}
+    bad = {
+        name: where for name, where in twice.items() if {w.split(":")[0] for w in where} != ALLOWED_DUPLICATES.get(name)
+    }
+    assert bad == {}, "\n".join(f"{name}: {', '.join(where)}" for name, where in sorted(bad.items()))

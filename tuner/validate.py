@@ -61,7 +61,7 @@ from trainer.config import (
 )
 from trainer.config.io import blame_command_line, check_override_keys
 from trainer.contracts import ExitCode, Status, StorageError
-from trainer.launch.cliflags import add_override_flag, fail, overrides_of
+from trainer.launch.cliflags import add_override_flag, command_error, overrides_of
 from tuner.stages.confirm import CONFIRMATION_ATTR, Rerun, entry_of, log_interval, paired_ratios, schedule
 from tuner.study.schema import notes_summary
 from tuner.trials.launch import add_hang_flags, next_numbered_dir, stop_on_signals
@@ -73,7 +73,7 @@ __all__ = [
     "MEMORY_TOL",
     "LENGTH_TOL",
     "StudyFigures",
-    "Verdict",
+    "ValidationVerdict",
     "verdict",
     "length_warnings",
     "add_arguments",
@@ -101,7 +101,7 @@ class StudyFigures:
 
 
 @dataclass
-class Verdict:
+class ValidationVerdict:
     passed: bool
     lines: list[str] = field(default_factory=list)  # one per check, each saying PASS/FAIL/not compared and why
 
@@ -119,9 +119,9 @@ def verdict(
     memory_comparable: bool = True,
     failed_runs: int = 0,
     memory_floor_gb: float = 0.0,
-) -> Verdict:
+) -> ValidationVerdict:
     """PASS when the throughput ratio agrees with the study's and memory is not over it (module docstring)."""
-    out = Verdict(passed=True)
+    out = ValidationVerdict(passed=True)
     if failed_runs:
         out.passed = False
         out.lines.append(f"FAIL  {failed_runs} run(s) of the config did not end ok")
@@ -278,7 +278,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _fail(msg: str) -> int:
-    return fail("validate", msg)
+    return command_error("validate", msg)
 
 
 def _default_config(view) -> str:
@@ -513,7 +513,7 @@ def _run_rounds(runners: dict, configs: dict, plan: list, out: Path) -> tuple[di
     return runs, records, got
 
 
-def _measured_verdict(runs: dict, records: dict, study: StudyFigures) -> tuple[Verdict, dict]:
+def _measured_verdict(runs: dict, records: dict, study: StudyFigures) -> tuple[ValidationVerdict, dict]:
     """The verdict on the runs, and what they measured (validate.json's ``measured``, less the lengths)."""
     from tuner.results.analysis import MEMORY_ABS_TOL_GB
 

@@ -51,7 +51,7 @@ def frozen(number: int, status: str, overrides: dict, *, values=None, constraint
 def test_judge_launches_a_new_valid_config_with_its_validated_config(setup):
     space, trial_base, flat = setup
     cand = space.complete({MICRO: 4, GC: False}, flat)
-    v = decide.judge(cand, number=0, space=space, trial_base=trial_base, trial_flat=flat, known={})
+    v = decide.judge_candidate(cand, number=0, space=space, trial_base=trial_base, trial_flat=flat, known={})
     assert v.launch and v.status is None
     assert v.config["actor_rollout_ref"]["actor"]["ppo_micro_batch_size_per_gpu"] == 4
     assert v.config["actor_rollout_ref"]["model"]["enable_gradient_checkpointing"] is False
@@ -61,7 +61,7 @@ def test_judge_invalid_duplicate_and_inferred_oom(setup):
     space, trial_base, flat = setup
     # the per-GPU mini-batch of the tiny config (8 x 1 / 2 = 4) is not divisible by 8
     bad = space.complete({MICRO: 8, GC: True}, flat)
-    v = decide.judge(bad, number=5, space=space, trial_base=trial_base, trial_flat=flat, known={})
+    v = decide.judge_candidate(bad, number=5, space=space, trial_base=trial_base, trial_flat=flat, known={})
     assert v.status == Status.INVALID and v.reason.startswith("config:") and MICRO in v.reason
     assert v.constraint == decide.INVALID_CONSTRAINT
 
@@ -70,16 +70,18 @@ def test_judge_invalid_duplicate_and_inferred_oom(setup):
     known = decide.known_configs([oom, ok], space, flat)
     assert len(known) == 2
     same = space.complete({MICRO: 1, GC: True}, flat)
-    v = decide.judge(same, number=7, space=space, trial_base=trial_base, trial_flat=flat, known=known)
+    v = decide.judge_candidate(same, number=7, space=space, trial_base=trial_base, trial_flat=flat, known=known)
     # a duplicate of a finished trial is answered with the twin's values and constraint
     assert v.status == Status.DUPLICATE and v.source == 2 and v.values == (321.0, 2.5) and v.constraint == -0.9
     hungrier = space.complete({MICRO: 4, GC: False}, flat)  # bigger micro-batch, no checkpointing
-    v = decide.judge(hungrier, number=8, space=space, trial_base=trial_base, trial_flat=flat, known=known)
+    v = decide.judge_candidate(hungrier, number=8, space=space, trial_base=trial_base, trial_flat=flat, known=known)
     assert v.status == Status.INFERRED_OOM and v.source == 1 and v.constraint == 1.5  # its OOM's
     lighter = space.complete({MICRO: 4, GC: True}, flat)  # checkpointing on: not comparable to the OOM
-    assert decide.judge(lighter, number=9, space=space, trial_base=trial_base, trial_flat=flat, known=known).launch
+    assert decide.judge_candidate(
+        lighter, number=9, space=space, trial_base=trial_base, trial_flat=flat, known=known
+    ).launch
     # a --confirm re-run repeats a measured config on purpose
-    assert decide.judge(
+    assert decide.judge_candidate(
         same, number=10, space=space, trial_base=trial_base, trial_flat=flat, known=known, is_confirm=True
     ).launch
 
@@ -91,7 +93,7 @@ def test_a_duplicate_of_a_running_or_failed_twin_has_no_values(setup):
     crash = frozen(4, "crash", {MICRO: 2, GC: True})
     known = decide.known_configs([running, crash], space, flat)
     for values, twin in (({MICRO: 1, GC: True}, 3), ({MICRO: 2, GC: True}, 4)):
-        v = decide.judge(
+        v = decide.judge_candidate(
             space.complete(values, flat), number=9, space=space, trial_base=trial_base, trial_flat=flat, known=known
         )
         assert v.status == Status.DUPLICATE and v.source == twin and v.values is None and v.constraint is None
@@ -142,15 +144,15 @@ def test_graded_constraint_orders_early_oom_over_late_oom_over_feasible():
 def test_stop_reason():
     ok = [frozen(i, "ok", {}) for i in range(3)]
     kw = dict(elapsed_s=1.0, timeout_s=None)
-    assert decide.stop_reason(ok, budget=4, **kw) is None
-    assert "holds 3 counted" in decide.stop_reason(ok, budget=3, **kw)
+    assert decide.search_stop_reason(ok, budget=4, **kw) is None
+    assert "holds 3 counted" in decide.search_stop_reason(ok, budget=3, **kw)
     dup = [*ok, frozen(3, "duplicate", {}, duplicate_of=0)]
-    assert decide.stop_reason(dup, budget=4, **kw) is None  # a duplicate is not counted
-    assert "--timeout" in decide.stop_reason(ok, budget=9, **{**kw, "timeout_s": 0.5})
+    assert decide.search_stop_reason(dup, budget=4, **kw) is None  # a duplicate is not counted
+    assert "--timeout" in decide.search_stop_reason(ok, budget=9, **{**kw, "timeout_s": 0.5})
     rejected = [*ok, frozen(3, "inferred_oom", {}, inferred_from=0), frozen(4, "invalid", {}, duration_s=0.0)]
-    assert decide.stop_reason(rejected, budget=4, **kw) is None  # rejected before launch: not counted
+    assert decide.search_stop_reason(rejected, budget=4, **kw) is None  # rejected before launch: not counted
     launched_invalid = [*ok, frozen(3, "invalid", {}, duration_s=7.5, returncode=2)]
-    assert "holds 4 counted" in decide.stop_reason(launched_invalid, budget=4, **kw)  # exit 2 counts
+    assert "holds 4 counted" in decide.search_stop_reason(launched_invalid, budget=4, **kw)  # exit 2 counts
 
 
 # --------------------------------------------------------------------------- the loop over a replay runner
@@ -448,8 +450,8 @@ def test_timeout_leaves_the_confirmation_its_time():
     assert decide.after_search_s(ok, runs=0, timeout_s=1000.0) == 0.0
     assert decide.after_search_s([], runs=4, timeout_s=1000.0) == 0.0  # nothing measured yet
     kw = dict(budget=9, timeout_s=100.0)
-    assert decide.stop_reason(ok, elapsed_s=70.0, reserve_s=20.0, **kw) is None
-    why = decide.stop_reason(ok, elapsed_s=81.0, reserve_s=20.0, **kw)
+    assert decide.search_stop_reason(ok, elapsed_s=70.0, reserve_s=20.0, **kw) is None
+    why = decide.search_stop_reason(ok, elapsed_s=81.0, reserve_s=20.0, **kw)
     assert why == "--timeout 100 s: ~20 s of it left for the confirmation and the probes"
 
 
@@ -646,7 +648,9 @@ def test_an_oom_that_a_fitted_hungrier_config_contradicts_rules_nothing_out():
 
     def judged(*trials):
         known = decide.known_configs(list(trials), space, flat)
-        return decide.judge(hungry, number=9, space=space, trial_base=trial_base, trial_flat=flat, known=known)
+        return decide.judge_candidate(
+            hungry, number=9, space=space, trial_base=trial_base, trial_flat=flat, known=known
+        )
 
     assert judged(oom, best).status == Status.INFERRED_OOM  # the OOM stands: nothing contradicts it
     fitted = frozen(2, "ok", {MICRO: 2, GC: False, REF: 1}, values=[200.0, 1.0], throughput=200.0)  # hungrier, ran
@@ -666,16 +670,16 @@ def test_the_incumbents_neighbour_is_launched_rather_than_inferred_and_a_local_s
     far = space.complete({MICRO: 4, GC: False, REF: 2}, flat)  # two steps
     args = dict(space=space, trial_base=trial_base, trial_flat=flat, known=known)
     # the first time it is proposed, the OOM rules the neighbour out like any config at least as hungry
-    assert decide.judge(near, number=5, **args).status == Status.INFERRED_OOM
+    assert decide.judge_candidate(near, number=5, **args).status == Status.INFERRED_OOM
     inferred = frozen(2, "inferred_oom", dict(near.overrides), values=[0.0, 64.0], constraint=1.5, inferred_from=1)
     trials.append(inferred)
     revisitable = decide.inferred_only(trials, space, flat)
     assert revisitable == {space.identity(near.effective)}
     # held only as an inferred OOM, one step from the incumbent: launched when proposed again; two steps: not
-    assert decide.judge(near, number=6, revisitable=revisitable, **args).launch
-    assert decide.judge(far, number=7, revisitable=revisitable | {space.identity(far.effective)}, **args).status == (
-        Status.INFERRED_OOM
-    )
+    assert decide.judge_candidate(near, number=6, revisitable=revisitable, **args).launch
+    assert decide.judge_candidate(
+        far, number=7, revisitable=revisitable | {space.identity(far.effective)}, **args
+    ).status == (Status.INFERRED_OOM)
     # a local step proposes it again (the policy passes over configs held only as inferred OOMs)
     policy = _policy(space, flat)
     for turn in range(8):  # every local turn until it proposes the inferred neighbour

@@ -27,7 +27,7 @@ from trainer.contracts import (
     StorageSpec,
     parse_storage,
 )
-from trainer.launch.cliflags import add_override_flag, fail, overrides_of
+from trainer.launch.cliflags import add_override_flag, command_error, overrides_of
 from tuner.fit.boundary import FitBlocked
 from tuner.fit.inputs import FitInputs, fit_inputs, ladder_space
 from tuner.fit.run import FIT_ATTR, FitRun, fit_attr, state_of
@@ -143,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         inputs, spec = _inputs(args, out)
     except ValueError as e:  # ConfigError / StorageError / a bad flag: one line naming file and key
-        return fail("fit", str(e))
+        return command_error("fit", str(e))
     name = args.study or f"{Path(args.base_config).stem}--fit"
     left = Leftovers(out, out / "jobs", out / "trials", spec.path, spec.lock_path)
     space = space_from_dict(ladder_space(inputs.knobs), source="ppotune fit")
@@ -162,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
         state_of(study.user_attrs.get(FIT_ATTR), inputs)  # a study of another fit is refused
     except (ValueError, StorageError) as e:
         left.undo()
-        return fail("fit", f"study {name!r}: {e}")
+        return command_error("fit", f"study {name!r}: {e}")
     return _fit(args, inputs, spec, name, study, storage, lock, space, out, created)
 
 

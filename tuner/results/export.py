@@ -34,7 +34,7 @@ import yaml
 
 from trainer.config import ConfigError, apply_overrides, config_from_dict, config_to_dict, flatten
 from trainer.contracts import DEFAULT_HEADROOM, ExitCode, StorageError, search_dir_of
-from trainer.launch.cliflags import deprecated, fail
+from trainer.launch.cliflags import command_error, deprecated
 from trainer.verl_engine.overrides import hydra_value, verl_overrides
 from tuner.results.pick import PICKS, Choice, NoFit, choose, pct, trial_row
 from tuner.results.view import StudyView, add_study_arguments, view_from_args
@@ -300,7 +300,7 @@ def add_arguments(parser) -> None:
 
 
 def _fail(message: str) -> int:
-    return fail("export", message)
+    return command_error("export", message)
 
 
 def _verl_missing(python: Optional[str] = None) -> Optional[str]:

@@ -52,8 +52,8 @@ class Budget:
         return time.monotonic() - self.started
 
     def stop_reason(self, trials: list) -> Optional[str]:
-        """Why the search takes no further trial (:func:`tuner.search.decide.stop_reason`), or None."""
-        return decide.stop_reason(
+        """Why the search takes no further trial (:func:`tuner.search.decide.search_stop_reason`), or None."""
+        return decide.search_stop_reason(
             trials,
             budget=self.trials,
             elapsed_s=self.elapsed_s(),

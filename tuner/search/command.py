@@ -36,12 +36,12 @@ import psutil
 from trainer.config import ConfigError, apply_overrides, config_from_dict, config_to_dict, flatten, parse_override
 from trainer.config.io import COMMAND_LINE, blame_command_line, check_override_keys
 from trainer.contracts import STUDY_SCHEMA_VERSION, ExitCode, StorageError, TrialRecord, parse_storage
-from trainer.launch.cliflags import fail, overrides_of
+from trainer.launch.cliflags import command_error, overrides_of
 from trainer.launch.preflight import preflight
 from tuner.fit.bounds import bounded_space, fitted_params, read_fit
 from tuner.search.budget import BASELINE_FAILED, MAX_FAILURES_IN_A_ROW
 from tuner.search.decide import count_progress
-from tuner.search.flags import add_arguments
+from tuner.search.flags import add_search_arguments as add_arguments
 from tuner.search.loop import Search, SearchOptions
 from tuner.search.policy import build_sampler
 from tuner.search.progress import ConsoleObserver, Display, seed_display, summary
@@ -131,7 +131,7 @@ def cli_overrides(args: argparse.Namespace, space: Space) -> dict:
 
 # --------------------------------------------------------------------------- entry
 def _fail(msg: str) -> int:
-    return fail("search", msg)
+    return command_error("search", msg)
 
 
 def _base_config(args: argparse.Namespace, space: Space) -> tuple[dict, Optional[VerlEngine], WorldPlan]:

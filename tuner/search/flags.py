@@ -16,10 +16,10 @@ from tuner.study import lifecycle as st
 from tuner.study.selection import DEFAULT_PICK, PICKS
 from tuner.trials.launch import add_hang_flags, positive_seconds
 
-__all__ = ["add_arguments"]
+__all__ = ["add_search_arguments"]
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def add_search_arguments(p: argparse.ArgumentParser) -> None:
     for flags in (_study_flags, _trial_flags, _search_flags, _stage_flags, _output_flags):
         flags(p)
 

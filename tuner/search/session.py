@@ -1,9 +1,10 @@
 """One trial's bookkeeping in the study, shared by the search loop and the after-search stages.
 
-A trial asked from Optuna is claimed by this process (owner, heartbeat) and judged (:func:`tuner.search.decide.judge`:
-a :class:`Proposal`); then either told at zero cost (rejected before launch: invalid, duplicate, inferred or
-predicted OOM), or run by the runner (:mod:`tuner.trials.runners`) and told with its measured or penalized values;
-a trial stopped by the user is marked interrupted and its params enqueued again, so the same command resumes it.
+A trial asked from Optuna is claimed by this process (owner, heartbeat) and judged
+(:func:`tuner.search.decide.judge_candidate`: a :class:`Proposal`); then either told at zero cost (rejected before
+launch: invalid, duplicate, inferred or predicted OOM), or run by the runner (:mod:`tuner.trials.runners`) and told with
+its measured or penalized values; a trial stopped by the user is marked interrupted and its params enqueued again, so
+the same command resumes it.
 What happens is told to an optional :class:`SearchObserver` (the console display, wandb).
 
 :class:`TrialSession` owns nothing of *which* config comes next (:mod:`tuner.search.policy`), *when* to stop
@@ -59,7 +60,7 @@ class Proposal:
 
     trial: optuna.trial.Trial
     cand: Candidate
-    verdict: decide.Verdict
+    verdict: decide.LaunchVerdict
     baseline: bool = False
     confirm_of: Optional[int] = None
 
@@ -129,7 +130,7 @@ class TrialSession:
             cand = Candidate(params=from_params(trial.params), overrides={}, effective={})
             reason = f"tuner: could not prepare the trial: {type(e).__name__}: {e}"
             confirm_of = TrialRecord.from_user_attrs(trial.user_attrs).confirm_of
-            return Proposal(trial, cand, decide.Verdict(Status.INVALID, reason), confirm_of=confirm_of)
+            return Proposal(trial, cand, decide.LaunchVerdict(Status.INVALID, reason), confirm_of=confirm_of)
 
     def _propose(
         self,
@@ -151,7 +152,7 @@ class TrialSession:
             .items()
         ):
             trial.set_user_attr(k, v)
-        verdict = decide.judge(
+        verdict = decide.judge_candidate(
             cand,
             number=trial.number,
             space=self.space,

@@ -30,7 +30,7 @@ __all__ = [
     "DEFAULT_ROUNDS",
     "MAX_FINALISTS",
     "DEFAULT_FINALISTS",
-    "Candidate",
+    "Contender",
     "within_noise",
     "pick_finalists",
     "schedule",
@@ -63,7 +63,7 @@ T = TypeVar("T", bound=Hashable)
 
 # --------------------------------------------------------------------------- who
 @dataclass(frozen=True)
-class Candidate:
+class Contender:
     """A measured feasible trial under the export headroom (a search trial, not a re-run)."""
 
     number: int
@@ -81,7 +81,7 @@ class Candidate:
         return float(self.throughput)
 
 
-def within_noise(best: Candidate, other: Candidate) -> bool:
+def within_noise(best: Contender, other: Contender) -> bool:
     """Could ``other`` be as fast as ``best``? Their 90% intervals overlap (``other``'s upper end reaches
     ``best``'s lower end). An unknown interval on either side says nothing: False."""
     if best.throughput_ci is None or other.throughput_ci is None:
@@ -89,9 +89,9 @@ def within_noise(best: Candidate, other: Candidate) -> bool:
     return other.throughput_ci[1] >= best.throughput_ci[0]
 
 
-def pick_finalists(cands: Sequence[Candidate], *, exclude: Sequence[int] = (), cap: int = MAX_FINALISTS) -> list[int]:
+def pick_finalists(cands: Sequence[Contender], *, exclude: Sequence[int] = (), cap: int = MAX_FINALISTS) -> list[int]:
     """The configs to confirm: the Pareto points among ``cands`` plus any trial within noise of the best
-    (:func:`within_noise`), best first by :attr:`Candidate.score`, at most ``cap``.
+    (:func:`within_noise`), best first by :attr:`Contender.score`, at most ``cap``.
 
     ``exclude`` (the baseline: it is re-run in every round anyway) is never a finalist, but it still
     defines the best when it is. Ties: the lower trial number first."""

@@ -87,7 +87,7 @@ class ConfirmationStage:
         fit = headroom_filter(df, study.user_attrs, self.selection.headroom)
         front = pareto_mask(df, among=fit.mask)
         cands = [
-            rules.Candidate(
+            rules.Contender(
                 number=int(row["number"]),
                 throughput=float(row["throughput"]),
                 throughput_ci=None

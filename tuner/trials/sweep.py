@@ -125,7 +125,7 @@ class SweepRunner:
 
 def _judge(session: Any, cand: Candidate, trials: list) -> Any:
     known = decide.known_configs(trials, session.space, session.trial_flat)
-    return decide.judge(
+    return decide.judge_candidate(
         cand, number=-1, space=session.space, trial_base=session.trial_base, trial_flat=session.trial_flat, known=known
     )
 

@@ -50,7 +50,7 @@ from tuner.trials.launch import (
 )
 from tuner.trials.memory import MemoryPeaks, MemorySampler
 from tuner.trials.runners import STEP_LINE, SubprocessRunner, TrialOutcome, TrialRequest, trial_record
-from tuner.trials.watch import StepWatch, Verdict, judge, timeout_reason
+from tuner.trials.watch import PollVerdict, StepWatch, poll_trial, timeout_reason
 
 __all__ = ["WarmRunner"]
 
@@ -238,10 +238,10 @@ class WarmRunner:
         *,
         log_path: Path,
         result_path: Path,
-    ) -> Verdict:
+    ) -> PollVerdict:
         """Poll until the job writes the trial's result or ends; a timeout or a stop terminates the job."""
         watch = StepWatch(log_path, STEP_LINE[self.name])
-        verdict = Verdict()
+        verdict = PollVerdict()
         what = f"its warm job's process group ({job.name})"
         judged = t0
         while not result_path.is_file() and job.alive():
@@ -249,7 +249,7 @@ class WarmRunner:
             if time.monotonic() - judged < _JUDGE_S:
                 continue
             judged = time.monotonic()
-            verdict = judge(
+            verdict = poll_trial(
                 t0, watch, stop, lambda e, w, n: self._timeout(first, e, w, n), log_path=log_path, what=what
             )
             if verdict.ends:
