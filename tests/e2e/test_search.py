@@ -25,7 +25,8 @@ from trainer.config import load_config
 from trainer.contracts import CONSTRAINT_KEY, Status, TrialRecord, parse_storage
 from tuner.cli import main
 from tuner.results.view import load as load_view
-from tuner.search.decide import constraint, count_progress, counted
+from tuner.rules.budget import count_progress, counted
+from tuner.search.decide import constraint
 from tuner.space import from_params, space_from_dict
 
 pytestmark = pytest.mark.slow

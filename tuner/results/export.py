@@ -362,7 +362,7 @@ def confirm_command(view: StudyView, asked: Selection) -> str:
     """``ppotune search BASE --space SPACE --storage S --study N --trials T ...``: the study's search resumed
     with no new trial (``--trials`` = the trials it holds), so only its confirmation and worst-case probe run, for
     ``asked``. Every value from the study is quoted, then escaped for one line."""
-    from tuner.search.decide import count_progress
+    from tuner.rules.budget import count_progress
 
     a = view.attrs
     done = count_progress(view.study.get_trials(deepcopy=False))

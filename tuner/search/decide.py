@@ -20,10 +20,8 @@ sampler: :mod:`tuner.search.loop` does that and calls these.
   (by the lower end of its own throughput interval: the winner's curse), the measured configs best first, and how
   many ordered steps apart two configs are (where the search proposes itself once the sampler stalls);
 * :func:`oom_evidence` -- the OOMs that still rule configs out, and the configs that ran;
-* :func:`search_stop_reason` -- the budget: when a search process stops asking;
-* :func:`after_search_s` -- the seconds ``--timeout`` leaves the confirmation and the worst-case probes;
-* :func:`over_budget` -- after an ``ask()`` taken without a cross-process lock: was the
-  trial asked past the budget by a race with another worker?
+
+The budget's rules (which trials count, when a search stops) are :mod:`tuner.rules.budget`'s.
 """
 
 from __future__ import annotations
@@ -35,6 +33,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from trainer.config import ConfigError, apply_overrides, config_from_dict, config_to_dict, flatten
 from trainer.contracts import CONSTRAINT_KEY, PHASES, Status, TrialRecord
+from tuner.rules.budget import counted
 from tuner.space import Candidate, Space
 
 __all__ = [
@@ -53,11 +52,6 @@ __all__ = [
     "incumbent",
     "judge_candidate",
     "constraint",
-    "counted",
-    "count_progress",
-    "search_stop_reason",
-    "after_search_s",
-    "over_budget",
     "INVALID_CONSTRAINT",
 ]
 
@@ -110,77 +104,6 @@ class LaunchVerdict:
     @property
     def launch(self) -> bool:
         return self.status is None
-
-
-# --------------------------------------------------------------------------- the budget
-def counted(t: FrozenTrial) -> bool:
-    """Does this trial count toward ``--trials``? Finished or running trials, except interrupted
-    ones (their retry counts), what was rejected before launch (duplicates, inferred OOMs, invalid
-    configs at 0 s) and ``--confirm`` re-runs (:attr:`TrialRecord.counted`)."""
-    return t.state in _IN_STUDY and TrialRecord.from_user_attrs(t.user_attrs).counted
-
-
-def count_progress(trials: Iterable[FrozenTrial]) -> int:
-    return sum(1 for t in trials if counted(t))
-
-
-def search_stop_reason(
-    trials: list[FrozenTrial],
-    *,
-    budget: int,
-    elapsed_s: float,
-    timeout_s: Optional[float],
-    reserve_s: float = 0.0,
-) -> Optional[str]:
-    """Why this search process should ask no more trials (None: go on): the budget or the timeout. ``reserve_s``:
-    the part of ``timeout_s`` kept for the confirmation and the probes (:func:`after_search_s`). Proposals rejected
-    before launch never stop a search: when the sampler stalls the search proposes itself (:mod:`tuner.search.stall`),
-    until every config is measured or ruled out."""
-    if count_progress(trials) >= budget:
-        return f"the study holds {budget} counted trials"
-    if timeout_s is not None and elapsed_s > timeout_s - reserve_s:
-        if reserve_s > 0:
-            return f"--timeout {timeout_s:g} s: ~{reserve_s:.0f} s of it left for the confirmation and the probes"
-        return f"--timeout {timeout_s:g} s reached"
-    return None
-
-
-def after_search_s(trials: Iterable[FrozenTrial], *, runs: int, timeout_s: float) -> float:
-    """How much of ``timeout_s`` the search leaves for ``runs`` trials after it (the confirmation's
-    re-runs and the worst-case probes): that many times the median duration of the search's measured
-    trials, at most half of ``timeout_s`` (the search itself keeps the other half); 0 before any trial
-    was measured or without runs."""
-    if runs <= 0:
-        return 0.0
-    durations = sorted(
-        rec.duration_s
-        for rec in (TrialRecord.from_user_attrs(t.user_attrs) for t in trials if t.state.is_finished())
-        if rec.status == Status.OK and rec.confirm_of is None and rec.duration_s
-    )
-    if not durations:
-        return 0.0
-    return min(runs * durations[len(durations) // 2], timeout_s / 2)
-
-
-def over_budget(trials: Iterable[FrozenTrial], number: int, *, budget: int) -> bool:
-    """Was trial ``number`` (just asked, RUNNING) asked past ``budget`` by a race with another worker?
-
-    For storages with no cross-process lock (the gRPC proxy, MySQL). The storage numbers trials
-    in creation order under its own lock (a row lock on the study in an RDB), so the trials
-    numbered below ours existed when ours was made. Ours is over the budget when ``budget`` of
-    them count or may still count: counted ones (running or finished) and waiting ones that
-    will count once popped (an enqueued retry holds its slot). A trial that was uncounted at
-    the check (interrupted, duplicate, over budget, a ``--confirm`` re-run) never counts later;
-    a waiting one does, and it is included. So every counted trial saw fewer than ``budget``
-    counted-or-reserved trials below it: the counted total never exceeds ``budget``.
-    """
-    below = 0
-    for t in trials:
-        if t.number >= number:
-            continue
-        if counted(t) or (t.state == TrialState.WAITING and TrialRecord.from_user_attrs(t.user_attrs).counted):
-            below += 1
-    return below >= budget
 
 
 # --------------------------------------------------------------------------- the study's configs

@@ -9,7 +9,7 @@ import argparse
 from trainer.contracts import DEFAULT_HEADROOM, DEFAULT_OUT_DIR
 from trainer.launch.cliflags import add_override_flag
 from trainer.summary import MIN_MEASURED_STEPS
-from tuner.search.budget import MAX_FAILURES_IN_A_ROW
+from tuner.rules.budget import MAX_FAILURES_IN_A_ROW
 from tuner.search.policy import SAMPLERS
 from tuner.stages.confirm import DEFAULT_FINALISTS, DEFAULT_ROUNDS, MAX_FINALISTS
 from tuner.study import lifecycle as st

@@ -8,7 +8,7 @@ collaborators that each do one job and can be used alone:
 * :class:`tuner.search.policy.ProposalPolicy` -- which config comes next (the sampler, local steps, grid order,
   exploration);
 * :class:`tuner.search.budget.Budget` -- when to stop (``--trials`` over every worker, ``--timeout``), and
-  :class:`tuner.search.budget.FailureRule` -- when to stop because the search cannot work (the baseline failed, or
+  :class:`tuner.rules.budget.FailureRule` -- when to stop because the search cannot work (the baseline failed, or
   the same error ``--max-failures-in-a-row`` times): :attr:`Search.halt` says why, the trials in flight are
   interrupted (they run again on resume) and the after-search stages do not run;
 * :class:`tuner.search.gate.MemoryGate` -- the study's memory model judging candidates before launch;
@@ -31,8 +31,9 @@ import optuna
 from optuna.trial import TrialState
 
 from trainer.contracts import TrialRecord
+from tuner.rules.budget import MAX_FAILURES_IN_A_ROW, FailureRule, Halt
 from tuner.search import decide
-from tuner.search.budget import MAX_FAILURES_IN_A_ROW, Budget, FailureRule, Halt
+from tuner.search.budget import Budget
 from tuner.search.gate import MemoryGate
 from tuner.search.policy import SAMPLERS, ProposalPolicy, startup_trials
 from tuner.search.session import Proposal, SearchObserver, TrialEvent, TrialSession

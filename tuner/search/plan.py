@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 from trainer.contracts import DEFAULT_OUT_DIR, TrialRecord
-from tuner.search.decide import count_progress
+from tuner.rules.budget import count_progress
 from tuner.space.grid import GRID_LIMIT
 from tuner.stages.confirm import DEFAULT_FINALISTS
 

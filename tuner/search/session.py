@@ -24,6 +24,7 @@ from typing import Any, Callable, Optional, Protocol
 import optuna
 
 from trainer.contracts import Status, TrialRecord
+from tuner.rules.budget import counted
 from tuner.search import decide, fidelity
 from tuner.space import Candidate, Space, from_params
 from tuner.study import lifecycle as st
@@ -266,7 +267,7 @@ class TrialSession:
                     status=record.status,
                     record=record,
                     params=from_params(frozen.params),
-                    counted=decide.counted(frozen),
+                    counted=counted(frozen),
                     values=tuple(frozen.values) if frozen.values else None,
                     note=_note(record, prop),
                 )
