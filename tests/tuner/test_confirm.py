@@ -1,4 +1,4 @@
-"""Finalists confirmed side by side: tuner.stages.confirm's pure decisions with hand-computed figures, then the
+"""Finalists confirmed side by side: tuner.rules.finalists's pure decisions with hand-computed figures, then the
 confirmation stage over a replay runner (the real loop, no process): interleaving, rounds until the leader separates,
 resume. The rounds' rule itself: tests/tuner/test_race.py."""
 
@@ -14,10 +14,10 @@ import pytest
 
 from support import search_over, tiny_setup
 from trainer.contracts import DIRECTIONS, Status, TrialRecord
+from tuner.rules import finalists as confirm
+from tuner.rules.finalists import Contender
+from tuner.rules.race import Rerun
 from tuner.search.policy import build_sampler
-from tuner.stages import confirm
-from tuner.stages.confirm import Contender
-from tuner.stages.race import Rerun
 from tuner.trials.runners import Recorded, ReplayRunner, TrialOutcome
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -380,8 +380,8 @@ def test_the_confirmation_stage_runs_on_its_own_over_a_finished_study(setup):
     """A stage takes a study and a runner (through the study's session): a search done without --confirm is
     confirmed afterwards exactly as the search would have (the same interleaved re-runs), and the worst-case
     stage's plan then puts the confirmed finalists first."""
-    from tuner.stages.confirmation import ConfirmationStage
-    from tuner.stages.worst_case import WorstCaseStage
+    from tuner.search.confirmation import ConfirmationStage
+    from tuner.search.worst_case import WorstCaseStage
 
     space, _, flat = setup
     study, storage = _study(space, flat, device_gb=10.0)
@@ -399,8 +399,8 @@ def test_the_confirmation_stage_runs_on_its_own_over_a_finished_study(setup):
 def test_the_searchs_pick_and_headroom_decide_what_is_confirmed_and_probed(setup):
     """``ppotune search --memory-headroom F --pick P`` (a :class:`tuner.study.selection.Selection`): the finalists
     keep F free, and the probes follow P's order, as export will take them."""
-    from tuner.stages.confirmation import ConfirmationStage
-    from tuner.stages.worst_case import WorstCaseStage
+    from tuner.search.confirmation import ConfirmationStage
+    from tuner.search.worst_case import WorstCaseStage
     from tuner.study.selection import Selection
 
     space, _, flat = setup

@@ -1,4 +1,4 @@
-"""The search's decisions with no process at all: tuner.search.decide, and tuner.search.loop over a replay runner."""
+"""The search's decisions with no process at all: tuner.rules.candidates, and tuner.search.loop over a replay runner."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from optuna.trial import TrialState, create_trial
 
 from support import search_over, tiny_setup
 from trainer.contracts import CONSTRAINT_KEY, DIRECTIONS, PHASES, Status, TrialRecord
+from tuner.rules import candidates as decide
 from tuner.rules.budget import after_search_s, count_progress, counted, over_budget, search_stop_reason
-from tuner.search import decide
 from tuner.search.loop import WAIT, Search, SearchOptions
 from tuner.search.policy import Pick, build_sampler
 from tuner.search.session import TrialEvent, TrialSession

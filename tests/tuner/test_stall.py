@@ -11,8 +11,8 @@ from test_decide import GC, MICRO, SPACE, _policy, frozen
 
 from support import search_over, tiny_setup
 from trainer.contracts import DIRECTIONS, Status, TrialRecord
+from tuner.rules import candidates as decide
 from tuner.rules.budget import count_progress
-from tuner.search import decide
 from tuner.search.stall import STALL_AFTER, propose_itself
 from tuner.trials.runners import Recorded, ReplayRunner
 

@@ -1,5 +1,5 @@
 """One rank of a cold PPO run: ``python -m trainer.rank.run CONFIG --rank-dir DIR`` (started by ``ppotune train``:
-trainer/launch/train.py, trainer/launch/ranks.py).
+tuner/commands/train.py, trainer/launch/ranks.py).
 
 :func:`rank_main`: :func:`trainer.rank.process.start_rank` (device, process group) ->
 :func:`trainer.rank.trial.run_trial` (memory cap, data, models, steps -- the first ``ppotune.warmup_steps``

@@ -175,7 +175,7 @@ def _load_data(cfg, tokenizer, data_cache: Optional[dict]) -> _Data:
 
 
 def _per_gpu(cfg, world: int) -> dict:
-    """What each GPU runs per step: the same at the trial's world and the production's (tuner.world)."""
+    """What each GPU runs per step: the same at the trial's world and the production's (tuner.rules.world)."""
     n = cfg.actor_rollout_ref.rollout.n
     return {
         "world_size": world,

@@ -47,6 +47,7 @@ from typing import Any, Optional
 
 from trainer.config import ConfigError, flatten
 from trainer.contracts import ExitCode
+from trainer.launch.device import detect_device
 from trainer.launch.proc import (
     PR_SET_CHILD_SUBREAPER,
     die_with_parent,
@@ -115,20 +116,6 @@ OOM_GRACE_S = 30.0  # after an OOM line, how long verl gets to end by itself bef
 
 
 # --------------------------------------------------------------------------- the command
-def detect_device(want: str) -> str:
-    if want != "auto":
-        return want
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        n = pynvml.nvmlDeviceGetCount()
-        pynvml.nvmlShutdown()
-        return "cuda" if n > 0 else "cpu"
-    except Exception:  # noqa: BLE001 - no driver, no library: a CPU machine
-        return "cpu"
-
-
 def run_device(spec: RunSpec) -> str:
     """``cpu`` or ``cuda``: what a run of ``spec`` runs on (its ``ppotune.device``; auto: a GPU when NVML sees one).
     Every reading of a run file (``space check``, ``search`` and its ``--dry-run``, ``probe``, the run) asks this."""

@@ -39,12 +39,12 @@ from trainer.verl_engine.overrides import hydra_value, verl_overrides
 from tuner.results.pick import PICKS, Choice, NoFit, choose, pct, trial_row
 from tuner.results.view import StudyView, add_study_arguments, view_from_args
 from tuner.results.why import nearest_oom, why_md
-from tuner.stages.confirm import describe
+from tuner.rules.finalists import describe
+from tuner.rules.units import gb
+from tuner.rules.world import WorldPlan, production_overrides
 from tuner.study.frame import Fit, headroom_filter
 from tuner.study.schema import comment_safe, notes_summary
 from tuner.study.selection import Selection, selection_of
-from tuner.units import gb
-from tuner.world import WorldPlan, production_overrides
 
 __all__ = [
     "PICKS",
@@ -94,7 +94,7 @@ def chosen_overrides(view: StudyView, number: int) -> dict[str, Any]:
 
 def best_config(view: StudyView, number: int) -> dict:
     """The study's base config with trial ``number``'s overrides, at the production world with its global
-    batch sizes (the study's ``target``, :mod:`tuner.world`; the trials ran them scaled), validated; a full
+    batch sizes (the study's ``target``, :mod:`tuner.rules.world`; the trials ran them scaled), validated; a full
     nested dict."""
     base = view.attrs.get("base_config")
     if not isinstance(base, dict):

@@ -11,7 +11,7 @@ from typing import Callable, Optional
 from optuna.trial import TrialState
 
 from tuner.rules.budget import after_search_s, count_progress, counted, over_budget, search_stop_reason
-from tuner.stages.confirm import DEFAULT_FINALISTS
+from tuner.rules.finalists import DEFAULT_FINALISTS
 from tuner.study import lifecycle as st
 
 __all__ = ["Budget"]

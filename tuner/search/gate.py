@@ -1,6 +1,6 @@
 """The memory gate: the study's calibrated memory model (:mod:`tuner.memory_model`) judging a candidate before
 it is launched. A candidate predicted over the memory limit by more than the model's leave-one-out error is
-recorded ``predicted_oom`` and not run (:func:`tuner.search.decide.judge_candidate`)."""
+recorded ``predicted_oom`` and not run (:func:`tuner.rules.candidates.judge_candidate`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import optuna
 from optuna.trial import TrialState
 
 from trainer.contracts import Status, TrialRecord
-from tuner.search import decide
+from tuner.rules import candidates as decide
 
 __all__ = ["MemoryGate", "MEMORY_MODEL_ATTR"]
 

@@ -2,7 +2,7 @@
 another search (another space, base config, world or engine), a study that cannot be resumed (its baseline failed,
 or it holds what the schema cannot read), and the selection a resumed study records.
 
-The command (:mod:`tuner.search.command`) composes these; nothing here parses flags or launches a trial.
+The command (:mod:`tuner.commands.search`) composes these; nothing here parses flags or launches a trial.
 """
 
 from __future__ import annotations

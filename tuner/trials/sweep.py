@@ -31,7 +31,7 @@ import optuna
 from trainer.contracts import CONSTRAINT_KEY, Status, TrialRecord
 from trainer.verl_engine.run_file import DEFAULT_SWEEP_SETTINGS
 from trainer.verl_engine.schedule import is_per_step
-from tuner.search import decide
+from tuner.rules import candidates as decide
 from tuner.space import Candidate, Space
 from tuner.trials.runners import SubprocessRunner, TrialOutcome, TrialRequest
 

@@ -3,7 +3,7 @@
 A cold trial (:class:`tuner.trials.runners.SubprocessRunner`) pays for its processes every time: the launcher, the
 ranks' ``import torch, transformers``, the process group, the model load, before a single step is
 measured (on the CPU demo ~9 s of a ~11 s trial). :class:`WarmRunner` starts one job per ``--parallel``
-slot, ``ppotune train CONFIG --serve JOBDIR`` (trainer/launch/train.py, ranks in trainer/rank/serve.py), under
+slot, ``ppotune train CONFIG --serve JOBDIR`` (tuner/commands/train.py, ranks in trainer/rank/serve.py), under
 the same reaper as a cold trial (its own session; it dies with the tuner, even by SIGKILL, and leaves no
 orphan), and hands it trial after trial. Each trial runs the code a cold trial runs, builds its models
 with its own knobs from a host copy of the weights, and gets the same result JSON.

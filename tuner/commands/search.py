@@ -37,15 +37,16 @@ from trainer.config.io import COMMAND_LINE, blame_command_line, check_override_k
 from trainer.contracts import ExitCode, StorageError, parse_storage
 from trainer.launch.cliflags import command_error, overrides_of
 from trainer.launch.preflight import preflight
+from tuner.commands.search_flags import add_search_arguments as add_arguments
 from tuner.fit.bounds import bounded_space, fitted_params, read_fit
 from tuner.rules.budget import MAX_FAILURES_IN_A_ROW, count_progress
-from tuner.search.flags import add_search_arguments as add_arguments
+from tuner.rules.finalists import DEFAULT_FINALISTS
+from tuner.rules.world import WorldPlan, plan_world, trial_overrides
 from tuner.search.loop import Search, SearchOptions
 from tuner.search.policy import build_sampler
 from tuner.search.progress import ConsoleObserver, Display, seed_display, summary
 from tuner.search.session import TrialSession
 from tuner.space import Space, base_flat_config, load_space
-from tuner.stages.confirm import DEFAULT_FINALISTS
 from tuner.study import lifecycle as st
 from tuner.study.opening import OpenedStudy, existing_trials, open_for_search, study_attrs
 from tuner.study.selection import Selection
@@ -54,7 +55,6 @@ from tuner.trials.launch import stop_on_signals
 from tuner.trials.memory import gpu_info, nvml_available, visible_gpus
 from tuner.trials.runners import SubprocessRunner, VerlEngine
 from tuner.trials.warm import WarmRunner
-from tuner.world import WorldPlan, plan_world, trial_overrides
 
 __all__ = ["add_arguments", "run", "options_from_args"]
 
@@ -134,7 +134,7 @@ def _fail(msg: str) -> int:
 
 def _base_config(args: argparse.Namespace, space: Space) -> tuple[dict, Optional[VerlEngine], WorldPlan]:
     """The decision base (ppotune's typed config: the base config + the space's ``fixed`` keys, at the
-    trial's world with the production's per-GPU batch, :mod:`tuner.world`), for ``--engine verl`` how verl
+    trial's world with the production's per-GPU batch, :mod:`tuner.rules.world`), for ``--engine verl`` how verl
     trials run, and the world plan.
 
     verl: the base is verl's own config (composed by Hydra in the user's verl environment, with the
@@ -350,7 +350,7 @@ def _search(
     seed_display(display, trials)
     tracker = None
     if args.wandb:
-        from tuner.search.tracking import TrialTracker
+        from tuner.search.wandb_runs import TrialTracker
 
         tracker = TrialTracker(project="ppotune", group=name, out_dir=out_dir)
     search = Search(

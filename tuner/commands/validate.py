@@ -7,7 +7,7 @@ config, base; round 2: base, config; ... -- with the runner the search uses
 memory sampler and the same classification), then prints the measured figures against the study's:
 
 - throughput ratio to the baseline: the median of the paired ratios (config / the same round's
-  baseline) with its 90% interval (:func:`tuner.stages.confirm.log_interval`), against the study's
+  baseline) with its 90% interval (:func:`tuner.rules.finalists.log_interval`), against the study's
   confirmed ratio (the ``confirmation`` study attribute) or, for an unconfirmed study, the ratio of
   the two single trials;
 - peak memory: the largest peak over the config's runs, against the study's (confirmed re-runs'
@@ -28,7 +28,7 @@ difference is within it. Wide intervals make a weak PASS: the output prints them
 A study of ``--engine verl`` trials: CONFIG is the verl run file export wrote (its ``best_config.yaml``:
 ``overrides:`` + ``ppotune:``); each run is verl's own ``main_ppo`` with the interpreter ``--engine-python`` names
 (or CONFIG's ``ppotune.python``; never the study's), the baseline the study's base overrides; a study that tuned
-for a larger world (``--target-nodes``) runs at its trials' world and scaled global sizes (:mod:`tuner.world`).
+for a larger world (``--target-nodes``) runs at its trials' world and scaled global sizes (:mod:`tuner.rules.world`).
 
 CONFIG defaults to ``best_config.yaml`` where a bare ``ppotune export`` writes it (the study's search output dir,
 else the current dir). Runs go to ``<out>/validate/<k>/`` (``--out DIR``, else the directory holding CONFIG); the
@@ -62,7 +62,7 @@ from trainer.config import (
 from trainer.config.io import blame_command_line, check_override_keys
 from trainer.contracts import ExitCode, Status, StorageError
 from trainer.launch.cliflags import add_override_flag, command_error, overrides_of
-from tuner.stages.confirm import CONFIRMATION_ATTR, Rerun, entry_of, log_interval, paired_ratios, schedule
+from tuner.rules.finalists import CONFIRMATION_ATTR, Rerun, entry_of, log_interval, paired_ratios, schedule
 from tuner.study.schema import notes_summary
 from tuner.trials.launch import add_hang_flags, next_numbered_dir, stop_on_signals
 from tuner.trials.memory import nvml_available
@@ -438,9 +438,9 @@ def _match_verl_trial(view, run_file: dict, header_trial: Optional[int]) -> Opti
 def _verl_job(args, view, run_file: dict, warmup: int) -> _Job:
     """verl's main_ppo for CONFIG's overrides and the study's base overrides, at the study's trial world."""
     from tuner.results.export import verl_engine_of
+    from tuner.rules.world import WorldPlan, trial_overrides
     from tuner.trials.runners import VerlEngine
     from tuner.trials.verl import world_overrides
-    from tuner.world import WorldPlan, trial_overrides
 
     python = args.engine_python or run_file["ppotune"].get("python")
     if not python:

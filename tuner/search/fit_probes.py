@@ -21,7 +21,7 @@ from tuner.fit.boundary import FitState, KnobFit, ProbeOutcome, ProbePlan, judge
 from tuner.fit.inputs import FitInputs
 from tuner.fit.propose import knob_values, model_predictor, proposals
 from tuner.memory_model import MIN_LOO_SAMPLES, MemoryModel, sample_from_attrs
-from tuner.search import decide
+from tuner.rules import candidates as decide
 from tuner.search.session import Proposal, TrialSession
 from tuner.study import lifecycle as st
 from tuner.study.storage import trial_id

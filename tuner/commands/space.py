@@ -13,7 +13,6 @@ expression, constraints that nothing satisfies, a space the trainer config refus
 from __future__ import annotations
 
 import argparse
-import sys
 
 from trainer.config import ConfigError, parse_override
 from trainer.config.io import blame_command_line, check_override_keys
@@ -159,8 +158,3 @@ def run(args: argparse.Namespace) -> int:
         )
     return 0
 
-
-if __name__ == "__main__":  # pragma: no cover
-    from tuner.cli import main
-
-    sys.exit(main(["space", *sys.argv[1:]]))
