@@ -5,7 +5,7 @@ the key, before anything is written), the study opened or resumed (every probe i
 search), the probes run (:class:`tuner.search.fit_probes.FitRun`, the decisions in :mod:`tuner.fit.boundary`), then the
 files written (:mod:`tuner.results.fit_files`: ``fit.yaml``, ``verl_overrides.txt``, ``fit.json``, ``why.md``) and, with
 ``--report``, the report. Exit codes: 0 fitted, 3 not even the smallest sizes fit, 1 a probe failed otherwise (crash,
-hang), 2 bad input, 130 Ctrl-C (the same command resumes). """
+hang), 2 bad input, 130 Ctrl-C (the same command resumes)."""
 
 from __future__ import annotations
 

@@ -157,4 +157,3 @@ def run(args: argparse.Namespace) -> int:
             "(the baseline trial still runs the base config as written)"
         )
     return 0
-

@@ -106,7 +106,6 @@ def over_budget(trials: Iterable[FrozenTrial], number: int, *, budget: int) -> b
     return below >= budget
 
 
-
 # --------------------------------------------------------------------------- a search that cannot work
 #: launched trials that failed without teaching the sampler anything (FAIL in Optuna): a streak of these counts
 _FAILED = (Status.CRASH, Status.INVALID)

@@ -16,6 +16,7 @@ from tuner.study import lifecycle as st
 
 __all__ = ["Budget"]
 
+
 @dataclass
 class Budget:
     """The budget of one search process: ``trials`` counted trials in the study (all processes together),
