@@ -5,7 +5,7 @@ For each job (the recorded grids' jobs, and a token-budget shape of the first gr
 
 * **fit**: ``ppotune fit BASE --memory-limit-gb CAP`` for real (warm jobs as shipped; vLLM runs cold), timed; its
   answer and its probe runs from ``fit.json``;
-* **sweep**: every rung of every knob's ladder probed for real (``tuner.stages.probe.probe``, the same runner, the
+* **sweep**: every rung of every knob's ladder probed for real (``tuner.trials.probe.probe``, the same runner, the
   same cap at the headroom's limit), the other knobs at their smallest; a knob's answer is its largest rung whose
   passes stay within the limit. Its answer must equal fit's (the table says where it does not);
 * **search**: ``ppotune search``'s own loop as shipped (TPE with local steps), replayed over the job's recorded grid
@@ -45,7 +45,7 @@ from trainer.config import apply_overrides  # noqa: E402
 from trainer.contracts import Status, TrialRecord  # noqa: E402
 from tuner.fit.inputs import fit_inputs  # noqa: E402
 from tuner.fit.propose import knob_values  # noqa: E402
-from tuner.stages.probe import probe  # noqa: E402
+from tuner.trials.probe import probe  # noqa: E402
 from tuner.trials.runners import SubprocessRunner  # noqa: E402
 from tuner.trials.warm import WarmRunner  # noqa: E402
 

@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO))
 import yaml  # noqa: E402
 
 from trainer.summary import interval  # noqa: E402
-from tuner.stages.confirm import log_interval  # noqa: E402
+from tuner.rules.finalists import log_interval  # noqa: E402
 
 BASE = REPO / "configs" / "tiny_cpu.yaml"
 SPACE = REPO / "search_spaces" / "tiny_cpu.yaml"

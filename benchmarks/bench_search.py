@@ -17,7 +17,7 @@ The baseline trial is left out, so every trial is the sampler's own choice. Thre
 * ``random``: ``tuner.search.loop.Search`` with Optuna's random sampler (rejections free, no config twice);
 * ``ours+confirm``: ``ours`` followed by ``--confirm R --finalists F`` (their defaults, or ``--confirm-rounds``
   and ``--finalists`` here), replayed through the confirmation's own rules (``replay.confirm_after``: the finalists
-  of ``tuner.stages.confirm``, the rounds of ``tuner.stages.race`` until the leader separates, at most R), each
+  of ``tuner.rules.finalists``, the rounds of ``tuner.rules.race`` until the leader separates, at most R), each
   re-run a recorded repeat at random; the re-runs' seconds count in the budget (the search stops earlier to leave
   room).
 
@@ -25,7 +25,7 @@ What the local steps and the speed hints add, on request: ``--samplers ours-nolo
 with the search's rejections, no local step) and ``--no-speed-hints`` (the space's ``speed`` hints left out).
 
 For each, over ``--seeds`` seeds: the true quality of the config the search would pick (the best measured so far
-by the search's own rule, ``tuner.search.decide.measured_score``; its true value is the median of its recorded
+by the search's own rule, ``tuner.rules.candidates.measured_score``; its true value is the median of its recorded
 repeats) relative to the grid's best, once 10%, 15% and 25% of the grid's trial-seconds are spent,
 and the trial-seconds spent when the pick first reaches 97% of the grid's best. The shared pieces (a recording,
 one replayed search, the replayed confirmation) are in ``benchmarks/replay.py``; ``benchmarks/score_defaults.py``
@@ -79,10 +79,10 @@ from replay import (  # noqa: E402
 
 from trainer.config import flatten  # noqa: E402
 from trainer.contracts import CONSTRAINT_KEY, DIRECTIONS, Status  # noqa: E402
-from tuner.search import decide  # noqa: E402
+from tuner.rules import candidates as decide  # noqa: E402
+from tuner.rules.finalists import DEFAULT_FINALISTS, DEFAULT_ROUNDS  # noqa: E402
 from tuner.search.policy import build_sampler  # noqa: E402
 from tuner.space import base_flat_config, load_space  # noqa: E402
-from tuner.stages.confirm import DEFAULT_FINALISTS, DEFAULT_ROUNDS  # noqa: E402
 from tuner.trials.runners import ReplayRunner, TrialRequest  # noqa: E402
 
 SPACE = textwrap.dedent("""
@@ -149,7 +149,7 @@ def run_plain_tpe(seed: int, rec: Recording, *, hint: int, cap_s: float) -> Run:
             params[knob.key] = eff[knob.key] = value
         cand = rec.space.complete(params, rec.flat)
         ident = rec.space.identity(cand.effective)
-        verdict = decide.judge(
+        verdict = decide.judge_candidate(
             cand, number=trial.number, space=rec.space, trial_base=rec.trial_base, trial_flat=rec.flat, known={}
         )
         if not verdict.launch:

@@ -41,7 +41,7 @@ import optuna  # noqa: E402
 
 from trainer.config import apply_overrides, config_from_dict, config_to_dict, flatten  # noqa: E402
 from trainer.contracts import STUDY_SCHEMA_VERSION, Status, TrialRecord, parse_storage  # noqa: E402
-from tuner.search.decide import counted  # noqa: E402
+from tuner.rules.budget import counted  # noqa: E402
 from tuner.search.loop import Search, SearchOptions  # noqa: E402
 from tuner.search.policy import build_sampler  # noqa: E402
 from tuner.search.session import TrialSession  # noqa: E402

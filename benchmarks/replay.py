@@ -8,7 +8,7 @@ The pieces bench_search.py (one grid, many samplers) and score_defaults.py (the 
 * :func:`run_search` -- the search's own loop (``tuner.search.loop.Search``) with each launch answered by
   ``tuner.trials.runners.ReplayRunner`` (one of the config's recorded repeats at random: the noise is kept);
 * :func:`confirm_after` -- the confirmation that would follow the first k trials, through the confirmation's own
-  rules (``tuner.stages.confirm``: the finalists; ``tuner.stages.race``: the rounds until the leader separates),
+  rules (``tuner.rules.finalists``: the finalists; ``tuner.rules.race``: the rounds until the leader separates),
   each re-run answered by a recorded repeat at random: what it picks, what it costs, what it claims.
 
 "Truth" is a config's median over its recorded repeats; the grid's best is the largest truth.
@@ -34,13 +34,13 @@ import yaml  # noqa: E402
 
 from trainer.config import flatten  # noqa: E402
 from trainer.contracts import DIRECTIONS, Status, TrialRecord, parse_storage  # noqa: E402
-from tuner.search import decide  # noqa: E402
+from tuner.rules import candidates as decide  # noqa: E402
+from tuner.rules import finalists as confirm  # noqa: E402
+from tuner.rules.race import RUN_NOISE_FLOOR, Rerun, race  # noqa: E402
 from tuner.search.loop import Search, SearchOptions  # noqa: E402
 from tuner.search.policy import build_sampler  # noqa: E402
 from tuner.search.session import TrialEvent, TrialSession  # noqa: E402
 from tuner.space import Space, base_flat_config, load_space, space_from_dict  # noqa: E402
-from tuner.stages import confirm  # noqa: E402
-from tuner.stages.race import RUN_NOISE_FLOOR, Rerun, race  # noqa: E402
 from tuner.study.lifecycle import StudyLock  # noqa: E402
 from tuner.study.storage import open_storage  # noqa: E402
 from tuner.trials.runners import Recorded, ReplayRunner  # noqa: E402
@@ -151,7 +151,7 @@ class Event:
 
     spent: float
     ident: tuple
-    score: Optional[float] = None  # tuner.search.decide.measured_score: what the search ranks it by (None: not ok)
+    score: Optional[float] = None  # tuner.rules.candidates.measured_score: what the search ranks it by (None: not ok)
     throughput: Optional[float] = None
     ci: Optional[tuple] = None
     peak: Optional[float] = None
@@ -284,7 +284,7 @@ class Confirmed:
 
 
 def finalists_of(events: list, rec: Recording, cap: int) -> list:
-    """The confirmation's finalists after ``events`` (tuner.stages.confirm.pick_finalists over the measured configs,
+    """The confirmation's finalists after ``events`` (tuner.rules.finalists.pick_finalists over the measured configs,
     the fastest single trial first as the stage puts it: export's max-throughput first choice), baseline excluded."""
     measured: dict = {}
     for e in events:
@@ -300,7 +300,7 @@ def finalists_of(events: list, rec: Recording, cap: int) -> list:
             and (o.throughput > e.throughput or (o.peak or 0) < (e.peak or 0))
             for o in measured.values()
         )  # fmt: skip
-        cands.append(confirm.Candidate(i, e.throughput, e.ci, not dominated))
+        cands.append(confirm.Contender(i, e.throughput, e.ci, not dominated))
     exclude = [i for i, ident in enumerate(idents) if ident == base]
     chosen = confirm.pick_finalists(cands, exclude=exclude, cap=cap)
     top = max(range(len(idents)), key=lambda i: (measured[idents[i]].throughput, -i), default=None)
@@ -319,8 +319,8 @@ def _draw(rec: Recording, ident: tuple, rng: random.Random, number: int) -> tupl
 def confirm_after(
     events: list, rec: Recording, rng: random.Random, *, rounds: int, finalists: int, noise: float = RUN_NOISE_FLOOR
 ) -> Confirmed:
-    """The confirmation after ``events`` (the rounds of tuner.stages.race.race, each re-run a recorded repeat drawn
-    with ``rng``): its pick (tuner.stages.confirm.rank_confirmed), its cost in trial-seconds, its claim."""
+    """The confirmation after ``events`` (the rounds of tuner.rules.race.race, each re-run a recorded repeat drawn
+    with ``rng``): its pick (tuner.rules.finalists.rank_confirmed), its cost in trial-seconds, its claim."""
     chosen = finalists_of(events, rec, finalists)
     if not chosen:
         return Confirmed(None, 0.0)

@@ -38,8 +38,8 @@ import optuna  # noqa: E402
 import replay  # noqa: E402
 from grid_sim import Family, fit_family, simulate  # noqa: E402
 
-from tuner.stages.confirm import DEFAULT_FINALISTS, DEFAULT_ROUNDS  # noqa: E402
-from tuner.stages.race import RUN_NOISE_FLOOR  # noqa: E402
+from tuner.rules.finalists import DEFAULT_FINALISTS, DEFAULT_ROUNDS  # noqa: E402
+from tuner.rules.race import RUN_NOISE_FLOOR  # noqa: E402
 
 
 @dataclass

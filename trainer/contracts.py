@@ -87,7 +87,7 @@ STUDY_SCHEMA_VERSION = 1
 #: The study's objectives: throughput (tokens/s/GPU) up, peak memory (GB per GPU) down.
 DIRECTIONS = ("maximize", "minimize")
 #: ``trial.constraints[CONSTRAINT_KEY]``: <= 0 feasible, > 0 infeasible; graded (``TrialRecord.constraint``,
-#: ``tuner.search.decide.constraint``): peak / limit - 1 for a measured trial, larger the further over for an OOM.
+#: ``tuner.rules.candidates.constraint``): peak / limit - 1 for a measured trial, larger the further over for an OOM.
 CONSTRAINT_KEY = "infeasible"
 #: The share of the device memory a recommended config keeps free (report and export).
 DEFAULT_HEADROOM = 0.10

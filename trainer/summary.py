@@ -14,7 +14,7 @@ import math
 import statistics
 from typing import Optional, Sequence
 
-__all__ = ["summarize_steps", "interval", "percentiles", "stop_reason", "first_step_outlier", "MIN_MEASURED_STEPS"]
+__all__ = ["summarize_steps", "interval", "percentiles", "measuring_done", "first_step_outlier", "MIN_MEASURED_STEPS"]
 
 #: the fewest measured steps an interval is computed from (two give a t-factor of 6.3)
 MIN_MEASURED_STEPS = 3
@@ -58,7 +58,7 @@ def percentiles(xs: Sequence[float], qs: Sequence[int] = (10, 50, 90)) -> dict:
     return out
 
 
-def stop_reason(
+def measuring_done(
     throughputs: Sequence[float],
     *,
     peak_memory_gb: Optional[float],

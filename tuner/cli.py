@@ -23,19 +23,22 @@ __all__ = ["main", "build_parser", "version"]
 
 # command -> (module, one-line help)
 _COMMANDS = {
-    "train": ("trainer.launch.train", "run one PPO config on this node's ranks (a trial or a full training run)"),
-    "search": ("tuner.search.command", "run an Optuna study of short, isolated PPO trials"),
-    "check": ("trainer.launch.check", "validate a training config without launching anything (no GPU needed)"),
-    "space": ("tuner.space.check", "validate a search space YAML and print its size"),
+    "train": ("tuner.commands.train", "run one PPO config on this node's ranks (a trial or a full training run)"),
+    "search": ("tuner.commands.search", "run an Optuna study of short, isolated PPO trials"),
+    "check": ("tuner.commands.check", "validate a training config without launching anything (no GPU needed)"),
+    "space": ("tuner.commands.space", "validate a search space YAML and print its size"),
     "report": ("tuner.results.report", "write the Pareto report (HTML, PNG, CSV, summary.md) of a study"),
     "export": ("tuner.results.export", "write the chosen config: best_config.yaml, verl overrides, why.md"),
-    "validate": ("tuner.validate", "run the exported config against the baseline, interleaved: PASS/FAIL vs the study"),
+    "validate": (
+        "tuner.commands.validate",
+        "run the exported config against the baseline, interleaved: PASS/FAIL vs the study",
+    ),
     "fit": (
         "tuner.commands.fit",
         "the largest per-GPU sizes whose worst-case step keeps the headroom free: a few worst-case probes",
     ),
     "probe": (
-        "tuner.stages.probe",
+        "tuner.trials.probe",
         "run one worst-case-length step of a config (longest prompts and responses): its peaks",
     ),
     "storage-proxy": ("tuner.study.proxy", "serve a study database to many workers through Optuna's gRPC proxy"),

@@ -26,7 +26,7 @@ from optuna.trial import TrialState
 
 from support import REPO, TINY_BASE, processes_with, wait_until
 from trainer.contracts import Status, TrialRecord, parse_storage
-from tuner.search.decide import counted
+from tuner.rules.budget import counted
 from tuner.study.storage import close_storage, open_storage
 
 pytestmark = pytest.mark.slow

@@ -22,7 +22,7 @@ import yaml
 from support import TINY_BASE
 from trainer.config import apply_overrides, config_to_dict, flatten, load_config
 from trainer.contracts import PHASES, ExitCode, Status
-from tuner.stages.probe import PROBE_KEYS, ProbeResult, lengths_forced, probe, probe_config
+from tuner.trials.probe import PROBE_KEYS, ProbeResult, lengths_forced, probe, probe_config
 from tuner.trials.runners import SubprocessRunner, TrialRequest
 
 PROMPT_TOKENS, RESPONSE_TOKENS = 1024, 512

@@ -25,7 +25,8 @@ from trainer.config import load_config
 from trainer.contracts import CONSTRAINT_KEY, Status, TrialRecord, parse_storage
 from tuner.cli import main
 from tuner.results.view import load as load_view
-from tuner.search.decide import constraint, count_progress, counted
+from tuner.rules.budget import count_progress, counted
+from tuner.rules.candidates import constraint
 from tuner.space import from_params, space_from_dict
 
 pytestmark = pytest.mark.slow
@@ -269,7 +270,7 @@ def test_confirm_reruns_the_finalists_interleaved_with_the_baseline(shared):
         assert not counted(c) and c.user_attrs["baseline"] is False
         assert c.user_attrs["status"] == "ok" and c.user_attrs["throughput"] > 0
     # the aggregate, by hand: one round, so the ratio is the finalist's re-run over the baseline's, and its interval
-    # comes from the two runs' own measured noise (tuner.stages.race.paired_interval)
+    # comes from the two runs' own measured noise (tuner.rules.race.paired_interval)
     base_thr = reruns[-1].user_attrs["throughput"]
     for e, c in zip(conf["finalists"], reruns):
         assert e["trials"] == [c.number] and e["rounds"] == 1

@@ -14,8 +14,8 @@ import yaml
 
 from support import make_demo_study
 from tuner.cli import main
-from tuner.stages.confirm import CONFIRMATION_ATTR, entry_of
-from tuner.validate import StudyFigures, length_warnings, verdict
+from tuner.commands.validate import StudyFigures, length_warnings, verdict
+from tuner.rules.finalists import CONFIRMATION_ATTR, entry_of
 
 STUDY = StudyFigures(
     trial=3,

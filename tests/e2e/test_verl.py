@@ -89,7 +89,7 @@ GRPO = [
 ]
 CRITIC_KNOB = "critic.model.enable_gradient_checkpointing"
 
-#: a trial of the 2-node search below runs one node of 1 GPU: the global sizes halved (tuner.world)
+#: a trial of the 2-node search below runs one node of 1 GPU: the global sizes halved (tuner.rules.world)
 TRIAL_WORLD = [
     "trainer.nnodes=1",
     "data.train_batch_size=4",

@@ -5,7 +5,7 @@ import statistics
 
 import pytest
 
-from trainer.summary import first_step_outlier, interval, percentiles, stop_reason, summarize_steps
+from trainer.summary import first_step_outlier, interval, measuring_done, percentiles, summarize_steps
 
 
 def test_interval_is_the_t_half_width_around_the_median():
@@ -31,21 +31,23 @@ def test_percentiles_nearest_rank():
 
 def test_tight_stops_only_after_the_minimum_and_within_precision():
     steady = [100.0, 101.0, 99.0]
-    assert stop_reason(steady[:2], peak_memory_gb=1.0, precision=0.05) is None  # below 3 measured steps
-    assert stop_reason(steady, peak_memory_gb=1.0, precision=0.05).startswith("tight")
+    assert measuring_done(steady[:2], peak_memory_gb=1.0, precision=0.05) is None  # below 3 measured steps
+    assert measuring_done(steady, peak_memory_gb=1.0, precision=0.05).startswith("tight")
     noisy = [100.0, 140.0, 70.0]
-    assert stop_reason(noisy, peak_memory_gb=1.0, precision=0.05) is None
-    assert stop_reason(steady, peak_memory_gb=1.0, precision=None) is None  # off: every step runs
+    assert measuring_done(noisy, peak_memory_gb=1.0, precision=0.05) is None
+    assert measuring_done(steady, peak_memory_gb=1.0, precision=None) is None  # off: every step runs
 
 
 def test_pruned_only_by_a_point_better_for_sure_at_no_more_memory():
     xs = [100.0, 104.0, 96.0]  # upper bound ~111.7
     hi = interval(xs)[1]
-    assert stop_reason(xs, peak_memory_gb=2.0, precision=None, front=[[4, hi + 1, 1.5]]).startswith("pruned: trial 4")
+    assert measuring_done(xs, peak_memory_gb=2.0, precision=None, front=[[4, hi + 1, 1.5]]).startswith(
+        "pruned: trial 4"
+    )
     # better but needs more memory: this trial may be on the low-memory end of the front
-    assert stop_reason(xs, peak_memory_gb=2.0, precision=None, front=[[4, hi + 1, 2.5]]) is None
+    assert measuring_done(xs, peak_memory_gb=2.0, precision=None, front=[[4, hi + 1, 2.5]]) is None
     # within the noise: not pruned
-    assert stop_reason(xs, peak_memory_gb=2.0, precision=None, front=[[4, hi - 1, 1.0]]) is None
+    assert measuring_done(xs, peak_memory_gb=2.0, precision=None, front=[[4, hi - 1, 1.0]]) is None
 
 
 def _row(step, thr, warmup=False, rss=1.5, above=0.4):

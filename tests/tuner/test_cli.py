@@ -142,7 +142,7 @@ def test_bare_report_export_and_validate_find_the_demo(demo_dir, capsys):
     assert (demo_dir / "best_config.yaml").is_file() and (demo_dir / "why.md").is_file()
     assert main(["export", "--out", "ppotune_out"]) == 0  # the README's spelling: the same files
     assert not _err(capsys)
-    from tuner.validate import _inputs
+    from tuner.commands.validate import _inputs
 
     args = build_parser(only="validate").parse_args(["validate", "--steps", "6"])
     view, _, trial, _, _ = _inputs(args)  # CONFIG and the study found; no run launched
@@ -194,7 +194,7 @@ def test_export_defaults_to_the_searchs_choice_and_says_how_to_confirm_another(d
 
 
 def test_search_flags_record_the_selection():
-    from tuner.search.command import options_from_args
+    from tuner.commands.search import options_from_args
 
     args = build_parser(only="search").parse_args(
         ["search", "b.yaml", "--space", "s.yaml", "--trials", "3", "--pick", "knee", "--memory-headroom", "0.25"]

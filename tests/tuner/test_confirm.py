@@ -1,4 +1,4 @@
-"""Finalists confirmed side by side: tuner.stages.confirm's pure decisions with hand-computed figures, then the
+"""Finalists confirmed side by side: tuner.rules.finalists's pure decisions with hand-computed figures, then the
 confirmation stage over a replay runner (the real loop, no process): interleaving, rounds until the leader separates,
 resume. The rounds' rule itself: tests/tuner/test_race.py."""
 
@@ -14,10 +14,10 @@ import pytest
 
 from support import search_over, tiny_setup
 from trainer.contracts import DIRECTIONS, Status, TrialRecord
+from tuner.rules import finalists as confirm
+from tuner.rules.finalists import Contender
+from tuner.rules.race import Rerun
 from tuner.search.policy import build_sampler
-from tuner.stages import confirm
-from tuner.stages.confirm import Candidate
-from tuner.stages.race import Rerun
 from tuner.trials.runners import Recorded, ReplayRunner, TrialOutcome
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -25,22 +25,22 @@ optuna.logging.set_verbosity(optuna.logging.WARNING)
 
 # --------------------------------------------------------------------------- who is a finalist
 def test_within_noise_is_interval_overlap_and_unknown_says_no():
-    best = Candidate(1, 100.0, (90.0, 110.0), True)
-    assert confirm.within_noise(best, Candidate(2, 88.0, (80.0, 95.0), False))  # 95 >= 90
-    assert confirm.within_noise(best, Candidate(3, 85.0, (80.0, 90.0), False))  # touching counts
-    assert not confirm.within_noise(best, Candidate(4, 80.0, (70.0, 89.9), False))
-    assert not confirm.within_noise(best, Candidate(5, 99.0, None, False))  # unknown interval
-    assert not confirm.within_noise(Candidate(1, 100.0, None, True), Candidate(6, 99.0, (95.0, 101.0), False))
+    best = Contender(1, 100.0, (90.0, 110.0), True)
+    assert confirm.within_noise(best, Contender(2, 88.0, (80.0, 95.0), False))  # 95 >= 90
+    assert confirm.within_noise(best, Contender(3, 85.0, (80.0, 90.0), False))  # touching counts
+    assert not confirm.within_noise(best, Contender(4, 80.0, (70.0, 89.9), False))
+    assert not confirm.within_noise(best, Contender(5, 99.0, None, False))  # unknown interval
+    assert not confirm.within_noise(Contender(1, 100.0, None, True), Contender(6, 99.0, (95.0, 101.0), False))
 
 
 def test_finalists_are_the_front_plus_what_is_within_noise_fastest_first_capped():
     cands = [
-        Candidate(0, 250.0, (240.0, 260.0), False),  # the baseline: dominated here
-        Candidate(3, 320.0, (300.0, 340.0), True),  # the fastest
-        Candidate(5, 310.0, (290.0, 330.0), False),  # dominated, but its interval reaches the best's
-        Candidate(6, 290.0, (280.0, 299.0), False),  # dominated and clearly slower: out
-        Candidate(7, 200.0, (190.0, 210.0), True),  # front: less memory
-        Candidate(8, 100.0, None, True),  # front: the smallest
+        Contender(0, 250.0, (240.0, 260.0), False),  # the baseline: dominated here
+        Contender(3, 320.0, (300.0, 340.0), True),  # the fastest
+        Contender(5, 310.0, (290.0, 330.0), False),  # dominated, but its interval reaches the best's
+        Contender(6, 290.0, (280.0, 299.0), False),  # dominated and clearly slower: out
+        Contender(7, 200.0, (190.0, 210.0), True),  # front: less memory
+        Contender(8, 100.0, None, True),  # front: the smallest
     ]
     assert confirm.pick_finalists(cands, exclude=[0], cap=10) == [3, 5, 7, 8]
     assert confirm.pick_finalists(cands, exclude=[0]) == [3, 5, 7]  # cap 3: the fastest three
@@ -50,13 +50,13 @@ def test_finalists_are_the_front_plus_what_is_within_noise_fastest_first_capped(
 
 def test_the_baseline_is_never_a_finalist_but_still_sets_the_best():
     cands = [
-        Candidate(0, 400.0, (380.0, 420.0), True),  # the baseline is the fastest
-        Candidate(2, 390.0, (370.0, 400.0), False),  # within its noise
-        Candidate(4, 300.0, (290.0, 310.0), False),  # not
-        Candidate(9, 150.0, (140.0, 160.0), True),  # front
+        Contender(0, 400.0, (380.0, 420.0), True),  # the baseline is the fastest
+        Contender(2, 390.0, (370.0, 400.0), False),  # within its noise
+        Contender(4, 300.0, (290.0, 310.0), False),  # not
+        Contender(9, 150.0, (140.0, 160.0), True),  # front
     ]
     assert confirm.pick_finalists(cands, exclude=[0]) == [2, 9]
-    assert confirm.pick_finalists([Candidate(0, 400.0, None, True)], exclude=[0]) == []
+    assert confirm.pick_finalists([Contender(0, 400.0, None, True)], exclude=[0]) == []
 
 
 # --------------------------------------------------------------------------- the schedule
@@ -380,8 +380,8 @@ def test_the_confirmation_stage_runs_on_its_own_over_a_finished_study(setup):
     """A stage takes a study and a runner (through the study's session): a search done without --confirm is
     confirmed afterwards exactly as the search would have (the same interleaved re-runs), and the worst-case
     stage's plan then puts the confirmed finalists first."""
-    from tuner.stages.confirmation import ConfirmationStage
-    from tuner.stages.worst_case import WorstCaseStage
+    from tuner.search.confirmation import ConfirmationStage
+    from tuner.search.worst_case import WorstCaseStage
 
     space, _, flat = setup
     study, storage = _study(space, flat, device_gb=10.0)
@@ -399,8 +399,8 @@ def test_the_confirmation_stage_runs_on_its_own_over_a_finished_study(setup):
 def test_the_searchs_pick_and_headroom_decide_what_is_confirmed_and_probed(setup):
     """``ppotune search --memory-headroom F --pick P`` (a :class:`tuner.study.selection.Selection`): the finalists
     keep F free, and the probes follow P's order, as export will take them."""
-    from tuner.stages.confirmation import ConfirmationStage
-    from tuner.stages.worst_case import WorstCaseStage
+    from tuner.search.confirmation import ConfirmationStage
+    from tuner.search.worst_case import WorstCaseStage
     from tuner.study.selection import Selection
 
     space, _, flat = setup

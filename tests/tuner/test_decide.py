@@ -1,4 +1,4 @@
-"""The search's decisions with no process at all: tuner.search.decide, and tuner.search.loop over a replay runner."""
+"""The search's decisions with no process at all: tuner.rules.candidates, and tuner.search.loop over a replay runner."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from optuna.trial import TrialState, create_trial
 
 from support import search_over, tiny_setup
 from trainer.contracts import CONSTRAINT_KEY, DIRECTIONS, PHASES, Status, TrialRecord
-from tuner.search import decide
+from tuner.rules import candidates as decide
+from tuner.rules.budget import after_search_s, count_progress, counted, over_budget, search_stop_reason
 from tuner.search.loop import WAIT, Search, SearchOptions
 from tuner.search.policy import Pick, build_sampler
 from tuner.search.session import TrialEvent, TrialSession
@@ -51,7 +52,7 @@ def frozen(number: int, status: str, overrides: dict, *, values=None, constraint
 def test_judge_launches_a_new_valid_config_with_its_validated_config(setup):
     space, trial_base, flat = setup
     cand = space.complete({MICRO: 4, GC: False}, flat)
-    v = decide.judge(cand, number=0, space=space, trial_base=trial_base, trial_flat=flat, known={})
+    v = decide.judge_candidate(cand, number=0, space=space, trial_base=trial_base, trial_flat=flat, known={})
     assert v.launch and v.status is None
     assert v.config["actor_rollout_ref"]["actor"]["ppo_micro_batch_size_per_gpu"] == 4
     assert v.config["actor_rollout_ref"]["model"]["enable_gradient_checkpointing"] is False
@@ -61,7 +62,7 @@ def test_judge_invalid_duplicate_and_inferred_oom(setup):
     space, trial_base, flat = setup
     # the per-GPU mini-batch of the tiny config (8 x 1 / 2 = 4) is not divisible by 8
     bad = space.complete({MICRO: 8, GC: True}, flat)
-    v = decide.judge(bad, number=5, space=space, trial_base=trial_base, trial_flat=flat, known={})
+    v = decide.judge_candidate(bad, number=5, space=space, trial_base=trial_base, trial_flat=flat, known={})
     assert v.status == Status.INVALID and v.reason.startswith("config:") and MICRO in v.reason
     assert v.constraint == decide.INVALID_CONSTRAINT
 
@@ -70,16 +71,18 @@ def test_judge_invalid_duplicate_and_inferred_oom(setup):
     known = decide.known_configs([oom, ok], space, flat)
     assert len(known) == 2
     same = space.complete({MICRO: 1, GC: True}, flat)
-    v = decide.judge(same, number=7, space=space, trial_base=trial_base, trial_flat=flat, known=known)
+    v = decide.judge_candidate(same, number=7, space=space, trial_base=trial_base, trial_flat=flat, known=known)
     # a duplicate of a finished trial is answered with the twin's values and constraint
     assert v.status == Status.DUPLICATE and v.source == 2 and v.values == (321.0, 2.5) and v.constraint == -0.9
     hungrier = space.complete({MICRO: 4, GC: False}, flat)  # bigger micro-batch, no checkpointing
-    v = decide.judge(hungrier, number=8, space=space, trial_base=trial_base, trial_flat=flat, known=known)
+    v = decide.judge_candidate(hungrier, number=8, space=space, trial_base=trial_base, trial_flat=flat, known=known)
     assert v.status == Status.INFERRED_OOM and v.source == 1 and v.constraint == 1.5  # its OOM's
     lighter = space.complete({MICRO: 4, GC: True}, flat)  # checkpointing on: not comparable to the OOM
-    assert decide.judge(lighter, number=9, space=space, trial_base=trial_base, trial_flat=flat, known=known).launch
+    assert decide.judge_candidate(
+        lighter, number=9, space=space, trial_base=trial_base, trial_flat=flat, known=known
+    ).launch
     # a --confirm re-run repeats a measured config on purpose
-    assert decide.judge(
+    assert decide.judge_candidate(
         same, number=10, space=space, trial_base=trial_base, trial_flat=flat, known=known, is_confirm=True
     ).launch
 
@@ -91,7 +94,7 @@ def test_a_duplicate_of_a_running_or_failed_twin_has_no_values(setup):
     crash = frozen(4, "crash", {MICRO: 2, GC: True})
     known = decide.known_configs([running, crash], space, flat)
     for values, twin in (({MICRO: 1, GC: True}, 3), ({MICRO: 2, GC: True}, 4)):
-        v = decide.judge(
+        v = decide.judge_candidate(
             space.complete(values, flat), number=9, space=space, trial_base=trial_base, trial_flat=flat, known=known
         )
         assert v.status == Status.DUPLICATE and v.source == twin and v.values is None and v.constraint is None
@@ -142,15 +145,15 @@ def test_graded_constraint_orders_early_oom_over_late_oom_over_feasible():
 def test_stop_reason():
     ok = [frozen(i, "ok", {}) for i in range(3)]
     kw = dict(elapsed_s=1.0, timeout_s=None)
-    assert decide.stop_reason(ok, budget=4, **kw) is None
-    assert "holds 3 counted" in decide.stop_reason(ok, budget=3, **kw)
+    assert search_stop_reason(ok, budget=4, **kw) is None
+    assert "holds 3 counted" in search_stop_reason(ok, budget=3, **kw)
     dup = [*ok, frozen(3, "duplicate", {}, duplicate_of=0)]
-    assert decide.stop_reason(dup, budget=4, **kw) is None  # a duplicate is not counted
-    assert "--timeout" in decide.stop_reason(ok, budget=9, **{**kw, "timeout_s": 0.5})
+    assert search_stop_reason(dup, budget=4, **kw) is None  # a duplicate is not counted
+    assert "--timeout" in search_stop_reason(ok, budget=9, **{**kw, "timeout_s": 0.5})
     rejected = [*ok, frozen(3, "inferred_oom", {}, inferred_from=0), frozen(4, "invalid", {}, duration_s=0.0)]
-    assert decide.stop_reason(rejected, budget=4, **kw) is None  # rejected before launch: not counted
+    assert search_stop_reason(rejected, budget=4, **kw) is None  # rejected before launch: not counted
     launched_invalid = [*ok, frozen(3, "invalid", {}, duration_s=7.5, returncode=2)]
-    assert "holds 4 counted" in decide.stop_reason(launched_invalid, budget=4, **kw)  # exit 2 counts
+    assert "holds 4 counted" in search_stop_reason(launched_invalid, budget=4, **kw)  # exit 2 counts
 
 
 # --------------------------------------------------------------------------- the loop over a replay runner
@@ -210,12 +213,12 @@ def test_search_loop_over_a_replay_runner(setup):
 
     trials = study.get_trials()
     recs = [TrialRecord.from_user_attrs(t.user_attrs) for t in trials]
-    assert decide.count_progress(trials) == 4 and "holds 4 counted" in search.stopped_reason
+    assert count_progress(trials) == 4 and "holds 4 counted" in search.stopped_reason
     statuses = [r.status for r in recs]
     assert statuses[:4] == [Status.OK, Status.OOM, Status.INFERRED_OOM, Status.DUPLICATE]
     assert recs[0].baseline and recs[2].inferred_from == 1 and recs[3].duplicate_of == 0
     # the inferred OOM and the duplicate cost nothing and did not count: two more grid points ran instead
-    assert [decide.counted(t) for t in trials] == [True, True, False, False, True, True]
+    assert [counted(t) for t in trials] == [True, True, False, False, True, True]
     assert runner.launched == statuses.count(Status.OK) + statuses.count(Status.OOM) == 4
     assert all(r.engine == "replay" for r, s in zip(recs, statuses) if s in (Status.OK, Status.OOM))
     ok = [t for t, r in zip(trials, recs) if r.status == Status.OK]
@@ -228,7 +231,7 @@ def test_search_loop_over_a_replay_runner(setup):
     assert trials[3].state == TrialState.COMPLETE and trials[3].values == trials[0].values
     assert trials[3].constraints == trials[0].constraints and trials[0].constraints[CONSTRAINT_KEY] < 0
     assert recs[0].constraint == pytest.approx(recs[0].peak_memory_gb / 64.0 - 1)
-    assert len({space.identity({**flat, **r.overrides}) for r, t in zip(recs, trials) if decide.counted(t)}) == 4
+    assert len({space.identity({**flat, **r.overrides}) for r, t in zip(recs, trials) if counted(t)}) == 4
     # Optuna holds the micro-batch as its exponent; the trials' overrides and the observer see the values
     assert trials[1].params == {LOG2_PREFIX + MICRO: 2, GC: True} and recs[1].overrides[MICRO] == 4
     assert [e.params for e in events.events][:3] == [
@@ -267,7 +270,7 @@ def test_rejected_configs_never_consume_the_budget_and_the_space_runs_out(setup)
     assert invalid and all(r.overrides[MICRO] == 8 for r in recs if r.status == Status.INVALID)
     assert all(t.state == TrialState.COMPLETE and t.values == [0.0, 64.0] for t in invalid)
     assert all(t.constraints[CONSTRAINT_KEY] == decide.INVALID_CONSTRAINT for t in invalid)
-    assert decide.count_progress(trials) == len(launched) <= 6  # invalid and inferred OOM are free
+    assert count_progress(trials) == len(launched) <= 6  # invalid and inferred OOM are free
     assert len({space.identity({**flat, **r.overrides}) for r in launched}) == len(launched)
     assert {r.status for r in recs} <= {Status.OK, Status.OOM, Status.INFERRED_OOM, Status.INVALID, Status.DUPLICATE}
 
@@ -286,7 +289,7 @@ def test_rejections_in_a_row_never_stop_the_search(setup):
     search.run()
     trials = study.get_trials()
     assert "holds 4 counted" in search.stopped_reason
-    assert runner.launched == decide.count_progress(trials) == 4
+    assert runner.launched == count_progress(trials) == 4
     assert sum(TrialRecord.from_user_attrs(t.user_attrs).status == Status.INVALID for t in trials) >= 150
 
 
@@ -326,7 +329,7 @@ def test_after_three_duplicates_in_a_row_the_search_proposes_a_neighbour_of_the_
     recs = [TrialRecord.from_user_attrs(t.user_attrs) for t in trials]
     assert [r.status for r in recs][:6] == [Status.OK] * 3 + [Status.DUPLICATE] * 3
     explored = recs[6]
-    assert explored.status == Status.OK and decide.counted(trials[6])
+    assert explored.status == Status.OK and counted(trials[6])
     best = space.complete({MICRO: 2, GC: True}, flat).effective
     assert decide.distance(space, {**flat, **explored.overrides}, best) == 1
     assert "holds 4 counted" in search.stopped_reason and len(trials) == 7
@@ -355,13 +358,13 @@ def _t(number, state, **ua):
 def test_over_budget_counts_what_is_below_and_may_still_count():
     R, C, W, F = TrialState.RUNNING, TrialState.COMPLETE, TrialState.WAITING, TrialState.FAIL
     two_done = [_t(0, C, status="ok"), _t(1, C, status="ok")]
-    assert not decide.over_budget([*two_done, _t(2, R)], 2, budget=3)
+    assert not over_budget([*two_done, _t(2, R)], 2, budget=3)
     # another worker's trial numbered below ours took the last slot in the same moment
-    assert decide.over_budget([*two_done, _t(2, R), _t(3, R)], 3, budget=3)
+    assert over_budget([*two_done, _t(2, R), _t(3, R)], 3, budget=3)
     # ...but not one numbered above ours: that one is the one over the budget
-    assert not decide.over_budget([*two_done, _t(2, R), _t(3, R)], 2, budget=3)
+    assert not over_budget([*two_done, _t(2, R), _t(3, R)], 2, budget=3)
     # an enqueued retry below ours holds its slot: it counts once popped
-    assert decide.over_budget([*two_done, _t(2, W, retry_of=0), _t(3, R)], 3, budget=3)
+    assert over_budget([*two_done, _t(2, W, retry_of=0), _t(3, R)], 3, budget=3)
     # what can never count again does not hold a slot
     for gone in (
         _t(2, F, status="interrupted"),
@@ -370,7 +373,7 @@ def test_over_budget_counts_what_is_below_and_may_still_count():
         _t(2, C, status="ok", confirm_of=0),
         _t(2, W, confirm_of=0),
     ):
-        assert not decide.over_budget([*two_done, gone, _t(3, R)], 3, budget=3), gone.user_attrs
+        assert not over_budget([*two_done, gone, _t(3, R)], 3, budget=3), gone.user_attrs
 
 
 def _worker(setup, study, storage, trials: int):
@@ -404,7 +407,7 @@ def test_a_trial_asked_past_the_budget_is_recorded_over_budget_and_not_run(setup
     assert search.asked_over_budget(mine)
     rec = TrialRecord.from_user_attrs(study.get_trials()[mine.number].user_attrs)
     assert rec.status == Status.OVER_BUDGET and study.get_trials()[mine.number].state == TrialState.FAIL
-    assert decide.count_progress(study.get_trials()) == 2
+    assert count_progress(study.get_trials()) == 2
     # the budget is taken by trials that still run elsewhere: this worker waits instead of leaving
     assert search.ask() is WAIT
     for t in (first, second):
@@ -437,19 +440,19 @@ def test_a_waiting_worker_runs_the_retry_of_a_dead_workers_trial(setup):
     assert recs[dead.number].status == Status.INTERRUPTED
     (retry,) = [n for n, r in recs.items() if r.retry_of == dead.number]
     assert recs[retry].status == Status.OK and trials[retry].params == dead.params
-    assert decide.count_progress(trials) == 2
+    assert count_progress(trials) == 2
 
 
 def test_timeout_leaves_the_confirmation_its_time():
     ok = [frozen(i, "ok", {}, duration_s=d) for i, d in enumerate((10.0, 30.0, 20.0))]
     rerun = frozen(3, "ok", {}, duration_s=500.0, confirm_of=0)  # a re-run's seconds are not the search's
-    assert decide.after_search_s([*ok, rerun], runs=4, timeout_s=1000.0) == 80.0  # 4 x the median 20 s
-    assert decide.after_search_s(ok, runs=40, timeout_s=1000.0) == 500.0  # at most half of the timeout
-    assert decide.after_search_s(ok, runs=0, timeout_s=1000.0) == 0.0
-    assert decide.after_search_s([], runs=4, timeout_s=1000.0) == 0.0  # nothing measured yet
+    assert after_search_s([*ok, rerun], runs=4, timeout_s=1000.0) == 80.0  # 4 x the median 20 s
+    assert after_search_s(ok, runs=40, timeout_s=1000.0) == 500.0  # at most half of the timeout
+    assert after_search_s(ok, runs=0, timeout_s=1000.0) == 0.0
+    assert after_search_s([], runs=4, timeout_s=1000.0) == 0.0  # nothing measured yet
     kw = dict(budget=9, timeout_s=100.0)
-    assert decide.stop_reason(ok, elapsed_s=70.0, reserve_s=20.0, **kw) is None
-    why = decide.stop_reason(ok, elapsed_s=81.0, reserve_s=20.0, **kw)
+    assert search_stop_reason(ok, elapsed_s=70.0, reserve_s=20.0, **kw) is None
+    why = search_stop_reason(ok, elapsed_s=81.0, reserve_s=20.0, **kw)
     assert why == "--timeout 100 s: ~20 s of it left for the confirmation and the probes"
 
 
@@ -646,7 +649,9 @@ def test_an_oom_that_a_fitted_hungrier_config_contradicts_rules_nothing_out():
 
     def judged(*trials):
         known = decide.known_configs(list(trials), space, flat)
-        return decide.judge(hungry, number=9, space=space, trial_base=trial_base, trial_flat=flat, known=known)
+        return decide.judge_candidate(
+            hungry, number=9, space=space, trial_base=trial_base, trial_flat=flat, known=known
+        )
 
     assert judged(oom, best).status == Status.INFERRED_OOM  # the OOM stands: nothing contradicts it
     fitted = frozen(2, "ok", {MICRO: 2, GC: False, REF: 1}, values=[200.0, 1.0], throughput=200.0)  # hungrier, ran
@@ -666,16 +671,16 @@ def test_the_incumbents_neighbour_is_launched_rather_than_inferred_and_a_local_s
     far = space.complete({MICRO: 4, GC: False, REF: 2}, flat)  # two steps
     args = dict(space=space, trial_base=trial_base, trial_flat=flat, known=known)
     # the first time it is proposed, the OOM rules the neighbour out like any config at least as hungry
-    assert decide.judge(near, number=5, **args).status == Status.INFERRED_OOM
+    assert decide.judge_candidate(near, number=5, **args).status == Status.INFERRED_OOM
     inferred = frozen(2, "inferred_oom", dict(near.overrides), values=[0.0, 64.0], constraint=1.5, inferred_from=1)
     trials.append(inferred)
     revisitable = decide.inferred_only(trials, space, flat)
     assert revisitable == {space.identity(near.effective)}
     # held only as an inferred OOM, one step from the incumbent: launched when proposed again; two steps: not
-    assert decide.judge(near, number=6, revisitable=revisitable, **args).launch
-    assert decide.judge(far, number=7, revisitable=revisitable | {space.identity(far.effective)}, **args).status == (
-        Status.INFERRED_OOM
-    )
+    assert decide.judge_candidate(near, number=6, revisitable=revisitable, **args).launch
+    assert decide.judge_candidate(
+        far, number=7, revisitable=revisitable | {space.identity(far.effective)}, **args
+    ).status == (Status.INFERRED_OOM)
     # a local step proposes it again (the policy passes over configs held only as inferred OOMs)
     policy = _policy(space, flat)
     for turn in range(8):  # every local turn until it proposes the inferred neighbour

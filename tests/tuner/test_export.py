@@ -16,7 +16,7 @@ from support import REPO as ROOT
 from trainer.config import flatten, load_config
 from trainer.contracts import CONSTRAINT_KEY, Status
 from tuner.cli import main
-from tuner.stages import confirm
+from tuner.rules import finalists as confirm
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +155,7 @@ def test_a_confirmed_peak_over_the_limit_or_a_failed_rerun_is_no_pick(tmp_path):
 
 def _probed(study, probes: dict) -> None:
     """The study attribute ``Search.probe_worst_case`` writes: ``{number: ProbeResult.to_dict()}``."""
-    from tuner.stages.probe import WORST_CASE_ATTR, ProbeResult
+    from tuner.trials.probe import WORST_CASE_ATTR, ProbeResult
 
     got = {}
     for n, (status, peak, phase) in probes.items():
@@ -191,7 +191,7 @@ def test_an_unprobed_pick_says_so(demo_out, tmp_path):
 def test_export_writes_the_production_world_not_the_trials(tmp_path):
     """A study whose trials ran 2 GPUs for a 2 x 8 job (``target``): best_config.yaml carries the job's
     world and global batch sizes; why.md says what the trials ran."""
-    from tuner.world import plan_world
+    from tuner.rules.world import plan_world
 
     study = make_demo_study(f"sqlite:///{tmp_path / 'p.db'}")
     base = flatten(study.user_attrs["base_config"])

@@ -1,4 +1,4 @@
-"""When a search stops because it cannot work (tuner.search.budget.FailureRule): the baseline failed, or the same
+"""When a search stops because it cannot work (tuner.rules.budget.FailureRule): the baseline failed, or the same
 error came back --max-failures-in-a-row times. The rule alone, then the loop over a replay runner with real
 Optuna studies (tests/e2e/test_fail_fast.py runs it with real trials)."""
 
@@ -9,7 +9,7 @@ import pytest
 
 from support import search_over, tiny_setup
 from trainer.contracts import DIRECTIONS, ExitCode, Status
-from tuner.search.budget import FailureRule, error_signature
+from tuner.rules.budget import FailureRule, error_signature
 from tuner.trials.runners import ReplayRunner
 
 MICRO = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"

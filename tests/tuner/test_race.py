@@ -1,11 +1,11 @@
-"""How long a confirmation goes on (tuner.stages.race): its interval by hand, and the rounds it asks for."""
+"""How long a confirmation goes on (tuner.rules.race): its interval by hand, and the rounds it asks for."""
 
 from __future__ import annotations
 
 import pytest
 
-from tuner.stages import confirm
-from tuner.stages.race import Rerun, paired_interval, race, run_noise
+from tuner.rules import finalists as confirm
+from tuner.rules.race import Rerun, paired_interval, race, run_noise
 
 
 def ok(number: int, thr: float, ci=None, *, loaded: bool = False) -> Rerun:

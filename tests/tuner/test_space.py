@@ -517,8 +517,8 @@ def test_speed_hints_are_read_checked_and_scored():
 def test_a_study_resumes_across_speed_hints_but_not_across_another_space():
     """The study keeps the space it was created with; a knob's advisory fields (``speed``, ``help``) change no
     config of the space, so adding them (as the shipped spaces did) does not refuse a resume."""
-    from tuner.search.command import _incompatible
     from tuner.space import comparable_space
+    from tuner.study.opening import incompatible as _incompatible
 
     old = yaml.safe_load((REPO / "search_spaces" / "tiny_cpu.yaml").read_text())
     for spec in old["knobs"].values():

@@ -11,7 +11,8 @@ from test_decide import GC, MICRO, SPACE, _policy, frozen
 
 from support import search_over, tiny_setup
 from trainer.contracts import DIRECTIONS, Status, TrialRecord
-from tuner.search import decide
+from tuner.rules import candidates as decide
+from tuner.rules.budget import count_progress
 from tuner.search.stall import STALL_AFTER, propose_itself
 from tuner.trials.runners import Recorded, ReplayRunner
 
@@ -98,7 +99,7 @@ def test_a_stalled_search_launches_the_noisy_boundary_and_walks_past_it(setup):
         Status.OK,
     )
     assert search.stopped_reason == "every config of the space is measured or ruled out (6 launched)"
-    assert decide.count_progress(study.get_trials()) == runner.launched == 6 < 20
+    assert count_progress(study.get_trials()) == runner.launched == 6 < 20
 
 
 def test_an_inference_whose_oom_was_contradicted_is_proposed_again(setup):

@@ -25,7 +25,7 @@ from trainer.contracts import (
     TrialRecord,
     parse_storage,
 )
-from tuner.search.decide import count_progress, counted
+from tuner.rules.budget import count_progress, counted
 from tuner.study import lifecycle as st
 from tuner.study import storage as st_storage
 from tuner.study.storage import close_storage, open_storage, trial_id

@@ -17,7 +17,7 @@ def _run(code: str, home, extra_env=None) -> subprocess.CompletedProcess:
 
 
 def test_credentials_detection(tmp_path):
-    code = "from tuner.search.tracking import has_credentials; print(has_credentials())"
+    code = "from tuner.search.wandb_runs import has_credentials; print(has_credentials())"
     assert _run(code, tmp_path).stdout.strip() == "False"
     assert _run(code, tmp_path, {"WANDB_API_KEY": "x" * 40}).stdout.strip() == "True"
     (tmp_path / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password " + "y" * 40 + "\n")
@@ -30,7 +30,7 @@ def test_offline_run_per_trial(tmp_path):
         f"""
         import os
         from pathlib import Path
-        from tuner.search.tracking import TrialTracker
+        from tuner.search.wandb_runs import TrialTracker
         t = TrialTracker(project="ppotune-test", group="study-x", out_dir=Path({str(tmp_path / "out")!r}))
         print("MODE", os.environ["WANDB_MODE"])
         rid = t.log_trial(3, status="ok", params={{"a.b": 2}}, overrides={{"a.b": 2}},

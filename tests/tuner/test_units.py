@@ -1,6 +1,6 @@
-"""tuner.units.gb: memory figures with the digits that tell small runs apart."""
+"""tuner.rules.units.gb: memory figures with the digits that tell small runs apart."""
 
-from tuner.units import gb
+from tuner.rules.units import gb
 
 
 def test_small_figures_keep_three_significant_digits_large_ones_two_decimals():

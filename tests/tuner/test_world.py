@@ -1,10 +1,10 @@
-"""tuner.world: a trial on a few GPUs keeps the production job's per-GPU batch (pure, fast)."""
+"""tuner.rules.world: a trial on a few GPUs keeps the production job's per-GPU batch (pure, fast)."""
 
 from __future__ import annotations
 
 import pytest
 
-from tuner.world import WorldPlan, plan_world, production_overrides, trial_overrides
+from tuner.rules.world import WorldPlan, plan_world, production_overrides, trial_overrides
 
 PROD = {
     "trainer.nnodes": 8,

@@ -325,7 +325,7 @@ class PPOTuneSection:
     # Test hook that makes a real failure happen in the ranks (not a simulation):
     # none | hang (rank 1 never joins a collective) | crash (rank 1 SIGKILLs itself mid-step)
     fault: str = "none"
-    # The worst-case-length probe (`ppotune probe`, tuner/stages/probe.py): every prompt is data.max_prompt_length
+    # The worst-case-length probe (`ppotune probe`, tuner/trials/probe.py): every prompt is data.max_prompt_length
     # real tokens (each prompt's own tokens repeated from the left, after the chat template and truncation:
     # no pad token, which remove-padding would drop) and every response data.max_response_length tokens
     # (EOS cannot be sampled, HF min_new_tokens / vLLM min_tokens + ignore_eos), so every batch is the

@@ -8,7 +8,7 @@ import sys
 
 from trainer.contracts import ExitCode
 
-__all__ = ["add_override_flag", "overrides_of", "fail", "deprecated"]
+__all__ = ["add_override_flag", "overrides_of", "command_error", "deprecated"]
 
 
 def add_override_flag(p: argparse.ArgumentParser, *, positional: bool = False, what: str = "the config") -> None:
@@ -36,7 +36,7 @@ def overrides_of(args: argparse.Namespace) -> list[str]:
     return [*(getattr(args, "overrides", None) or []), *(getattr(args, "override", None) or [])]
 
 
-def fail(command: str, message: str, code: int = ExitCode.USAGE) -> int:
+def command_error(command: str, message: str, code: int = ExitCode.USAGE) -> int:
     """``ppotune COMMAND: error: MESSAGE`` on stderr (one line); returns ``code`` (2: bad input)."""
     print(f"ppotune {command}: error: {message}", file=sys.stderr, flush=True)
     return code

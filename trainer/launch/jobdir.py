@@ -68,7 +68,7 @@ def serve_layout(config: dict) -> dict:
 
 def warm_refusal(config: dict) -> Optional[str]:
     """Why this (complete, nested) config cannot run as a trial of a warm job, or None."""
-    from trainer.verl_engine.adapter import detect_device  # NVML only, no torch
+    from trainer.launch.device import detect_device  # NVML only, no torch
 
     # an unnamed rollout is vLLM on a GPU (trainer.config.rollout_name; preflight refused it where vLLM is missing)
     device = detect_device(config["ppotune"]["device"])

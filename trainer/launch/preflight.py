@@ -70,7 +70,7 @@ def preflight(cfg: PPOConfig, *, source: Optional[str] = None) -> None:
     """Check a validated config's inputs (ConfigError naming the file and the key): every ``data.train_files``
     file, the actor's model directory and tokenizer, the critic's model directory when it is another, and that the
     rollout a GPU run takes when none is named (vLLM) imports here."""
-    from trainer.verl_engine.adapter import detect_device  # NVML only, no torch
+    from trainer.launch.device import detect_device  # NVML only, no torch
 
     vllm = importlib.util.find_spec("vllm") is not None  # found, not imported: no CUDA set-up here
     rollout = cfg.actor_rollout_ref.rollout.name

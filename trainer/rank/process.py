@@ -2,7 +2,7 @@
 
 :func:`start_rank` sets up what a rank keeps across trials (device, process group, the result's
 ``environment``); :func:`new_state` is the rank's status file (``<rank-dir>/rank<r>.json``) before anything
-ran, :func:`on_sigterm_write` and :func:`fail` what it says when the rank is stopped or fails. An OOM anywhere
+ran, :func:`on_sigterm_write` and :func:`fail_rank` what it says when the rank is stopped or fails. An OOM anywhere
 is caught, recorded, and the rank exits at once (code 3): its peers, blocked in a collective, are then ended
 by the launcher, which reads the files. The host-memory bookkeeping a trial counts from
 (:class:`MemoryLevel`, :func:`malloc_trim`) and its cap (:func:`apply_memory_limit`) live here too.
@@ -35,7 +35,7 @@ __all__ = [
     "MemoryLevel",
     "malloc_trim",
     "apply_memory_limit",
-    "fail",
+    "fail_rank",
     "new_state",
     "on_sigterm_write",
 ]
@@ -130,7 +130,7 @@ def on_sigterm_write(current: dict) -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
-def fail(exc: BaseException, rank: int, rank_file: Path, state: dict) -> NoReturn:
+def fail_rank(exc: BaseException, rank: int, rank_file: Path, state: dict) -> NoReturn:
     """Record a failure in the rank's status file and leave at once (3 for an OOM, 1 else)."""
     oom = is_oom_error(exc)
     state["status"] = "oom" if oom else "error"

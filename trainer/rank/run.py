@@ -1,7 +1,7 @@
 """One rank of a cold PPO run: ``python -m trainer.rank.run CONFIG --rank-dir DIR`` (started by ``ppotune train``:
-trainer/launch/train.py, trainer/launch/ranks.py).
+tuner/commands/train.py, trainer/launch/ranks.py).
 
-:func:`main`: :func:`trainer.rank.process.start_rank` (device, process group) ->
+:func:`rank_main`: :func:`trainer.rank.process.start_rank` (device, process group) ->
 :func:`trainer.rank.trial.run_trial` (memory cap, data, models, steps -- the first ``ppotune.warmup_steps``
 marked warm-up -- optional HF checkpoint) -> cleanup. A warm job (trainer/rank/serve.py) runs the same two
 functions: ``start_rank`` once, ``run_trial`` per trial. Each rank writes ``<rank-dir>/rank<r>.json``: its
@@ -9,7 +9,7 @@ status (ok | oom | error), and on rank 0 the per-step metrics, rewritten after e
 keeps what was measured. An OOM anywhere is caught, recorded, and the rank exits at once (code 3): its peers,
 blocked in a collective, are then ended by the launcher, which reads the files (trainer.rank.process.fail).
 
-torch is imported inside :func:`main`, after the rank's signal handling is set: a failure while importing
+torch is imported inside :func:`rank_main`, after the rank's signal handling is set: a failure while importing
 is recorded like any other.
 """
 
@@ -22,13 +22,13 @@ import sys
 from pathlib import Path
 
 from trainer.launch.proc import die_with_parent, leave_rank, write_json_atomic
-from trainer.rank.process import fail, new_state, on_sigterm_write, start_rank
+from trainer.rank.process import fail_rank, new_state, on_sigterm_write, start_rank
 from trainer.rank.trial import run_trial
 
-__all__ = ["main"]
+__all__ = ["rank_main"]
 
 
-def main(argv: list[str] | None = None) -> int:
+def rank_main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="trainer.rank.run")
     ap.add_argument("config")
     ap.add_argument("--rank-dir", required=True)
@@ -50,8 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         write_json_atomic(rank_file, state)
         leave_rank()
     except BaseException as exc:  # noqa: BLE001 - every failure becomes data for the launcher
-        fail(exc, rank, rank_file, state)
+        fail_rank(exc, rank, rank_file, state)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(rank_main())

@@ -41,10 +41,10 @@ from pathlib import Path
 
 from trainer.launch.jobdir import JobDir
 from trainer.launch.proc import die_with_parent, leave_rank, write_json_atomic
-from trainer.rank.process import MemoryLevel, fail, malloc_trim, new_state, on_sigterm_write, start_rank
+from trainer.rank.process import MemoryLevel, fail_rank, malloc_trim, new_state, on_sigterm_write, start_rank
 from trainer.rank.trial import run_trial
 
-__all__ = ["main", "WeightCache"]
+__all__ = ["serve_main", "WeightCache"]
 
 
 class WeightCache:
@@ -141,7 +141,7 @@ def _next_task(job: JobDir, seq: int) -> dict:
     return json.loads(path.read_text())
 
 
-def main(argv: list[str] | None = None) -> int:
+def serve_main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="trainer.rank.serve")
     ap.add_argument("config", help="the job's config: its layout (world size, device, process-group timeout)")
     ap.add_argument("--job-dir", required=True)
@@ -201,8 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         dist.destroy_process_group()
         leave_rank()
     except BaseException as exc:  # noqa: BLE001 - every failure becomes data for the launcher
-        fail(exc, rank, current["rank_file"], current["state"])
+        fail_rank(exc, rank, current["rank_file"], current["state"])
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(serve_main())

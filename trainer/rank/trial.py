@@ -175,7 +175,7 @@ def _load_data(cfg, tokenizer, data_cache: Optional[dict]) -> _Data:
 
 
 def _per_gpu(cfg, world: int) -> dict:
-    """What each GPU runs per step: the same at the trial's world and the production's (tuner.world)."""
+    """What each GPU runs per step: the same at the trial's world and the production's (tuner.rules.world)."""
     n = cfg.actor_rollout_ref.rollout.n
     return {
         "world_size": world,
@@ -448,11 +448,11 @@ class _Steps:
     def stop_reason(self, step: int, state: dict) -> Optional[str]:
         """The summary so far, and why the trial stops after this step (None: it goes on). Every rank decides
         alike: the inputs (step time, tokens, peaks) were all-reduced."""
-        from trainer.summary import stop_reason, summarize_steps
+        from trainer.summary import measuring_done, summarize_steps
 
         cfg, total_steps = self.cfg, self.cfg.trainer.total_training_steps
         summary = state["summary"] = summarize_steps(state["steps"], device_type=self.device.type, lengths=self.lengths)
-        stop = stop_reason(
+        stop = measuring_done(
             [s["perf/throughput"] for s in state["steps"] if not s["warmup"]],
             peak_memory_gb=summary["peak_memory_gb"],
             precision=cfg.ppotune.precision,

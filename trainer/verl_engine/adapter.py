@@ -24,7 +24,7 @@ A run file is the verl config as Hydra overrides, verl's keys only, plus how to 
 What a trial adds to the user's overrides (and export leaves out): ``TRIAL_KEYS`` (step count,
 no validation or checkpoints, the file logger, no Ray dashboard unless the run file asks for one).
 A run with ``precision`` (or a study's ``front``) reads verl's per-step JSONL as it is written and
-ends verl once :func:`trainer.summary.stop_reason` says it has measured enough, as our own trainer
+ends verl once :func:`trainer.summary.measuring_done` says it has measured enough, as our own trainer
 does (status ok, ``stopped_early`` in the summary). On a CPU-only machine it also loads the CPU shim
 (:mod:`trainer.verl_engine.cpu`, verl 0.9.1 only) and adds ``CPU_KEYS``: nothing of it on a GPU.
 """
@@ -47,6 +47,7 @@ from typing import Any, Optional
 
 from trainer.config import ConfigError, flatten
 from trainer.contracts import ExitCode
+from trainer.launch.device import detect_device
 from trainer.launch.proc import (
     PR_SET_CHILD_SUBREAPER,
     die_with_parent,
@@ -71,7 +72,7 @@ __all__ = [
     "steps_from_jsonl",
     "lengths_of",
     "classify_failure",
-    "run",
+    "train_verl",
     "SUPPORTED_VERL",
     "TRIAL_KEYS",
     "CPU_KEYS",
@@ -115,20 +116,6 @@ OOM_GRACE_S = 30.0  # after an OOM line, how long verl gets to end by itself bef
 
 
 # --------------------------------------------------------------------------- the command
-def detect_device(want: str) -> str:
-    if want != "auto":
-        return want
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        n = pynvml.nvmlDeviceGetCount()
-        pynvml.nvmlShutdown()
-        return "cuda" if n > 0 else "cpu"
-    except Exception:  # noqa: BLE001 - no driver, no library: a CPU machine
-        return "cpu"
-
-
 def run_device(spec: RunSpec) -> str:
     """``cpu`` or ``cuda``: what a run of ``spec`` runs on (its ``ppotune.device``; auto: a GPU when NVML sees one).
     Every reading of a run file (``space check``, ``search`` and its ``--dry-run``, ``probe``, the run) asks this."""
@@ -468,7 +455,7 @@ def _stream(cmd: list[str], *, env: dict[str, str], cwd: Path, enough=lambda: No
     return returncode, "\n".join(tail), oom_line
 
 
-def run(args: Any) -> int:
+def train_verl(args: Any) -> int:
     """``ppotune train --engine verl`` (the launcher hands its parsed flags over)."""
     result_path = Path(args.result) if args.result else None
     try:

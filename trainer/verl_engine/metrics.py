@@ -9,7 +9,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Optional
 
-from trainer.summary import stop_reason, summarize_steps
+from trainer.summary import measuring_done, summarize_steps
 from trainer.verl_engine.schedule import Schedule
 
 _PLUGIN_MEMORY = "ppotune/memory/"
@@ -90,7 +90,7 @@ def lengths_of(rows: list[dict]) -> dict:
 
 
 class Enough:
-    """Whether a running verl has measured enough (``precision``, ``front``: :func:`trainer.summary.stop_reason`),
+    """Whether a running verl has measured enough (``precision``, ``front``: :func:`trainer.summary.measuring_done`),
     read from its file logger's JSONL as it grows. ``stopped``: why it was ended, with the step."""
 
     def __init__(self, spec, metrics: Path, device: str):
@@ -114,7 +114,7 @@ class Enough:
         if not rows or rows[-1]["step"] >= self.spec.steps:
             return None  # the last step: verl ends by itself
         summary = summarize_steps(rows, device_type=self.device)
-        why = stop_reason(
+        why = measuring_done(
             [r["perf/throughput"] for r in rows if not r["warmup"]],
             peak_memory_gb=summary["peak_memory_gb"],
             precision=self.spec.precision,

@@ -1,12 +1,11 @@
 """``ppotune fit BASE --nproc N``: the largest per-GPU sizes whose worst-case step keeps the headroom free.
 
-Parsing and orchestration only: the inputs are checked (:mod:`tuner.fit.inputs`: exit 2, one line naming the file
-and the key, before anything is written), the study opened or resumed (every probe is a trial: ``--storage`` as for
-a search), the probes run (:class:`tuner.fit.run.FitRun`, the decisions in :mod:`tuner.fit.boundary`), then the files
-written (:mod:`tuner.results.fit_files`: ``fit.yaml``, ``verl_overrides.txt``, ``fit.json``, ``why.md``) and, with
+Parsing and orchestration only: the inputs are checked (:mod:`tuner.fit.inputs`: exit 2, one line naming the file and
+the key, before anything is written), the study opened or resumed (every probe is a trial: ``--storage`` as for a
+search), the probes run (:class:`tuner.search.fit_probes.FitRun`, the decisions in :mod:`tuner.fit.boundary`), then the
+files written (:mod:`tuner.results.fit_files`: ``fit.yaml``, ``verl_overrides.txt``, ``fit.json``, ``why.md``) and, with
 ``--report``, the report. Exit codes: 0 fitted, 3 not even the smallest sizes fit, 1 a probe failed otherwise (crash,
-hang), 2 bad input, 130 Ctrl-C (the same command resumes).
-"""
+hang), 2 bad input, 130 Ctrl-C (the same command resumes)."""
 
 from __future__ import annotations
 
@@ -27,10 +26,10 @@ from trainer.contracts import (
     StorageSpec,
     parse_storage,
 )
-from trainer.launch.cliflags import add_override_flag, fail, overrides_of
+from trainer.launch.cliflags import add_override_flag, command_error, overrides_of
 from tuner.fit.boundary import FitBlocked
 from tuner.fit.inputs import FitInputs, fit_inputs, ladder_space
-from tuner.fit.run import FIT_ATTR, FitRun, fit_attr, state_of
+from tuner.search.fit_probes import FIT_ATTR, FitRun, fit_attr, state_of
 from tuner.search.session import TrialSession
 from tuner.space import space_from_dict
 from tuner.study import lifecycle as st
@@ -143,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         inputs, spec = _inputs(args, out)
     except ValueError as e:  # ConfigError / StorageError / a bad flag: one line naming file and key
-        return fail("fit", str(e))
+        return command_error("fit", str(e))
     name = args.study or f"{Path(args.base_config).stem}--fit"
     left = Leftovers(out, out / "jobs", out / "trials", spec.path, spec.lock_path)
     space = space_from_dict(ladder_space(inputs.knobs), source="ppotune fit")
@@ -162,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
         state_of(study.user_attrs.get(FIT_ATTR), inputs)  # a study of another fit is refused
     except (ValueError, StorageError) as e:
         left.undo()
-        return fail("fit", f"study {name!r}: {e}")
+        return command_error("fit", f"study {name!r}: {e}")
     return _fit(args, inputs, spec, name, study, storage, lock, space, out, created)
 
 

@@ -5,7 +5,7 @@
 * :mod:`tuner.fit.propose`: the memory model's proposals and the values it rules out (pure);
 * :mod:`tuner.fit.answer`: the per-knob table (pure);
 * :mod:`tuner.fit.inputs`: what a fit is about, checked before anything runs;
-* :mod:`tuner.fit.run`: the probes as trials of a study, the state kept in it (effects);
+* :mod:`tuner.search.fit_probes`: the probes as trials of a study, the state kept in it (effects);
 * :mod:`tuner.fit.bounds`: a search started from a fit (``ppotune search --from-fit DIR``).
 
 The command is :mod:`tuner.commands.fit`; the files and the report's table are :mod:`tuner.results.fit_files`.

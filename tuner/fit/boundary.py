@@ -2,8 +2,8 @@
 
 Each knob (:class:`~tuner.fit.ladder.SizeKnob`) keeps an interval of its ladder: ``lo``, the largest rung known to fit
 (-1: none yet), and ``hi``, the smallest rung known not to (the ladder's length: none). A probe runs every knob at a
-rung; :func:`judge` turns its outcome into one :class:`Observation` per knob it can speak for, read pass by pass in
-the order the step runs them:
+rung; :func:`judge_probe` turns its outcome into one :class:`Observation` per knob it can speak for, read pass by
+pass in the order the step runs them:
 
 * a pass whose peak (on the memory objective's basis) stays within the limit: its knob **fits** at that rung;
 * the first pass over the limit, or the pass a rank ran out of memory in: its knob is **over** (measured) or
@@ -39,7 +39,7 @@ __all__ = [
     "FitState",
     "FitBlocked",
     "ProbePlan",
-    "judge",
+    "judge_probe",
     "next_probe",
 ]
 
@@ -236,7 +236,7 @@ def _own_peak(knob: SizeKnob, by_phase: Mapping[str, float], offset: float) -> O
     return max(got) + offset if got else None
 
 
-def judge(
+def judge_probe(
     state: FitState,
     rungs: Mapping[str, int],
     outcome: ProbeOutcome,

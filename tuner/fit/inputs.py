@@ -21,10 +21,10 @@ from trainer.contracts import DEFAULT_HEADROOM
 from trainer.launch.preflight import preflight
 from tuner.fit.ladder import size_knobs
 from tuner.memory_model import flat_config
-from tuner.stages.probe import probe_config
+from tuner.rules.world import WorldPlan, plan_world, trial_overrides
 from tuner.trials.memory import gpu_info, nvml_available, visible_gpus
+from tuner.trials.probe import probe_config
 from tuner.trials.runners import VerlEngine
-from tuner.world import WorldPlan, plan_world, trial_overrides
 
 __all__ = ["FitInputs", "fit_inputs", "device_of", "ladder_space"]
 

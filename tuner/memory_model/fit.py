@@ -70,7 +70,7 @@ __all__ = [
     "MIN_LOO_SAMPLES",
     "features_gb",
     "fit_phase",
-    "Prediction",
+    "MemoryPrediction",
     "MemoryModel",
 ]
 
@@ -158,7 +158,7 @@ def fit_phase(
 
 
 @dataclass
-class Prediction:
+class MemoryPrediction:
     """A config's predicted memory per GPU (GB)."""
 
     by_phase_gb: dict  # {phase: GB}
@@ -313,7 +313,7 @@ class MemoryModel:
         lengths: Optional[Lengths] = None,
         worst_case: bool = False,
         shape: Optional[ModelShape] = None,
-    ) -> Prediction:
+    ) -> MemoryPrediction:
         """The per-phase and objective peaks (GB per GPU) of ``config`` (nested or flat).
 
         ``world``: shard the states over this many GPUs instead of the config's world size, at the config's
@@ -343,7 +343,7 @@ class MemoryModel:
             by_phase[p] = max(0.0, sum(parts.values()))
             states[p] = parts["states"]
         peak = max(by_phase.values()) + self.objective_offset_gb
-        return Prediction(
+        return MemoryPrediction(
             by_phase_gb=by_phase,
             peak_gb=peak,
             state_gb=states,

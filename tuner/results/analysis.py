@@ -226,7 +226,7 @@ class BaselineVsBest:
     thr_ratio: Optional[float] = None  # best / baseline, when the baseline is feasible (single trials)
     mem_ratio: Optional[float] = None
     confirmed: Optional[dict] = (
-        None  # the pick's confirmed figures (tuner.stages.confirm.summarize), when it rests on them
+        None  # the pick's confirmed figures (tuner.rules.finalists.summarize), when it rests on them
     )
 
 

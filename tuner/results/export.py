@@ -34,17 +34,17 @@ import yaml
 
 from trainer.config import ConfigError, apply_overrides, config_from_dict, config_to_dict, flatten
 from trainer.contracts import DEFAULT_HEADROOM, ExitCode, StorageError, search_dir_of
-from trainer.launch.cliflags import deprecated, fail
+from trainer.launch.cliflags import command_error, deprecated
 from trainer.verl_engine.overrides import hydra_value, verl_overrides
 from tuner.results.pick import PICKS, Choice, NoFit, choose, pct, trial_row
 from tuner.results.view import StudyView, add_study_arguments, view_from_args
 from tuner.results.why import nearest_oom, why_md
-from tuner.stages.confirm import describe
+from tuner.rules.finalists import describe
+from tuner.rules.units import gb
+from tuner.rules.world import WorldPlan, production_overrides
 from tuner.study.frame import Fit, headroom_filter
 from tuner.study.schema import comment_safe, notes_summary
 from tuner.study.selection import Selection, selection_of
-from tuner.units import gb
-from tuner.world import WorldPlan, production_overrides
 
 __all__ = [
     "PICKS",
@@ -94,7 +94,7 @@ def chosen_overrides(view: StudyView, number: int) -> dict[str, Any]:
 
 def best_config(view: StudyView, number: int) -> dict:
     """The study's base config with trial ``number``'s overrides, at the production world with its global
-    batch sizes (the study's ``target``, :mod:`tuner.world`; the trials ran them scaled), validated; a full
+    batch sizes (the study's ``target``, :mod:`tuner.rules.world`; the trials ran them scaled), validated; a full
     nested dict."""
     base = view.attrs.get("base_config")
     if not isinstance(base, dict):
@@ -300,7 +300,7 @@ def add_arguments(parser) -> None:
 
 
 def _fail(message: str) -> int:
-    return fail("export", message)
+    return command_error("export", message)
 
 
 def _verl_missing(python: Optional[str] = None) -> Optional[str]:
@@ -362,7 +362,7 @@ def confirm_command(view: StudyView, asked: Selection) -> str:
     """``ppotune search BASE --space SPACE --storage S --study N --trials T ...``: the study's search resumed
     with no new trial (``--trials`` = the trials it holds), so only its confirmation and worst-case probe run, for
     ``asked``. Every value from the study is quoted, then escaped for one line."""
-    from tuner.search.decide import count_progress
+    from tuner.rules.budget import count_progress
 
     a = view.attrs
     done = count_progress(view.study.get_trials(deepcopy=False))

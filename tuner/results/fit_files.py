@@ -1,9 +1,9 @@
-"""What ``ppotune fit`` writes, read from its study (the study attribute ``fit``, :mod:`tuner.fit.run`): ``fit.yaml``
-(the complete config: the base config at the production world with the fitted sizes; for ``--engine verl`` the run
-file), ``verl_overrides.txt`` (the sizes as Hydra ``key=value`` lines; verl's run: every line of the run), ``fit.json``
-(the table as data: what ``ppotune search --from-fit`` reads) and ``why.md`` (the table, per knob: the value, its
-measured worst-case peak, the next value up and why it does not fit, the memory model's figure beside each). The
-report of a fit's study shows the same table (:func:`fit_html`).
+"""What ``ppotune fit`` writes, read from its study (the study attribute ``fit``, :mod:`tuner.search.fit_probes`):
+``fit.yaml`` (the complete config: the base config at the production world with the fitted sizes; for ``--engine verl``
+the run file), ``verl_overrides.txt`` (the sizes as Hydra ``key=value`` lines; verl's run: every line of the run),
+``fit.json`` (the table as data: what ``ppotune search --from-fit`` reads) and ``why.md`` (the table, per knob: the
+value, its measured worst-case peak, the next value up and why it does not fit, the memory model's figure beside each).
+The report of a fit's study shows the same table (:func:`fit_html`).
 
 The study is data: every value read from it goes into a comment line escaped, into HTML escaped.
 """

@@ -22,8 +22,8 @@ from tuner.results.analysis import (
 from tuner.results.memory_findings import findings_md, projection_text
 from tuner.results.plots import STATUS_STYLE
 from tuner.results.view import TIME_PREFIX, StudyView, missing, pareto_front
-from tuner.stages.confirm import CONFIRMATION_ATTR, describe, rounds_text
-from tuner.units import gb
+from tuner.rules.finalists import CONFIRMATION_ATTR, describe, rounds_text
+from tuner.rules.units import gb
 
 __all__ = ["report_html", "summary_md", "page_head", "trials_section"]
 
@@ -141,7 +141,7 @@ def _all_trials_table(view: StudyView) -> str:
 
 
 def _confirmation_table(conf: dict) -> str:
-    """The study's ``confirmation`` (tuner.stages.confirm.aggregate): one row per finalist, then the baseline."""
+    """The study's ``confirmation`` (tuner.rules.finalists.aggregate): one row per finalist, then the baseline."""
     rows = []
     for e in list(conf.get("finalists") or []) + [conf.get("baseline_result")]:
         if not e:

@@ -15,8 +15,8 @@ from typing import Any, Optional
 from trainer.config import flatten
 from trainer.contracts import Status
 from tuner.results.view import StudyView
-from tuner.stages.probe import WORST_CASE_ATTR, ProbeResult
-from tuner.world import WorldPlan
+from tuner.rules.world import WorldPlan
+from tuner.trials.probe import WORST_CASE_ATTR, ProbeResult
 
 __all__ = ["MemoryFindings", "memory_findings", "findings_md", "projection_text"]
 

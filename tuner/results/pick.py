@@ -15,10 +15,10 @@ import pandas as pd
 
 from trainer.contracts import DEFAULT_HEADROOM, Status, StorageError
 from tuner.results.view import StudyView
-from tuner.stages.confirm import CONFIRMATION_ATTR, entry_of, rank_confirmed
-from tuner.stages.probe import WORST_CASE_ATTR, ProbeResult
+from tuner.rules.finalists import CONFIRMATION_ATTR, entry_of, rank_confirmed
 from tuner.study.frame import Fit, headroom_filter, measured_feasible, pareto_mask
 from tuner.study.selection import PICKS, rank_trials
+from tuner.trials.probe import WORST_CASE_ATTR, ProbeResult
 
 __all__ = ["PICKS", "Choice", "NoFit", "choose", "pct", "trial_row", "worst_case_text"]
 
@@ -39,7 +39,7 @@ class Choice:
     ranking: list[int]  # feasible trials under the limit, best first by ``pick`` (confirmed: the confirmed ones)
     front: list[int]  # the feasible Pareto front under the limit
     warning: Optional[str] = None
-    confirmation: Optional[dict] = None  # the study's ``confirmation`` attribute (tuner.stages.confirm.aggregate)
+    confirmation: Optional[dict] = None  # the study's ``confirmation`` attribute (tuner.rules.finalists.aggregate)
     confirmed: Optional[dict] = None  # the chosen config's confirmed figures (an entry of it), if it has them
     unconfirmed: Optional[str] = None  # why the pick does not rest on a confirmation (None: it does)
     left_out: list = dataclasses.field(default_factory=list)  # (number, why): confirmed configs not eligible
@@ -67,7 +67,7 @@ def choose(view: StudyView, *, pick: str = "max-throughput", headroom: float = D
 
     ``max-throughput`` on a study holding a confirmation (``ppotune search --confirm R``, on by default)
     ranks the confirmed configs instead, by the median of their paired throughput ratios to the baseline
-    (:func:`tuner.stages.confirm.rank_confirmed`; still only trials under the limit, a confirmed peak over it or a
+    (:func:`tuner.rules.finalists.rank_confirmed`; still only trials under the limit, a confirmed peak over it or a
     failed re-run leaves a config out); without one, or with no eligible confirmed config, the single
     trials as above, and ``Choice.unconfirmed`` says why. Raises :class:`NoFit` when nothing qualifies.
     """

@@ -17,7 +17,7 @@ from matplotlib.figure import Figure
 from trainer.contracts import DEFAULT_HEADROOM, PHASES, Status, short_knob
 from tuner.results.analysis import Importances
 from tuner.results.view import TIME_PREFIX, StudyView, measured_feasible, value_or_zero
-from tuner.stages.confirm import CONFIRMATION_ATTR
+from tuner.rules.finalists import CONFIRMATION_ATTR
 
 __all__ = ["STATUS_STYLE", "plot_pareto", "plot_importances", "plot_phases", "figure_png"]
 

@@ -29,7 +29,7 @@ from trainer.contracts import (
     parse_storage,
     search_dir_of,
 )
-from trainer.launch.cliflags import deprecated, fail
+from trainer.launch.cliflags import command_error, deprecated
 from tuner.results.analysis import build
 from tuner.results.fit_files import fit_summary, write_fit_report
 from tuner.results.html import report_html, summary_md
@@ -126,10 +126,10 @@ def run(args) -> int:
     try:
         view = view_from_args(args)
     except StorageError as e:
-        return fail("report", str(e))
+        return command_error("report", str(e))
     headroom = args.memory_headroom if args.memory_headroom is not None else selection_of(view.attrs).headroom
     if not 0.0 <= headroom < 1.0:
-        return fail("report", f"--memory-headroom must be in [0, 1), got {headroom}")
+        return command_error("report", f"--memory-headroom must be in [0, 1), got {headroom}")
     for note in notes_summary(view.notes):
         print(f"ppotune report: note: {note}", file=sys.stderr)
     if view.algorithm_warning:

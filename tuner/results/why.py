@@ -16,10 +16,10 @@ from trainer.contracts import Status
 from tuner.results.memory_findings import findings_md, memory_findings
 from tuner.results.pick import Choice, pct, trial_row, worst_case_text
 from tuner.results.view import StudyView
-from tuner.stages.confirm import describe, entry_of, rounds_text
-from tuner.stages.probe import ProbeResult
+from tuner.rules.finalists import describe, entry_of, rounds_text
+from tuner.rules.world import WorldPlan
 from tuner.study.frame import headroom_filter, missing
-from tuner.world import WorldPlan
+from tuner.trials.probe import ProbeResult
 
 __all__ = ["why_md", "nearest_oom"]
 

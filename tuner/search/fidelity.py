@@ -2,7 +2,7 @@
 
 A trial screens itself: after ``ppotune.min_measured_steps`` it stops once its throughput interval
 is tight (``ppotune.precision``) or once a point the study already measured beats it for sure at no
-more memory (``ppotune.front``; the rule is :func:`trainer.summary.stop_reason`). Only candidates
+more memory (``ppotune.front``; the rule is :func:`trainer.summary.measuring_done`). Only candidates
 that can still be on the Pareto front are measured to the end. This module picks those points:
 pure functions over the study's finished trials.
 """

@@ -1,6 +1,6 @@
 """The memory gate: the study's calibrated memory model (:mod:`tuner.memory_model`) judging a candidate before
 it is launched. A candidate predicted over the memory limit by more than the model's leave-one-out error is
-recorded ``predicted_oom`` and not run (:func:`tuner.search.decide.judge`)."""
+recorded ``predicted_oom`` and not run (:func:`tuner.rules.candidates.judge_candidate`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import optuna
 from optuna.trial import TrialState
 
 from trainer.contracts import Status, TrialRecord
-from tuner.search import decide
+from tuner.rules import candidates as decide
 
 __all__ = ["MemoryGate", "MEMORY_MODEL_ATTR"]
 
@@ -28,8 +28,8 @@ class MemoryGate:
         self._model = None
         self._key: tuple = ()
 
-    def predictor(self, trials: list) -> Optional[Callable[[dict], Optional[decide.Prediction]]]:
-        """The memory model's judgement of a candidate's flat config (``decide.Prediction``), or None while
+    def predictor(self, trials: list) -> Optional[Callable[[dict], Optional[decide.LimitCheck]]]:
+        """The memory model's judgement of a candidate's flat config (``decide.LimitCheck``), or None while
         the study has no calibrated model (fewer than ``MIN_LOO_SAMPLES`` measured trials with per-phase
         peaks: no stated error, so no gate). Refitted when a measured trial is added, and stored in the study
         attribute ``memory_model`` (the report's predicted-vs-measured section reads it)."""
@@ -41,12 +41,12 @@ class MemoryGate:
             return None
         limit = self.limit_gb
 
-        def predict(flat: dict) -> Optional[decide.Prediction]:
+        def predict(flat: dict) -> Optional[decide.LimitCheck]:
             try:
                 pred = model.predict(flat)
             except (KeyError, ValueError, TypeError):  # a config the model has no terms for: launch it
                 return None
-            return decide.Prediction(
+            return decide.LimitCheck(
                 peak_gb=pred.peak_gb, limit_gb=limit, error=model.gate_error, trials=model.num_samples
             )
 

@@ -1,4 +1,4 @@
-"""The search loop: ask Optuna -> decide (tuner.search.decide) -> run (a TrialRunner) -> tell, then the stages.
+"""The search loop: ask Optuna -> decide (tuner.rules.candidates) -> run (a TrialRunner) -> tell, then the stages.
 
 :class:`Search` is one search process over one study (several processes may share the study). It composes
 collaborators that each do one job and can be used alone:
@@ -8,12 +8,12 @@ collaborators that each do one job and can be used alone:
 * :class:`tuner.search.policy.ProposalPolicy` -- which config comes next (the sampler, local steps, grid order,
   exploration);
 * :class:`tuner.search.budget.Budget` -- when to stop (``--trials`` over every worker, ``--timeout``), and
-  :class:`tuner.search.budget.FailureRule` -- when to stop because the search cannot work (the baseline failed, or
+  :class:`tuner.rules.budget.FailureRule` -- when to stop because the search cannot work (the baseline failed, or
   the same error ``--max-failures-in-a-row`` times): :attr:`Search.halt` says why, the trials in flight are
   interrupted (they run again on resume) and the after-search stages do not run;
 * :class:`tuner.search.gate.MemoryGate` -- the study's memory model judging candidates before launch;
-* the after-search stages :class:`tuner.stages.confirmation.ConfirmationStage` (``--confirm``) and
-  :class:`tuner.stages.worst_case.WorstCaseStage` (``--probe``).
+* the after-search stages :class:`tuner.search.confirmation.ConfirmationStage` (``--confirm``) and
+  :class:`tuner.search.worst_case.WorstCaseStage` (``--probe``).
 
 A candidate rejected before launch (invalid, duplicate, inferred OOM) is told to Optuna at zero cost, outside
 ``--trials``, and the sampler is asked again inside the same :meth:`Search.ask`. How a trial is measured is the
@@ -31,14 +31,15 @@ import optuna
 from optuna.trial import TrialState
 
 from trainer.contracts import TrialRecord
-from tuner.search import decide
-from tuner.search.budget import MAX_FAILURES_IN_A_ROW, Budget, FailureRule, Halt
+from tuner.rules import candidates as decide
+from tuner.rules.budget import MAX_FAILURES_IN_A_ROW, FailureRule, Halt
+from tuner.rules.finalists import DEFAULT_FINALISTS
+from tuner.search.budget import Budget
+from tuner.search.confirmation import ConfirmationStage
 from tuner.search.gate import MemoryGate
 from tuner.search.policy import SAMPLERS, ProposalPolicy, startup_trials
 from tuner.search.session import Proposal, SearchObserver, TrialEvent, TrialSession
-from tuner.stages.confirm import DEFAULT_FINALISTS
-from tuner.stages.confirmation import ConfirmationStage
-from tuner.stages.worst_case import WorstCaseStage
+from tuner.search.worst_case import WorstCaseStage
 from tuner.study import lifecycle as st
 from tuner.study.selection import Selection
 
@@ -58,7 +59,7 @@ class SearchOptions:
     parallel: int = 1  # trials at once in this process
     confirm: int = 0  # after the search, rounds of finalists re-run interleaved with the baseline
     finalists: int = DEFAULT_FINALISTS  # at most this many finalists confirmed
-    probe: int = 0  # then the worst-case probe (tuner.stages.probe) of this many configs export would recommend
+    probe: int = 0  # then the worst-case probe (tuner.trials.probe) of this many configs export would recommend
     predict_oom: bool = True  # skip candidates the study's memory model puts over the limit beyond its error
     local_every: int = 2  # after the sampler's start-up, every N-th proposal is the incumbent's nearest neighbour
     heartbeat_s: float = st.HEARTBEAT_S  # how often a RUNNING trial's heartbeat is written

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 from trainer.contracts import DEFAULT_OUT_DIR, TrialRecord
-from tuner.search.decide import count_progress
+from tuner.rules.budget import count_progress
+from tuner.rules.finalists import DEFAULT_FINALISTS
 from tuner.space.grid import GRID_LIMIT
-from tuner.stages.confirm import DEFAULT_FINALISTS
 
 __all__ = [
     "duration",

@@ -24,7 +24,7 @@ from typing import Callable, Optional
 import optuna
 
 from trainer.contracts import TrialRecord
-from tuner.search import decide
+from tuner.rules import candidates as decide
 from tuner.search.stall import STALL_AFTER, propose_itself
 from tuner.space import Candidate, Space
 
@@ -74,7 +74,7 @@ def startup_trials(sampler: optuna.samplers.BaseSampler) -> int:
 class Pick:
     """What to do before the sampler is asked: enqueue ``point``, or stop for ``stop``; neither: the sampler
     proposes. ``rule``: which rule chose the point (local, neighbour, boundary, seeded, grid); ``launch_anyway``:
-    a boundary config the judge launches although one OOM rules it out (:func:`tuner.search.decide.ruling_oom`)."""
+    a boundary config the judge launches although one OOM rules it out (:func:`tuner.rules.candidates.ruling_oom`)."""
 
     point: Optional[Candidate] = None
     stop: Optional[str] = None
@@ -189,7 +189,7 @@ class ProposalPolicy:
 
     def unmeasured(self, seen: set, *, allowed: Optional[Callable[[Candidate], bool]] = None) -> Optional[Candidate]:
         """The first config not yet in the study in the seeded grid order (a space too large to enumerate: random
-        draws). ``seen``: :func:`tuner.search.decide.seen_configs` (rejected configs count as seen); ``allowed``: a
+        draws). ``seen``: :func:`tuner.rules.candidates.seen_configs` (rejected configs count as seen); ``allowed``: a
         further filter."""
         if self.enumerable():
             pool = (c for ident, c in self.shuffled_grid() if ident not in seen)

@@ -12,8 +12,8 @@ from typing import Any, Optional
 import optuna
 
 from trainer.contracts import Status, TrialRecord, short_knob
+from tuner.rules.units import gb
 from tuner.search.session import TrialEvent
-from tuner.units import gb
 
 __all__ = ["Display", "trial_line", "format_knobs", "ConsoleObserver", "seed_display", "summary"]
 
@@ -225,7 +225,7 @@ def loaded_summary(study: optuna.Study) -> None:
 
 def worst_case_summary(study: optuna.Study) -> None:
     """The worst-case probes (study attr ``worst_case``), one line each."""
-    from tuner.stages.probe import WORST_CASE_ATTR, ProbeResult
+    from tuner.trials.probe import WORST_CASE_ATTR, ProbeResult
 
     for n, d in sorted((study.user_attrs.get(WORST_CASE_ATTR) or {}).items(), key=lambda kv: int(kv[0])):
         print(f"  worst case: trial {n}: {ProbeResult.from_dict(d).lines()[-1]}", flush=True)
@@ -233,7 +233,7 @@ def worst_case_summary(study: optuna.Study) -> None:
 
 def confirm_summary(study: optuna.Study) -> None:
     """The confirmed finalists (study attr ``confirmation``), as export ranks them."""
-    from tuner.stages.confirm import CONFIRMATION_ATTR, describe, rounds_text
+    from tuner.rules.finalists import CONFIRMATION_ATTR, describe, rounds_text
 
     conf = study.user_attrs.get(CONFIRMATION_ATTR)
     if not conf:

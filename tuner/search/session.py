@@ -1,14 +1,15 @@
 """One trial's bookkeeping in the study, shared by the search loop and the after-search stages.
 
-A trial asked from Optuna is claimed by this process (owner, heartbeat) and judged (:func:`tuner.search.decide.judge`:
-a :class:`Proposal`); then either told at zero cost (rejected before launch: invalid, duplicate, inferred or
-predicted OOM), or run by the runner (:mod:`tuner.trials.runners`) and told with its measured or penalized values;
-a trial stopped by the user is marked interrupted and its params enqueued again, so the same command resumes it.
+A trial asked from Optuna is claimed by this process (owner, heartbeat) and judged
+(:func:`tuner.rules.candidates.judge_candidate`: a :class:`Proposal`); then either told at zero cost (rejected before
+launch: invalid, duplicate, inferred or predicted OOM), or run by the runner (:mod:`tuner.trials.runners`) and told with
+its measured or penalized values; a trial stopped by the user is marked interrupted and its params enqueued again, so
+the same command resumes it.
 What happens is told to an optional :class:`SearchObserver` (the console display, wandb).
 
 :class:`TrialSession` owns nothing of *which* config comes next (:mod:`tuner.search.policy`), *when* to stop
-(:mod:`tuner.search.budget`) or what the after-search stages run (:mod:`tuner.stages`): it is the part every
-one of them goes through to touch a trial.
+(:mod:`tuner.search.budget`) or what the after-search stages run (:mod:`tuner.search.confirmation`,
+:mod:`tuner.search.worst_case`): it is the part every one of them goes through to touch a trial.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from typing import Any, Callable, Optional, Protocol
 import optuna
 
 from trainer.contracts import Status, TrialRecord
-from tuner.search import decide, fidelity
+from tuner.rules import candidates as decide
+from tuner.rules.budget import counted
+from tuner.search import fidelity
 from tuner.space import Candidate, Space, from_params
 from tuner.study import lifecycle as st
 from tuner.study.storage import trial_id
@@ -59,7 +62,7 @@ class Proposal:
 
     trial: optuna.trial.Trial
     cand: Candidate
-    verdict: decide.Verdict
+    verdict: decide.LaunchVerdict
     baseline: bool = False
     confirm_of: Optional[int] = None
 
@@ -119,8 +122,8 @@ class TrialSession:
         revisitable: frozenset = frozenset(),
         launch_anyway: frozenset = frozenset(),
     ) -> Proposal:
-        """Claim ``trial`` and judge its config (``revisitable``: :func:`tuner.search.decide.inferred_only`;
-        ``launch_anyway``: a boundary config the search proposed itself, :func:`tuner.search.decide.ruling_oom`); a
+        """Claim ``trial`` and judge its config (``revisitable``: :func:`tuner.rules.candidates.inferred_only`;
+        ``launch_anyway``: a boundary config the search proposed itself, :func:`tuner.rules.candidates.ruling_oom`); a
         trial that cannot even be prepared (e.g. enqueued params outside the space) is judged invalid, never left
         RUNNING."""
         try:
@@ -129,7 +132,7 @@ class TrialSession:
             cand = Candidate(params=from_params(trial.params), overrides={}, effective={})
             reason = f"tuner: could not prepare the trial: {type(e).__name__}: {e}"
             confirm_of = TrialRecord.from_user_attrs(trial.user_attrs).confirm_of
-            return Proposal(trial, cand, decide.Verdict(Status.INVALID, reason), confirm_of=confirm_of)
+            return Proposal(trial, cand, decide.LaunchVerdict(Status.INVALID, reason), confirm_of=confirm_of)
 
     def _propose(
         self,
@@ -151,7 +154,7 @@ class TrialSession:
             .items()
         ):
             trial.set_user_attr(k, v)
-        verdict = decide.judge(
+        verdict = decide.judge_candidate(
             cand,
             number=trial.number,
             space=self.space,
@@ -265,7 +268,7 @@ class TrialSession:
                     status=record.status,
                     record=record,
                     params=from_params(frozen.params),
-                    counted=decide.counted(frozen),
+                    counted=counted(frozen),
                     values=tuple(frozen.values) if frozen.values else None,
                     note=_note(record, prop),
                 )

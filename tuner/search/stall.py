@@ -6,10 +6,10 @@ after :data:`STALL_AFTER` proposals in a row rejected before launch (or once eve
 search proposes itself (:func:`propose_itself`), in this order:
 
 1. ``neighbour``: an unmeasured neighbour (one ordered step, :meth:`tuner.space.Space.neighbours`) of the best
-   measured configs, best first (:func:`tuner.search.decide.ranked_measured`); among one config's neighbours those
+   measured configs, best first (:func:`tuner.rules.candidates.ranked_measured`); among one config's neighbours those
    the knobs' ``speed`` hints favour first, then the seeded grid order; a config an OOM rules out is skipped;
 2. ``boundary``: a config at the learned memory boundary whose only evidence is one OOM: never launched, ruled out
-   by exactly one OOM (:func:`tuner.search.decide.oom_evidence`), one step from a config that ran. It is launched
+   by exactly one OOM (:func:`tuner.rules.candidates.oom_evidence`), one step from a config that ran. It is launched
    (``launch_anyway``): near the cap an OOM is noisy, and if it fits, the OOM is contradicted;
 3. ``seeded``: any other config not yet in the study and not ruled out, in the seeded grid order (a space too large
    to enumerate: random draws).
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from trainer.contracts import Status
-from tuner.search import decide
+from tuner.rules import candidates as decide
 from tuner.space import Candidate
 
 __all__ = ["STALL_AFTER", "SelfProposal", "propose_itself"]

@@ -61,7 +61,7 @@ The package, by job (``from tuner.space import X`` is the way in; the modules be
 * :mod:`tuner.space.expr`: the expression language (:class:`Expr`)
 * :mod:`tuner.space.parts`: :class:`Derived`, :class:`Constraint`, :class:`Candidate`
 * :mod:`tuner.space.keys`: :class:`SpaceError`, ``CONFIG_KEYS``
-* :mod:`tuner.space.check`: ``ppotune space check`` (not imported here: a command module, loaded when it runs)
+* :mod:`tuner.commands.space`: ``ppotune space check`` (not imported here: a command module, loaded when it runs)
 """
 
 from __future__ import annotations

@@ -96,7 +96,7 @@ class Enumeration:
         """The configs one step from ``eff`` (a flat effective config of this space): one active knob moved
         one position in its ordered domain (a power of two: one exponent), or to another choice of an
         unordered categorical, the set of active knobs unchanged, the constraints kept (the configs at
-        :func:`tuner.search.decide.distance` 1). For a space too large to enumerate, where random draws would
+        :func:`tuner.rules.candidates.distance` 1). For a space too large to enumerate, where random draws would
         rarely land next to a given config."""
         active = self.active_keys(eff)
         params = {k.key: eff[k.key] for k in self.knobs if k.key in active}

@@ -10,7 +10,7 @@ What this module adds on top of Optuna:
   search`` processes started together never race (SQLite's "table already exists"); every
   ``ask()`` counts the budget under it, so workers never overshoot ``--trials``. Storages
   with no such lock (the gRPC proxy, MySQL) are exact by another route: see
-  :func:`tuner.search.decide.over_budget`.
+  :func:`tuner.rules.budget.over_budget`.
 * **ownership and resume**: a RUNNING trial records its owner (host, pid, process start
   time) and a heartbeat. A RUNNING trial whose owner is dead (same host) or whose heartbeat
   is older than the grace period (another host) is marked FAIL with status ``interrupted``

@@ -6,7 +6,7 @@ cached RDB storage as Optuna recommends). Workers, ``report`` and ``export`` the
 ``--storage grpc://HOST:P``. The proxy creates Optuna's tables if the database is empty.
 
 What the proxy does not give: a cross-process lock (workers on it keep ``--trials`` exact by
-checking their trial's rank after ``ask()``: :func:`tuner.search.decide.over_budget`) and Optuna's
+checking their trial's rank after ``ask()``: :func:`tuner.rules.budget.over_budget`) and Optuna's
 database heartbeat (workers' own heartbeats still go through it as trial attributes).
 
 Nor any security: Optuna's gRPC proxy speaks plaintext with no authentication, and its client

@@ -42,7 +42,7 @@ from trainer.launch.proc import (
     with_pythonpath,
 )
 from tuner.trials.memory import MemoryPeaks, MemorySampler
-from tuner.trials.watch import StepWatch, Verdict, judge, timeout_reason, total_timeout_text
+from tuner.trials.watch import PollVerdict, StepWatch, poll_trial, timeout_reason, total_timeout_text
 
 __all__ = [
     "add_hang_flags",
@@ -311,17 +311,17 @@ def _wait(
     log_path: Path,
     grace_s: float,
     sampler: MemorySampler,
-) -> tuple[Optional[int], Verdict]:
+) -> tuple[Optional[int], PollVerdict]:
     """Poll the trial until it exits, or until the watch ends it (then its tree is terminated, with every process
     the sampler saw): (its exit code, the last verdict)."""
-    verdict = Verdict()
+    verdict = PollVerdict()
     while True:
         try:
             rc = proc.wait(timeout=0.2)
             break
         except subprocess.TimeoutExpired:
             pass
-        verdict = judge(t0, watch, stop_event, reason_of, log_path=log_path, what="its process group")
+        verdict = poll_trial(t0, watch, stop_event, reason_of, log_path=log_path, what="its process group")
         if verdict.ends:
             rc = terminate_reaped(proc, grace_s, sampler.pids_seen)
             break
@@ -332,7 +332,7 @@ def finished_run(
     returncode: Optional[int],
     result: Optional[dict],
     read_error: Optional[str],
-    verdict: Verdict,
+    verdict: PollVerdict,
     *,
     timeout_s: Optional[float],
     duration_s: float,

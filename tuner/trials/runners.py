@@ -25,7 +25,7 @@ import optuna
 import yaml
 
 from trainer.contracts import Status, TrialRecord, oom_kind
-from tuner.search.decide import effective_of
+from tuner.rules.candidates import effective_of
 from tuner.space import Space
 from tuner.trials.launch import TrialRun, launch_trial, train_command
 from tuner.trials.memory import visible_gpus
@@ -167,7 +167,7 @@ class VerlEngine:
     warmup: int
     memory_limit_gb: Optional[float] = None
     # what a trial runs instead of production's world: one node of the trial's GPUs and the global batch sizes
-    # scaled to production's per-GPU batch (tuner.world.trial_overrides, as key=value); export leaves them out
+    # scaled to production's per-GPU batch (tuner.rules.world.trial_overrides, as key=value); export leaves them out
     world: tuple = ()
     # settings one verl run may measure (an in-run sweep of the per-step knobs: tuner.trials.sweep); 1: none
     sweep_settings: int = 1

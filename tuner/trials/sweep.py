@@ -31,7 +31,7 @@ import optuna
 from trainer.contracts import CONSTRAINT_KEY, Status, TrialRecord
 from trainer.verl_engine.run_file import DEFAULT_SWEEP_SETTINGS
 from trainer.verl_engine.schedule import is_per_step
-from tuner.search import decide
+from tuner.rules import candidates as decide
 from tuner.space import Candidate, Space
 from tuner.trials.runners import SubprocessRunner, TrialOutcome, TrialRequest
 
@@ -125,7 +125,7 @@ class SweepRunner:
 
 def _judge(session: Any, cand: Candidate, trials: list) -> Any:
     known = decide.known_configs(trials, session.space, session.trial_flat)
-    return decide.judge(
+    return decide.judge_candidate(
         cand, number=-1, space=session.space, trial_base=session.trial_base, trial_flat=session.trial_flat, known=known
     )
 

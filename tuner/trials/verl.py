@@ -1,6 +1,6 @@
 """A search of verl trials (``--engine verl``): its decision base, how its trials run, and its world plan.
 
-One node for many (:mod:`tuner.world`), as for ppotune's own engine: production runs verl's
+One node for many (:mod:`tuner.rules.world`), as for ppotune's own engine: production runs verl's
 ``trainer.nnodes x trainer.n_gpus_per_node`` (or ``--target-nodes x --target-gpus-per-node``); a trial runs one
 node of ``--nproc`` GPUs with the global batch sizes scaled to production's per-GPU batch. The production job's
 overrides (the user's, plus its world and sizes where the target flags change them) are the study's
@@ -17,8 +17,8 @@ from typing import Optional, Sequence
 from trainer.config import flatten
 from trainer.launch.preflight import preflight_verl
 from trainer.verl_engine.overrides import hydra_value, override_key
+from tuner.rules.world import WorldPlan, plan_world, production_overrides, trial_overrides
 from tuner.trials.runners import VerlEngine
-from tuner.world import WorldPlan, plan_world, production_overrides, trial_overrides
 
 __all__ = ["check_verl_space", "verl_search", "world_overrides"]
 
@@ -40,7 +40,7 @@ def check_verl_space(space) -> None:
 
 
 def world_overrides(values: dict) -> list[str]:
-    """``key=value`` overrides (Hydra spelling) of a flat mapping, e.g. :func:`tuner.world.trial_overrides`."""
+    """``key=value`` overrides (Hydra spelling) of a flat mapping, e.g. :func:`tuner.rules.world.trial_overrides`."""
     return [f"{k}={hydra_value(v)}" for k, v in values.items()]
 
 

@@ -3,7 +3,7 @@
 A cold trial (:class:`tuner.trials.runners.SubprocessRunner`) pays for its processes every time: the launcher, the
 ranks' ``import torch, transformers``, the process group, the model load, before a single step is
 measured (most of a short trial: see docs/decisions.md#warm-trials). :class:`WarmRunner` starts one job per
-``--parallel`` slot, ``ppotune train CONFIG --serve JOBDIR`` (trainer/launch/train.py, ranks in
+``--parallel`` slot, ``ppotune train CONFIG --serve JOBDIR`` (tuner/commands/train.py, ranks in
 trainer/rank/serve.py), under
 the same reaper as a cold trial (its own session; it dies with the tuner, even by SIGKILL, and leaves no
 orphan), and hands it trial after trial. Each trial runs the code a cold trial runs, builds its models
@@ -51,7 +51,7 @@ from tuner.trials.launch import (
 )
 from tuner.trials.memory import MemoryPeaks, MemorySampler
 from tuner.trials.runners import STEP_LINE, SubprocessRunner, TrialOutcome, TrialRequest, trial_record
-from tuner.trials.watch import StepWatch, Verdict, judge, timeout_reason
+from tuner.trials.watch import PollVerdict, StepWatch, poll_trial, timeout_reason
 
 __all__ = ["WarmRunner"]
 
@@ -239,10 +239,10 @@ class WarmRunner:
         *,
         log_path: Path,
         result_path: Path,
-    ) -> Verdict:
+    ) -> PollVerdict:
         """Poll until the job writes the trial's result or ends; a timeout or a stop terminates the job."""
         watch = StepWatch(log_path, STEP_LINE[self.name])
-        verdict = Verdict()
+        verdict = PollVerdict()
         what = f"its warm job's process group ({job.name})"
         judged = t0
         while not result_path.is_file() and job.alive():
@@ -250,7 +250,7 @@ class WarmRunner:
             if time.monotonic() - judged < _JUDGE_S:
                 continue
             judged = time.monotonic()
-            verdict = judge(
+            verdict = poll_trial(
                 t0, watch, stop, lambda e, w, n: self._timeout(first, e, w, n), log_path=log_path, what=what
             )
             if verdict.ends:

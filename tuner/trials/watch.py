@@ -1,5 +1,5 @@
 """When a running trial is ended: the step lines its log gains (:class:`StepWatch`), the timeouts
-(:func:`timeout_reason`) and the tuner's stop, decided at each poll (:func:`judge` -> :class:`Verdict`).
+(:func:`timeout_reason`) and the tuner's stop, decided at each poll (:func:`poll_trial` -> :class:`PollVerdict`).
 
 Shared by the cold trial (:func:`tuner.trials.launch.launch_trial`) and the warm one
 (:class:`tuner.trials.warm.WarmRunner`); ending the processes is theirs.
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-__all__ = ["StepWatch", "total_timeout_text", "timeout_reason", "Verdict", "judge"]
+__all__ = ["StepWatch", "total_timeout_text", "timeout_reason", "PollVerdict", "poll_trial"]
 
 
 class StepWatch:
@@ -73,7 +73,7 @@ def timeout_reason(
 
 
 @dataclass(frozen=True)
-class Verdict:
+class PollVerdict:
     """What the watch of a running trial decided at one poll: go on, or end it and why."""
 
     interrupted: bool = False  # the tuner is stopping
@@ -88,7 +88,7 @@ class Verdict:
         return self.interrupted or self.timed_out
 
 
-def judge(
+def poll_trial(
     t0: float,
     watch: Optional[StepWatch],
     stop_event: Optional[threading.Event],
@@ -96,7 +96,7 @@ def judge(
     *,
     log_path: Path,
     what: str,
-) -> Verdict:
+) -> PollVerdict:
     """One poll of a running trial (cold or warm): read its new step lines, then decide. A trial to end
     gets a line in its log saying why (``what``: the processes about to be terminated);
     ``reason_of(elapsed_s, watch, now)`` is the timeout rule of the trial's kind."""
@@ -104,9 +104,9 @@ def judge(
     if watch is not None:
         watch.poll(now)
     if stop_event is not None and stop_event.is_set():
-        verdict = Verdict(interrupted=True)
+        verdict = PollVerdict(interrupted=True)
     else:
-        verdict = Verdict(reason=reason_of(now - t0, watch, now))
+        verdict = PollVerdict(reason=reason_of(now - t0, watch, now))
     if verdict.ends:
         why = f"timed out ({verdict.reason})" if verdict.timed_out else "interrupted"
         with open(log_path, "ab") as log:

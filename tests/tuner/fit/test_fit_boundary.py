@@ -21,7 +21,7 @@ from tuner.fit.boundary import (
     FitState,
     KnobFit,
     ProbeOutcome,
-    judge,
+    judge_probe,
     next_probe,
 )
 from tuner.fit.ladder import SizeKnob, divisors
@@ -69,7 +69,9 @@ def fit(job: Job, *, model: bool) -> FitState:
         predicted = {k: v for k, v in job.peaks(plan.rungs).items()} if model and state.probes else {}
         figures = {k.key: predicted[k.phases[0]] for k in job.knobs} if predicted else None
         out = job.step(plan.rungs)
-        judge(state, plan.rungs, out, limit_gb=job.limit, tested=list(plan.why), probe=state.probes, predicted=figures)
+        judge_probe(
+            state, plan.rungs, out, limit_gb=job.limit, tested=list(plan.why), probe=state.probes, predicted=figures
+        )
         assert state.probes < 100
 
 
@@ -115,18 +117,18 @@ def _ok(**by_phase) -> ProbeOutcome:
 
 def test_an_oom_one_step_above_a_fit_is_repeated_once_before_it_counts():
     state, r, a = _state()
-    judge(state, {r.key: 4, a.key: 2}, _ok(ref=0.5, update_actor=0.6), limit_gb=1.0, probe=0)
+    judge_probe(state, {r.key: 4, a.key: 2}, _ok(ref=0.5, update_actor=0.6), limit_gb=1.0, probe=0)
     assert state.fit(r.key).settled and state.fit(a.key).lo == 2  # the ref is at its top; the actor fits at 4
-    judge(state, {r.key: 4, a.key: 3}, ProbeOutcome(Status.OOM, oom_phase="update_actor"), limit_gb=1.0, probe=1)
+    judge_probe(state, {r.key: 4, a.key: 3}, ProbeOutcome(Status.OOM, oom_phase="update_actor"), limit_gb=1.0, probe=1)
     actor = state.fit(a.key)
     assert actor.pending_repeat and not actor.settled
     plan = next_probe(state, start={})
     assert plan.rungs[a.key] == 3 and plan.why == {a.key: "repeat"}
     # the repeat runs: the OOM did not happen again, so it was noise and the value fits
-    judge(state, plan.rungs, _ok(ref=0.5, update_actor=0.9), limit_gb=1.0, probe=2)
+    judge_probe(state, plan.rungs, _ok(ref=0.5, update_actor=0.9), limit_gb=1.0, probe=2)
     assert actor.lo == 3 and actor.hi == 5 and not actor.pending_repeat
     # an OOM the memory model expected (over the limit by more than its error) is not a noisy boundary
-    judge(
+    judge_probe(
         state,
         {r.key: 4, a.key: 4},
         ProbeOutcome(Status.OOM, oom_phase="update_actor"),
@@ -146,11 +148,11 @@ def test_an_oom_one_step_above_a_fit_is_repeated_once_before_it_counts():
 
 def test_a_pass_over_the_limit_is_charged_to_its_knob_and_the_passes_before_it_fit():
     state, r, a = _state()
-    made = judge(state, {r.key: 3, a.key: 3}, _ok(ref=1.2, update_actor=1.4), limit_gb=1.0, probe=0)
+    made = judge_probe(state, {r.key: 3, a.key: 3}, _ok(ref=1.2, update_actor=1.4), limit_gb=1.0, probe=0)
     # the ref pass is the first over the limit; the update after it may only carry what the ref pass left
     assert made == [(r.key, made[0][1])] and made[0][1].verdict == OVER and made[0][1].phase == "ref"
     assert state.fit(r.key).hi == 3 and state.fit(a.key).observations == []
-    made = judge(state, {r.key: 2, a.key: 3}, ProbeOutcome(Status.OOM, oom_phase="update_actor"), limit_gb=1.0)
+    made = judge_probe(state, {r.key: 2, a.key: 3}, ProbeOutcome(Status.OOM, oom_phase="update_actor"), limit_gb=1.0)
     # under the limit's cap, an OOM in the update means the ref pass before it ran within the limit
     assert [(k, o.verdict) for k, o in made] == [(r.key, FITS), (a.key, OOM)]
 
@@ -160,11 +162,11 @@ def test_an_engine_that_says_no_pass_tests_one_knob_at_a_time_after_a_failure():
     top = {r.key: 4, a.key: 4}
     plan = next_probe(state, start=top)
     assert plan.rungs == top and set(plan.why) == {r.key, a.key}
-    judge(state, plan.rungs, ProbeOutcome(Status.OOM), limit_gb=1.0, tested=list(plan.why))
+    judge_probe(state, plan.rungs, ProbeOutcome(Status.OOM), limit_gb=1.0, tested=list(plan.why))
     assert state.split and all(not f.observations for f in state.fits)
     plan = next_probe(state, start=top)
     assert list(plan.why) == [r.key] and plan.rungs == {r.key: 4, a.key: 0}  # the other at its smallest
-    judge(state, plan.rungs, ProbeOutcome(Status.OK, 0.7), limit_gb=1.0, tested=list(plan.why))
+    judge_probe(state, plan.rungs, ProbeOutcome(Status.OK, 0.7), limit_gb=1.0, tested=list(plan.why))
     assert state.fit(r.key).settled and state.fit(r.key).lo == 4
 
 
@@ -180,14 +182,14 @@ def test_an_engine_that_says_no_pass_tests_one_knob_at_a_time_after_a_failure():
 def test_a_failure_no_size_explains_stops_the_fit(outcome, no_size):
     state, r, a = _state()
     with pytest.raises(FitBlocked) as got:
-        judge(state, {r.key: 1, a.key: 1}, outcome, limit_gb=1.0)
+        judge_probe(state, {r.key: 1, a.key: 1}, outcome, limit_gb=1.0)
     assert got.value.no_size is no_size
     assert "\n" not in str(got.value)
 
 
 def test_the_model_rules_out_values_over_the_limit_by_more_than_its_error():
     state, r, a = _state()
-    judge(state, {r.key: 1, a.key: 1}, _ok(ref=0.3, update_actor=0.3), limit_gb=1.0, probe=0)
+    judge_probe(state, {r.key: 1, a.key: 1}, _ok(ref=0.3, update_actor=0.3), limit_gb=1.0, probe=0)
 
     def predict(rungs: dict) -> dict:
         return {"ref": 0.2 * 2 ** rungs[r.key], "update_actor": 0.1 * 2 ** rungs[a.key]}
@@ -202,8 +204,8 @@ def test_the_model_rules_out_values_over_the_limit_by_more_than_its_error():
 
 def test_the_state_round_trips_through_json():
     state, r, a = _state()
-    judge(state, {r.key: 3, a.key: 3}, _ok(ref=1.2, update_actor=1.4), limit_gb=1.0, probe=0)
-    judge(state, {r.key: 2, a.key: 3}, ProbeOutcome(Status.OOM, oom_phase="update_actor"), limit_gb=1.0, probe=1)
+    judge_probe(state, {r.key: 3, a.key: 3}, _ok(ref=1.2, update_actor=1.4), limit_gb=1.0, probe=0)
+    judge_probe(state, {r.key: 2, a.key: 3}, ProbeOutcome(Status.OOM, oom_phase="update_actor"), limit_gb=1.0, probe=1)
     back = FitState.from_dict(json.loads(json.dumps(state.to_dict())))
     assert back.to_dict() == state.to_dict()
     assert [(f.lo, f.hi, f.pending_repeat) for f in back.fits] == [(f.lo, f.hi, f.pending_repeat) for f in state.fits]
@@ -211,15 +213,15 @@ def test_the_state_round_trips_through_json():
 
 def test_values_that_fitted_apart_are_run_together_and_a_failure_reopens_a_knob():
     state, r, a = _state()
-    judge(state, {r.key: 3, a.key: 1}, _ok(ref=0.8, update_actor=0.3), limit_gb=1.0, probe=0)
-    judge(state, {r.key: 4, a.key: 3}, _ok(ref=1.5, update_actor=0.9), limit_gb=1.0, probe=1)  # ref 16 over
-    judge(state, {r.key: 3, a.key: 4}, ProbeOutcome(Status.OOM, oom_phase="update_actor"), limit_gb=1.0, probe=2)
-    judge(state, {r.key: 3, a.key: 4}, ProbeOutcome(Status.OOM, oom_phase="update_actor"), limit_gb=1.0, probe=3)
+    judge_probe(state, {r.key: 3, a.key: 1}, _ok(ref=0.8, update_actor=0.3), limit_gb=1.0, probe=0)
+    judge_probe(state, {r.key: 4, a.key: 3}, _ok(ref=1.5, update_actor=0.9), limit_gb=1.0, probe=1)  # ref 16 over
+    judge_probe(state, {r.key: 3, a.key: 4}, ProbeOutcome(Status.OOM, oom_phase="update_actor"), limit_gb=1.0, probe=2)
+    judge_probe(state, {r.key: 3, a.key: 4}, ProbeOutcome(Status.OOM, oom_phase="update_actor"), limit_gb=1.0, probe=3)
     assert all(f.settled for f in state.fits) and state.answer == {r.key: 3, a.key: 3} and not state.done
     plan = next_probe(state, start={})
     assert plan.rungs == {r.key: 3, a.key: 3} and set(plan.why.values()) == {"verify"}
     # together the update holds more than apart (what the ref pass left): the actor's 8 does not fit after all
-    judge(state, plan.rungs, _ok(ref=0.8, update_actor=1.1), limit_gb=1.0, probe=4)
+    judge_probe(state, plan.rungs, _ok(ref=0.8, update_actor=1.1), limit_gb=1.0, probe=4)
     actor = state.fit(a.key)
     assert (actor.lo, actor.hi) == (2, 3) and actor.settled  # a measured peak, not an OOM: no repeat
     assert next_probe(state, start={}).rungs == {r.key: 3, a.key: 2}  # the new answer, run whole

@@ -37,10 +37,10 @@ def _install() -> None:
     _check_version()
     from trainer.verl_engine.cpu import attention, distributed, hf_rollout, platform
 
-    platform.register()
-    distributed.patch()
-    attention.patch()
-    hf_rollout.register()
+    platform.register_cpu_platform()
+    distributed.patch_distributed()
+    attention.patch_attention()
+    hf_rollout.register_hf_rollout()
 
 
 if os.environ.get("PPOTUNE_VERL_CPU_SHIM", "1") != "0":

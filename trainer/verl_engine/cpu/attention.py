@@ -6,7 +6,7 @@ import functools
 import importlib.util
 
 
-def patch() -> None:
+def patch_attention() -> None:
     if importlib.util.find_spec("flash_attn") is not None:
         return
     from transformers import PreTrainedModel

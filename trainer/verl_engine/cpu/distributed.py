@@ -9,7 +9,7 @@ import functools
 import torch.distributed as dist
 
 
-def patch() -> None:
+def patch_distributed() -> None:
     original = dist.init_process_group
     if getattr(original, "_ppotune_cpu", False):
         return

@@ -18,7 +18,7 @@ from __future__ import annotations
 ADAPTER = "trainer.verl_engine.cpu.hf_rollout.HFServerAdapter"
 
 
-def register() -> None:
+def register_hf_rollout() -> None:
     """Add ``hf`` to verl's rollout registries (both are lazy: nothing heavy is imported here)."""
     from verl.workers.rollout import base, replica
 

@@ -60,7 +60,7 @@ def _device_module() -> types.SimpleNamespace:
     )
 
 
-def register() -> None:
+def register_cpu_platform() -> None:
     """``cpu`` in verl's PlatformRegistry: :class:`_CpuPlatform` on verl's ``PlatformBase``."""
     from verl.plugin.platform.platform_base import PlatformBase
     from verl.plugin.platform.platform_manager import PlatformRegistry
@@ -72,7 +72,7 @@ def register() -> None:
 
 class _CpuPlatform:
     """The methods of the ``cpu`` platform. A mixin, not a ``PlatformBase`` subclass: verl can be imported only
-    inside verl's processes, so the class verl registers is put together in :func:`register`."""
+    inside verl's processes, so the class verl registers is put together in :func:`register_cpu_platform`."""
 
     _module = _device_module()
 

@@ -13,7 +13,7 @@ Output: ``<out>/study.db`` (or ``--storage``), ``<out>/trials/<n>/{config.yaml,t
 Fail fast: the flags, the space, the base config and its inputs (data files and their columns, the model and its
 tokenizer: :mod:`trainer.launch.preflight`) and the storage file are checked before anything is created or
 launched (exit 2, one line naming the file and the key); a storage that cannot be opened leaves nothing behind; a
-search that cannot work (:class:`tuner.search.budget.FailureRule`: the baseline failed, or the same error
+search that cannot work (:class:`tuner.rules.budget.FailureRule`: the baseline failed, or the same error
 ``--max-failures-in-a-row`` times) stops with the reason, exit 2 when the trainer refused the input, else 1.
 """
 
@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
-import json
 import os
 import signal
 import sys
@@ -35,28 +34,27 @@ import psutil
 
 from trainer.config import ConfigError, apply_overrides, config_from_dict, config_to_dict, flatten, parse_override
 from trainer.config.io import COMMAND_LINE, blame_command_line, check_override_keys
-from trainer.contracts import STUDY_SCHEMA_VERSION, ExitCode, StorageError, TrialRecord, parse_storage
-from trainer.launch.cliflags import fail, overrides_of
+from trainer.contracts import ExitCode, StorageError, parse_storage
+from trainer.launch.cliflags import command_error, overrides_of
 from trainer.launch.preflight import preflight
+from tuner.commands.search_flags import add_search_arguments as add_arguments
 from tuner.fit.bounds import bounded_space, fitted_params, read_fit
-from tuner.search.budget import BASELINE_FAILED, MAX_FAILURES_IN_A_ROW
-from tuner.search.decide import count_progress
-from tuner.search.flags import add_arguments
+from tuner.rules.budget import MAX_FAILURES_IN_A_ROW, count_progress
+from tuner.rules.finalists import DEFAULT_FINALISTS
+from tuner.rules.world import WorldPlan, plan_world, trial_overrides
 from tuner.search.loop import Search, SearchOptions
 from tuner.search.policy import build_sampler
 from tuner.search.progress import ConsoleObserver, Display, seed_display, summary
 from tuner.search.session import TrialSession
-from tuner.space import Space, base_flat_config, comparable_space, load_space
-from tuner.stages.confirm import DEFAULT_FINALISTS
+from tuner.space import Space, base_flat_config, load_space
 from tuner.study import lifecycle as st
-from tuner.study.schema import name_problem, override_keys_of, read_study_attrs, read_trial
-from tuner.study.selection import SELECTION_ATTR, Selection, selection_of
-from tuner.study.storage import Leftovers, check_storage_file, close_storage, network_filesystem, open_storage
+from tuner.study.opening import OpenedStudy, existing_trials, open_for_search, study_attrs
+from tuner.study.selection import Selection
+from tuner.study.storage import Leftovers, check_storage_file, close_storage, network_filesystem
 from tuner.trials.launch import stop_on_signals
 from tuner.trials.memory import gpu_info, nvml_available, visible_gpus
 from tuner.trials.runners import SubprocessRunner, VerlEngine
 from tuner.trials.warm import WarmRunner
-from tuner.world import WorldPlan, plan_world, trial_overrides
 
 __all__ = ["add_arguments", "run", "options_from_args"]
 
@@ -131,12 +129,12 @@ def cli_overrides(args: argparse.Namespace, space: Space) -> dict:
 
 # --------------------------------------------------------------------------- entry
 def _fail(msg: str) -> int:
-    return fail("search", msg)
+    return command_error("search", msg)
 
 
 def _base_config(args: argparse.Namespace, space: Space) -> tuple[dict, Optional[VerlEngine], WorldPlan]:
     """The decision base (ppotune's typed config: the base config + the space's ``fixed`` keys, at the
-    trial's world with the production's per-GPU batch, :mod:`tuner.world`), for ``--engine verl`` how verl
+    trial's world with the production's per-GPU batch, :mod:`tuner.rules.world`), for ``--engine verl`` how verl
     trials run, and the world plan.
 
     verl: the base is verl's own config (composed by Hydra in the user's verl environment, with the
@@ -170,53 +168,6 @@ def _base_config(args: argparse.Namespace, space: Space) -> tuple[dict, Optional
         target_nodes=args.target_nodes,
         target_gpus_per_node=args.target_gpus_per_node,
     )
-
-
-def _study_attrs(
-    args,
-    space: Space,
-    base_nested: dict,
-    device: dict,
-    penalty_gb: float,
-    verl: Optional[VerlEngine] = None,
-    plan: Optional[WorldPlan] = None,
-) -> dict:
-    return {
-        "engine": args.engine,
-        "engine_python": verl.python if verl else None,
-        "engine_overrides": list(verl.base_overrides) if verl else None,
-        "base_config": base_nested,
-        "base_config_path": str(Path(args.base_config).resolve()),
-        "space_path": str(Path(args.space).resolve()),
-        "space": space.to_dict(),
-        "nproc": base_nested["trainer"]["n_gpus_per_node"],
-        "target": plan.to_dict() if plan is not None else None,
-        "steps": args.steps,
-        "warmup": args.warmup,
-        "precision": args.precision or None,
-        "device": device,
-        "memory_limit_gb": args.memory_limit_gb,
-        "penalty_memory_gb": penalty_gb,
-        "sampler": args.sampler,
-        "seed": args.seed,
-        SELECTION_ATTR: selection_from_args(args).to_attr(),
-    }
-
-
-_COMPAT_KEYS = ("engine", "nproc", "target", "steps", "warmup", "memory_limit_gb", "space", "base_config")
-
-
-def _incompatible(study: optuna.Study, attrs: dict) -> Optional[str]:
-    def canon(k: str, v):  # a space's advisory fields (speed hints, help) change no config: resumable across them
-        v = comparable_space(v) if k == "space" and isinstance(v, dict) else v
-        return json.dumps(v, sort_keys=True, default=str)
-
-    have = study.user_attrs
-    for k in _COMPAT_KEYS:
-        if k in have and canon(k, have[k]) != canon(k, attrs[k]):
-            what = k if k in ("space", "base_config") else f"{k}={have[k]!r} (now {attrs[k]!r})"
-            return f"study {study.study_name!r} was created with a different {what}; pass --study NAME to start another"
-    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,7 +269,7 @@ def run(args: argparse.Namespace) -> int:
     left = Leftovers(out_dir, out_dir / "jobs", out_dir / "trials", spec.path, spec.lock_path)
     out_dir.mkdir(parents=True, exist_ok=True)
     runner = _runner(args, inputs, device, out_dir)
-    opened: "_Opened | str" = "not opened"
+    opened: "OpenedStudy | str" = "not opened"
     try:
         opened = _open(args, inputs, device, spec)
         if isinstance(opened, str):
@@ -331,28 +282,31 @@ def run(args: argparse.Namespace) -> int:
             left.undo()  # the study could not be opened: nothing of this run stays behind
 
 
-def _existing(args: argparse.Namespace, inputs: _Inputs, device: dict, spec) -> tuple[list, str]:
-    """The study this search would resume, read-only (nothing written): (its trials, "new"/"resumed"); or
-    ``ValueError`` with the one line a real search would refuse it with."""
-    name = args.study or st.default_study_name(args.base_config, args.space)
-    why = name_problem(name, what="the study name (--study)")
-    if why:
-        raise ValueError(why)
-    if spec.path is not None and not spec.path.is_file():
-        return [], "new"
-    storage = open_storage(spec, read_only=True)
-    try:
-        if name not in [s.study_name for s in storage.get_all_studies()]:
-            return [], "new"
-        study = optuna.load_study(study_name=name, storage=storage)
-        penalty = args.memory_limit_gb or device["memory_total_gb"] or 80.0
-        attrs = _study_attrs(args, inputs.space, inputs.base_nested, device, penalty, inputs.verl, inputs.plan)
-        bad = _unreadable(study) or _incompatible(study, attrs) or _failed_baseline(study)
-        if bad:
-            raise ValueError(bad)
-        return study.get_trials(deepcopy=False), "resumed"
-    finally:
-        close_storage(storage)
+def _attrs(args: argparse.Namespace, inputs: _Inputs, device: dict) -> dict:
+    """The study's attributes; the memory a trial may use (the graded constraint is peak / this - 1) is the cap
+    when there is one (on CPU it counts above the post-start level, as the CPU memory objective does), else the
+    device's."""
+    penalty = args.memory_limit_gb or device["memory_total_gb"] or 80.0
+    return study_attrs(
+        args, inputs.space, inputs.base_nested, device, penalty, selection_from_args(args), inputs.verl, inputs.plan
+    )
+
+
+def _open(args: argparse.Namespace, inputs: _Inputs, device: dict, spec) -> "OpenedStudy | str":
+    """Open (or create) the study (:func:`tuner.study.opening.open_for_search`)."""
+    options = inputs.options
+    return open_for_search(
+        spec,
+        args.study or st.default_study_name(args.base_config, args.space),
+        _attrs(args, inputs, device),
+        space=inputs.space,
+        trial_flat=inputs.trial_flat,
+        fitted=inputs.fitted,
+        sampler=build_sampler(options.sampler, seed=options.seed, n_trials=options.trials),
+        heartbeat_s=options.heartbeat_s,
+        grace_s=options.grace_s,
+        selection=selection_from_args(args),
+    )
 
 
 def _dry_run(args: argparse.Namespace, inputs: _Inputs, device: dict, spec) -> int:
@@ -361,10 +315,10 @@ def _dry_run(args: argparse.Namespace, inputs: _Inputs, device: dict, spec) -> i
     from tuner.search import plan
 
     try:
-        trials, state = _existing(args, inputs, device, spec)
+        name = args.study or st.default_study_name(args.base_config, args.space)
+        trials, state = existing_trials(spec, name, _attrs(args, inputs, device))
     except (ValueError, StorageError) as e:
         return _fail(str(e))
-    name = args.study or st.default_study_name(args.base_config, args.space)
     lines = plan.plan_lines(
         args, inputs.options, inputs.space, inputs.trial_flat, device["kind"], trials, state, name, spec
     )
@@ -373,110 +327,8 @@ def _dry_run(args: argparse.Namespace, inputs: _Inputs, device: dict, spec) -> i
     return ExitCode.OK
 
 
-@dataclasses.dataclass(frozen=True)
-class _Opened:
-    """The study this search runs on, opened and checked."""
-
-    study: optuna.Study
-    storage: object
-    created: bool
-    lock: st.StudyLock
-    name: str
-    penalty_gb: float
-
-
-def _open(args: argparse.Namespace, inputs: _Inputs, device: dict, spec) -> "_Opened | str":
-    """Open (or create) the study, refusing one created for another search: the study, or the one line why not."""
-    space = inputs.space
-    # the memory a trial may use: the cap when there is one (on CPU it counts above the post-start level,
-    # as the CPU memory objective does), else the device; the graded constraint is peak / this - 1
-    penalty = args.memory_limit_gb or device["memory_total_gb"] or 80.0
-    attrs = _study_attrs(args, space, inputs.base_nested, device, penalty, inputs.verl, inputs.plan)
-    name = args.study or st.default_study_name(args.base_config, args.space)
-    why = name_problem(name, what="the study name (--study)")
-    if why:
-        return why
-    lock = st.StudyLock(spec.lock_path)
-
-    def setup(study: optuna.Study) -> None:
-        for k, v in attrs.items():
-            study.set_user_attr(k, v)
-        baseline = space.baseline_params(inputs.trial_flat)
-        study.enqueue_trial(baseline, user_attrs=TrialRecord(baseline=True).to_user_attrs(only={"baseline"}))
-        if inputs.fitted and inputs.fitted != baseline:  # --from-fit: the largest sizes that fit, tried next
-            study.enqueue_trial(inputs.fitted)
-        study.set_user_attr(st.SCHEMA_ATTR, STUDY_SCHEMA_VERSION)  # last: marks the study as set up
-
-    options = inputs.options
-    try:
-        study, storage, created = st.open_study(
-            spec,
-            name,
-            lock,
-            sampler=build_sampler(options.sampler, seed=options.seed, n_trials=options.trials),
-            setup=setup,
-            heartbeat_s=options.heartbeat_s,
-            grace_s=options.grace_s,
-        )
-    except StorageError as e:
-        return str(e)
-    except Exception as e:  # noqa: BLE001 - storage errors come in many types
-        return f"--storage {spec.display}: {type(e).__name__}: {e}"
-    bad = _unreadable(study) or _incompatible(study, attrs) or _failed_baseline(study)
-    foreign = None if bad else space.foreign_params(study.get_trials(deepcopy=False))
-    if bad or foreign:
-        close_storage(storage)
-        return bad or f"study {name!r}: {foreign}"
-    if not created:
-        _reselect(study, selection_from_args(args))
-    return _Opened(study, storage, created, lock, name, penalty)
-
-
-def _reselect(study: optuna.Study, asked: Selection) -> None:
-    """A resumed study confirms and probes for this run's ``--pick``/``--memory-headroom``: recorded as the study's
-    selection (export's default from now on), said when it changes."""
-    had = selection_of(read_study_attrs(study.user_attrs)[0])
-    if had.recorded and had.same(asked):
-        return
-    study.set_user_attr(SELECTION_ATTR, asked.to_attr())
-    if had.recorded:
-        print(f"ppotune search: the study now recommends by {asked.flags()} (it had {had.flags()})", flush=True)
-
-
-def _failed_baseline(study: optuna.Study) -> Optional[str]:
-    """A study whose baseline trial failed (crash, refused, hang) stopped because it cannot work: resuming it would
-    run the same inputs again (FailureRule). Why not, or None."""
-    for t in study.get_trials(deepcopy=False):
-        rec = TrialRecord.from_user_attrs(t.user_attrs)
-        if rec.baseline and rec.confirm_of is None and rec.status in BASELINE_FAILED:
-            first = (str(rec.error or "").strip().splitlines() or ["no error recorded"])[0][:300]
-            return (
-                f"study {study.study_name!r}: its baseline trial #{t.number} ended {rec.status} ({first}), so a search "
-                "on it cannot work; fix the input and start another study (--study NAME)"
-            )
-    return None
-
-
-def _unreadable(study: optuna.Study) -> Optional[str]:
-    """Why a study cannot be resumed: an attribute or a trial that does not fit the schema (the study is data:
-    a resumed search would act on it), or None. Report and export still read it, leaving those out."""
-    attrs, notes = read_study_attrs(study.user_attrs)
-    keys = override_keys_of(attrs.get("space"))
-    for t in study.get_trials(deepcopy=False):
-        _, why = read_trial(t, override_keys=keys)
-        if why:
-            notes.append(f"trial #{t.number}: {why}")
-    if not notes:
-        return None
-    more = f" (and {len(notes) - 1} more)" if len(notes) > 1 else ""
-    return (
-        f"study {study.study_name!r} holds what a search cannot resume from: {notes[0]}{more}; report and export "
-        "read it without those; pass --study NAME to start another"
-    )
-
-
 def _search(
-    args: argparse.Namespace, inputs: _Inputs, device: dict, spec, out_dir: Path, runner, opened: _Opened
+    args: argparse.Namespace, inputs: _Inputs, device: dict, spec, out_dir: Path, runner, opened: OpenedStudy
 ) -> int:
     """Run the search on the opened study, then say what it found."""
     options, space = inputs.options, inputs.space
@@ -498,7 +350,7 @@ def _search(
     seed_display(display, trials)
     tracker = None
     if args.wandb:
-        from tuner.search.tracking import TrialTracker
+        from tuner.search.wandb_runs import TrialTracker
 
         tracker = TrialTracker(project="ppotune", group=name, out_dir=out_dir)
     search = Search(

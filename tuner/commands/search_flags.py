@@ -1,6 +1,6 @@
 """``ppotune search``'s flags, in four groups of the same order as its help: what the search is over and where
 its study lives, how each trial runs, how the search proposes and stops, how trials start and what is written.
-(:mod:`tuner.search.command` parses them into its options.)"""
+(:mod:`tuner.commands.search` parses them into its options.)"""
 
 from __future__ import annotations
 
@@ -9,17 +9,17 @@ import argparse
 from trainer.contracts import DEFAULT_HEADROOM, DEFAULT_OUT_DIR
 from trainer.launch.cliflags import add_override_flag
 from trainer.summary import MIN_MEASURED_STEPS
-from tuner.search.budget import MAX_FAILURES_IN_A_ROW
+from tuner.rules.budget import MAX_FAILURES_IN_A_ROW
+from tuner.rules.finalists import DEFAULT_FINALISTS, DEFAULT_ROUNDS, MAX_FINALISTS
 from tuner.search.policy import SAMPLERS
-from tuner.stages.confirm import DEFAULT_FINALISTS, DEFAULT_ROUNDS, MAX_FINALISTS
 from tuner.study import lifecycle as st
 from tuner.study.selection import DEFAULT_PICK, PICKS
 from tuner.trials.launch import add_hang_flags, positive_seconds
 
-__all__ = ["add_arguments"]
+__all__ = ["add_search_arguments"]
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def add_search_arguments(p: argparse.ArgumentParser) -> None:
     for flags in (_study_flags, _trial_flags, _search_flags, _stage_flags, _output_flags):
         flags(p)
 

@@ -7,7 +7,7 @@ config, base; round 2: base, config; ... -- with the runner the search uses
 memory sampler and the same classification), then prints the measured figures against the study's:
 
 - throughput ratio to the baseline: the median of the paired ratios (config / the same round's
-  baseline) with its 90% interval (:func:`tuner.stages.confirm.log_interval`), against the study's
+  baseline) with its 90% interval (:func:`tuner.rules.finalists.log_interval`), against the study's
   confirmed ratio (the ``confirmation`` study attribute) or, for an unconfirmed study, the ratio of
   the two single trials;
 - peak memory: the largest peak over the config's runs, against the study's (confirmed re-runs'
@@ -28,7 +28,7 @@ difference is within it. Wide intervals make a weak PASS: the output prints them
 A study of ``--engine verl`` trials: CONFIG is the verl run file export wrote (its ``best_config.yaml``:
 ``overrides:`` + ``ppotune:``); each run is verl's own ``main_ppo`` with the interpreter ``--engine-python`` names
 (or CONFIG's ``ppotune.python``; never the study's), the baseline the study's base overrides; a study that tuned
-for a larger world (``--target-nodes``) runs at its trials' world and scaled global sizes (:mod:`tuner.world`).
+for a larger world (``--target-nodes``) runs at its trials' world and scaled global sizes (:mod:`tuner.rules.world`).
 
 CONFIG defaults to ``best_config.yaml`` where a bare ``ppotune export`` writes it (the study's search output dir,
 else the current dir). Runs go to ``<out>/validate/<k>/`` (``--out DIR``, else the directory holding CONFIG); the
@@ -61,8 +61,8 @@ from trainer.config import (
 )
 from trainer.config.io import blame_command_line, check_override_keys
 from trainer.contracts import ExitCode, Status, StorageError
-from trainer.launch.cliflags import add_override_flag, fail, overrides_of
-from tuner.stages.confirm import CONFIRMATION_ATTR, Rerun, entry_of, log_interval, paired_ratios, schedule
+from trainer.launch.cliflags import add_override_flag, command_error, overrides_of
+from tuner.rules.finalists import CONFIRMATION_ATTR, Rerun, entry_of, log_interval, paired_ratios, schedule
 from tuner.study.schema import notes_summary
 from tuner.trials.launch import add_hang_flags, next_numbered_dir, stop_on_signals
 from tuner.trials.memory import nvml_available
@@ -73,7 +73,7 @@ __all__ = [
     "MEMORY_TOL",
     "LENGTH_TOL",
     "StudyFigures",
-    "Verdict",
+    "ValidationVerdict",
     "verdict",
     "length_warnings",
     "add_arguments",
@@ -101,7 +101,7 @@ class StudyFigures:
 
 
 @dataclass
-class Verdict:
+class ValidationVerdict:
     passed: bool
     lines: list[str] = field(default_factory=list)  # one per check, each saying PASS/FAIL/not compared and why
 
@@ -119,9 +119,9 @@ def verdict(
     memory_comparable: bool = True,
     failed_runs: int = 0,
     memory_floor_gb: float = 0.0,
-) -> Verdict:
+) -> ValidationVerdict:
     """PASS when the throughput ratio agrees with the study's and memory is not over it (module docstring)."""
-    out = Verdict(passed=True)
+    out = ValidationVerdict(passed=True)
     if failed_runs:
         out.passed = False
         out.lines.append(f"FAIL  {failed_runs} run(s) of the config did not end ok")
@@ -278,7 +278,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _fail(msg: str) -> int:
-    return fail("validate", msg)
+    return command_error("validate", msg)
 
 
 def _default_config(view) -> str:
@@ -438,9 +438,9 @@ def _match_verl_trial(view, run_file: dict, header_trial: Optional[int]) -> Opti
 def _verl_job(args, view, run_file: dict, warmup: int) -> _Job:
     """verl's main_ppo for CONFIG's overrides and the study's base overrides, at the study's trial world."""
     from tuner.results.export import verl_engine_of
+    from tuner.rules.world import WorldPlan, trial_overrides
     from tuner.trials.runners import VerlEngine
     from tuner.trials.verl import world_overrides
-    from tuner.world import WorldPlan, trial_overrides
 
     python = args.engine_python or run_file["ppotune"].get("python")
     if not python:
@@ -513,7 +513,7 @@ def _run_rounds(runners: dict, configs: dict, plan: list, out: Path) -> tuple[di
     return runs, records, got
 
 
-def _measured_verdict(runs: dict, records: dict, study: StudyFigures) -> tuple[Verdict, dict]:
+def _measured_verdict(runs: dict, records: dict, study: StudyFigures) -> tuple[ValidationVerdict, dict]:
     """The verdict on the runs, and what they measured (validate.json's ``measured``, less the lengths)."""
     from tuner.results.analysis import MEMORY_ABS_TOL_GB
 

@@ -6,7 +6,7 @@ already in the study (Optuna ``FrozenTrial`` records; tests build them with
 sampler: :mod:`tuner.search.loop` does that and calls these.
 
 * :func:`known_configs` -- which configs the study already holds, and the trial that measured each;
-* :func:`judge` -- launch it, or record it at zero cost as ``invalid`` (space constraint or
+* :func:`judge_candidate` -- launch it, or record it at zero cost as ``invalid`` (space constraint or
   config validation), ``duplicate`` (already measured: answered with its twin's values),
   ``inferred_oom`` (at least as memory-hungry as a known OOM on every monotone knob, in the direction
   of that OOM's kind, unless a measurement contradicts that OOM or the candidate, held only as an inferred
@@ -20,10 +20,8 @@ sampler: :mod:`tuner.search.loop` does that and calls these.
   (by the lower end of its own throughput interval: the winner's curse), the measured configs best first, and how
   many ordered steps apart two configs are (where the search proposes itself once the sampler stalls);
 * :func:`oom_evidence` -- the OOMs that still rule configs out, and the configs that ran;
-* :func:`stop_reason` -- the budget: when a search process stops asking;
-* :func:`after_search_s` -- the seconds ``--timeout`` leaves the confirmation and the worst-case probes;
-* :func:`over_budget` -- after an ``ask()`` taken without a cross-process lock: was the
-  trial asked past the budget by a race with another worker?
+
+The budget's rules (which trials count, when a search stops) are :mod:`tuner.rules.budget`'s.
 """
 
 from __future__ import annotations
@@ -35,11 +33,12 @@ from optuna.trial import FrozenTrial, TrialState
 
 from trainer.config import ConfigError, apply_overrides, config_from_dict, config_to_dict, flatten
 from trainer.contracts import CONSTRAINT_KEY, PHASES, Status, TrialRecord
+from tuner.rules.budget import counted
 from tuner.space import Candidate, Space
 
 __all__ = [
-    "Verdict",
-    "Prediction",
+    "LaunchVerdict",
+    "LimitCheck",
     "known_configs",
     "seen_configs",
     "held_configs",
@@ -51,13 +50,8 @@ __all__ = [
     "inferred_only",
     "distance",
     "incumbent",
-    "judge",
+    "judge_candidate",
     "constraint",
-    "counted",
-    "count_progress",
-    "stop_reason",
-    "after_search_s",
-    "over_budget",
     "INVALID_CONSTRAINT",
 ]
 
@@ -71,7 +65,7 @@ _OOM_SETUP = "setup"
 
 
 @dataclass(frozen=True)
-class Prediction:
+class LimitCheck:
     """What the study's memory model says of a candidate (:mod:`tuner.memory_model`), against the limit."""
 
     peak_gb: float  # predicted memory objective (GB per GPU)
@@ -96,7 +90,7 @@ class Prediction:
 
 
 @dataclass(frozen=True)
-class Verdict:
+class LaunchVerdict:
     """The decision on one candidate. ``status`` None means: launch it."""
 
     status: Optional[Status] = None  # INVALID | DUPLICATE | INFERRED_OOM | PREDICTED_OOM, or None to launch
@@ -105,82 +99,11 @@ class Verdict:
     config: Optional[dict] = None  # launch: the validated nested config the trial runs (parsed once, here)
     constraint: Optional[float] = None  # not launched and told COMPLETE: its graded constraint (see constraint())
     values: Optional[tuple] = None  # DUPLICATE of a COMPLETE twin: the twin's objective values (else FAIL)
-    predicted: Optional[Prediction] = None  # the memory model's figures, when the study has one
+    predicted: Optional[LimitCheck] = None  # the memory model's figures, when the study has one
 
     @property
     def launch(self) -> bool:
         return self.status is None
-
-
-# --------------------------------------------------------------------------- the budget
-def counted(t: FrozenTrial) -> bool:
-    """Does this trial count toward ``--trials``? Finished or running trials, except interrupted
-    ones (their retry counts), what was rejected before launch (duplicates, inferred OOMs, invalid
-    configs at 0 s) and ``--confirm`` re-runs (:attr:`TrialRecord.counted`)."""
-    return t.state in _IN_STUDY and TrialRecord.from_user_attrs(t.user_attrs).counted
-
-
-def count_progress(trials: Iterable[FrozenTrial]) -> int:
-    return sum(1 for t in trials if counted(t))
-
-
-def stop_reason(
-    trials: list[FrozenTrial],
-    *,
-    budget: int,
-    elapsed_s: float,
-    timeout_s: Optional[float],
-    reserve_s: float = 0.0,
-) -> Optional[str]:
-    """Why this search process should ask no more trials (None: go on): the budget or the timeout. ``reserve_s``:
-    the part of ``timeout_s`` kept for the confirmation and the probes (:func:`after_search_s`). Proposals rejected
-    before launch never stop a search: when the sampler stalls the search proposes itself (:mod:`tuner.search.stall`),
-    until every config is measured or ruled out."""
-    if count_progress(trials) >= budget:
-        return f"the study holds {budget} counted trials"
-    if timeout_s is not None and elapsed_s > timeout_s - reserve_s:
-        if reserve_s > 0:
-            return f"--timeout {timeout_s:g} s: ~{reserve_s:.0f} s of it left for the confirmation and the probes"
-        return f"--timeout {timeout_s:g} s reached"
-    return None
-
-
-def after_search_s(trials: Iterable[FrozenTrial], *, runs: int, timeout_s: float) -> float:
-    """How much of ``timeout_s`` the search leaves for ``runs`` trials after it (the confirmation's
-    re-runs and the worst-case probes): that many times the median duration of the search's measured
-    trials, at most half of ``timeout_s`` (the search itself keeps the other half); 0 before any trial
-    was measured or without runs."""
-    if runs <= 0:
-        return 0.0
-    durations = sorted(
-        rec.duration_s
-        for rec in (TrialRecord.from_user_attrs(t.user_attrs) for t in trials if t.state.is_finished())
-        if rec.status == Status.OK and rec.confirm_of is None and rec.duration_s
-    )
-    if not durations:
-        return 0.0
-    return min(runs * durations[len(durations) // 2], timeout_s / 2)
-
-
-def over_budget(trials: Iterable[FrozenTrial], number: int, *, budget: int) -> bool:
-    """Was trial ``number`` (just asked, RUNNING) asked past ``budget`` by a race with another worker?
-
-    For storages with no cross-process lock (the gRPC proxy, MySQL). The storage numbers trials
-    in creation order under its own lock (a row lock on the study in an RDB), so the trials
-    numbered below ours existed when ours was made. Ours is over the budget when ``budget`` of
-    them count or may still count: counted ones (running or finished) and waiting ones that
-    will count once popped (an enqueued retry holds its slot). A trial that was uncounted at
-    the check (interrupted, duplicate, over budget, a ``--confirm`` re-run) never counts later;
-    a waiting one does, and it is included. So every counted trial saw fewer than ``budget``
-    counted-or-reserved trials below it: the counted total never exceeds ``budget``.
-    """
-    below = 0
-    for t in trials:
-        if t.number >= number:
-            continue
-        if counted(t) or (t.state == TrialState.WAITING and TrialRecord.from_user_attrs(t.user_attrs).counted):
-            below += 1
-    return below >= budget
 
 
 # --------------------------------------------------------------------------- the study's configs
@@ -410,7 +333,7 @@ def constraint_of(t: FrozenTrial) -> Optional[float]:
 
 
 # --------------------------------------------------------------------------- one candidate
-def judge(
+def judge_candidate(
     cand: Candidate,
     *,
     number: int,
@@ -419,10 +342,10 @@ def judge(
     trial_flat: dict,
     known: dict[tuple, FrozenTrial],
     is_confirm: bool = False,
-    predict: Optional[Callable[[dict], Optional[Prediction]]] = None,
+    predict: Optional[Callable[[dict], Optional[LimitCheck]]] = None,
     revisitable: frozenset = frozenset(),
     launch_anyway: frozenset = frozenset(),
-) -> Verdict:
+) -> LaunchVerdict:
     """Launch ``cand`` (trial ``number``) or record it at zero cost; see the module docstring.
 
     A ``--confirm`` re-run is checked for validity only: it repeats a measured config on purpose.
@@ -432,15 +355,15 @@ def judge(
     """
     invalid = INVALID_CONSTRAINT
     if cand.error:
-        return Verdict(Status.INVALID, f"space: {cand.error}", constraint=invalid)
+        return LaunchVerdict(Status.INVALID, f"space: {cand.error}", constraint=invalid)
     if cand.violated:
-        return Verdict(Status.INVALID, f"space: constraint not satisfied: {cand.violated}", constraint=invalid)
+        return LaunchVerdict(Status.INVALID, f"space: constraint not satisfied: {cand.violated}", constraint=invalid)
     try:
         config = config_to_dict(config_from_dict(apply_overrides(trial_base, cand.overrides)))
     except ConfigError as e:
-        return Verdict(Status.INVALID, f"config: {e}", constraint=invalid)
+        return LaunchVerdict(Status.INVALID, f"config: {e}", constraint=invalid)
     if is_confirm:
-        return Verdict(config=config)
+        return LaunchVerdict(config=config)
     prev = known.get(space.identity(cand.effective))
     if prev is not None and prev.number != number:
         rec = TrialRecord.from_user_attrs(prev.user_attrs)
@@ -451,7 +374,7 @@ def judge(
         # new; TPE's constant liar already counts the running twin, so the duplicate is FAIL, as is the
         # duplicate of a FAIL twin (a crash).
         twin = prev.state == TrialState.COMPLETE and prev.values is not None
-        return Verdict(
+        return LaunchVerdict(
             Status.DUPLICATE,
             f"duplicate: the sampler proposed the config of trial {prev.number} ({what}); not run",
             source=prev.number,
@@ -460,7 +383,7 @@ def judge(
         )
     t = ruling_oom(cand.effective, known, space, trial_flat, revisitable, launch_anyway)
     if t is not None:
-        return Verdict(
+        return LaunchVerdict(
             Status.INFERRED_OOM,
             f"inferred OOM: at least as memory-hungry as trial {t.number} (an OOM) on every monotone knob; "
             "not launched",
@@ -469,7 +392,7 @@ def judge(
         )
     pred = predict(flatten(config)) if predict is not None else None
     if pred is not None and pred.over:
-        return Verdict(
+        return LaunchVerdict(
             Status.PREDICTED_OOM,
             f"predicted OOM: the memory model (fitted on {pred.trials} trials, error {pred.error:.0%}) puts its "
             f"peak at {pred.peak_gb:.3g} GB, {pred.margin:+.0%} over the {pred.limit_gb:.3g} GB limit; not launched",
@@ -477,4 +400,4 @@ def judge(
             constraint=constraint(TrialRecord(status=Status.PREDICTED_OOM), limit_gb=0.0, source=1.0 + pred.margin),
             predicted=pred,
         )
-    return Verdict(config=config, predicted=pred)
+    return LaunchVerdict(config=config, predicted=pred)

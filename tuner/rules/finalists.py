@@ -1,7 +1,7 @@
 """Finalists confirmed side by side: which configs to re-run, in which order, and what the re-runs say.
 
-Pure functions (no optuna, no process, no pandas). :class:`tuner.stages.confirmation.ConfirmationStage` runs the
-rounds through the search's own runner, as long as :func:`tuner.stages.race.race` says (until the leader separates
+Pure functions (no optuna, no process, no pandas). :class:`tuner.search.confirmation.ConfirmationStage` runs the
+rounds through the search's own runner, as long as :func:`tuner.rules.race.race` says (until the leader separates
 from the runner-up, at most ``--confirm R`` rounds), and stores :func:`aggregate` in the study attribute
 ``confirmation`` (docs/contracts.md section 3); ``ppotune export``, the report, the search's summary
 and ``ppotune validate`` read it.
@@ -12,7 +12,7 @@ a study picks the luckiest sample (the winner's curse), and the machine's load d
 again, interleaved -- round 1: A B C base, round 2: B C base A, round 3: C base A B -- so every round
 sees the same conditions and no config always runs first after a pause; a finalist's figure is the
 geometric mean over rounds of its throughput divided by the *same round's* baseline throughput (a paired
-ratio: the drift between rounds cancels), with a 90% interval (:func:`tuner.stages.race.paired_interval`).
+ratio: the drift between rounds cancels), with a 90% interval (:func:`tuner.rules.race.paired_interval`).
 """
 
 from __future__ import annotations
@@ -23,14 +23,14 @@ from dataclasses import dataclass
 from typing import Hashable, Mapping, Optional, Sequence, TypeVar
 
 from trainer.summary import interval
-from tuner.stages.race import RUN_NOISE_FLOOR, Rerun, paired_interval, race
+from tuner.rules.race import RUN_NOISE_FLOOR, Rerun, paired_interval, race
 
 __all__ = [
     "CONFIRMATION_ATTR",
     "DEFAULT_ROUNDS",
     "MAX_FINALISTS",
     "DEFAULT_FINALISTS",
-    "Candidate",
+    "Contender",
     "within_noise",
     "pick_finalists",
     "schedule",
@@ -47,7 +47,7 @@ __all__ = [
 #: the study user attribute holding :func:`aggregate`'s result
 CONFIRMATION_ATTR = "confirmation"
 #: ``ppotune search --confirm R`` default: at most this many interleaved rounds (0 turns confirmation off). The rounds
-#: stop as soon as the leader separates from the runner-up (:mod:`tuner.stages.race`): a dominant finalist costs one
+#: stop as soon as the leader separates from the runner-up (:mod:`tuner.rules.race`): a dominant finalist costs one
 #: round. The family of simulated grids chose the cap: more rounds cost more than they gained in the pick there
 #: (benchmarks/README.md, "The search on grids it was never tuned on"); a larger R narrows the claim's interval.
 DEFAULT_ROUNDS = 1
@@ -63,7 +63,7 @@ T = TypeVar("T", bound=Hashable)
 
 # --------------------------------------------------------------------------- who
 @dataclass(frozen=True)
-class Candidate:
+class Contender:
     """A measured feasible trial under the export headroom (a search trial, not a re-run)."""
 
     number: int
@@ -74,14 +74,14 @@ class Candidate:
     @property
     def score(self) -> float:
         """What finalists are ranked by: the lower end of its interval when known (the search's incumbent rule,
-        :func:`tuner.search.decide.measured_score`), else its throughput."""
+        :func:`tuner.rules.candidates.measured_score`), else its throughput."""
         ci = self.throughput_ci
         if ci is not None and ci[0] is not None and 0 < ci[0] <= self.throughput:
             return float(ci[0])
         return float(self.throughput)
 
 
-def within_noise(best: Candidate, other: Candidate) -> bool:
+def within_noise(best: Contender, other: Contender) -> bool:
     """Could ``other`` be as fast as ``best``? Their 90% intervals overlap (``other``'s upper end reaches
     ``best``'s lower end). An unknown interval on either side says nothing: False."""
     if best.throughput_ci is None or other.throughput_ci is None:
@@ -89,9 +89,9 @@ def within_noise(best: Candidate, other: Candidate) -> bool:
     return other.throughput_ci[1] >= best.throughput_ci[0]
 
 
-def pick_finalists(cands: Sequence[Candidate], *, exclude: Sequence[int] = (), cap: int = MAX_FINALISTS) -> list[int]:
+def pick_finalists(cands: Sequence[Contender], *, exclude: Sequence[int] = (), cap: int = MAX_FINALISTS) -> list[int]:
     """The configs to confirm: the Pareto points among ``cands`` plus any trial within noise of the best
-    (:func:`within_noise`), best first by :attr:`Candidate.score`, at most ``cap``.
+    (:func:`within_noise`), best first by :attr:`Contender.score`, at most ``cap``.
 
     ``exclude`` (the baseline: it is re-run in every round anyway) is never a finalist, but it still
     defines the best when it is. Ties: the lower trial number first."""
@@ -154,7 +154,7 @@ def summarize(
 
     ``claimed``: the rounds the figures come from (None: all; the rounds measured under load are left out by the
     caller: ``loaded_rounds`` counts this config's runs in them). ``ratio``/``ratio_ci``: the geometric mean and 90%
-    interval of the paired ratios (:func:`tuner.stages.race.paired_interval`; one round has one too, from the runs'
+    interval of the paired ratios (:func:`tuner.rules.race.paired_interval`; one round has one too, from the runs'
     own noise); ``throughput``/``throughput_ci``: the median and Student's t interval over its ok re-runs'
     throughputs (:func:`log_interval`); ``peak_memory_gb``: the largest peak over its re-runs; ``trials``: the
     re-runs' numbers; ``failed``: re-runs that did not end ok; ``rounds``: the figures the ratio is over (paired
@@ -194,7 +194,7 @@ def aggregate(
     """The study attribute ``confirmation`` (docs/contracts.md section 3) from the finished re-runs.
 
     ``runs``: config number -> its re-runs in trial-number order (its k-th ran in round k); ``rounds``: the cap.
-    The race (:func:`tuner.stages.race.race`) says which rounds are claimed from (those measured without load), the
+    The race (:func:`tuner.rules.race.race`) says which rounds are claimed from (those measured without load), the
     leader, its runner-up and whether they separated; ``complete``: the race is over (False after an interruption:
     a resumed search runs the rest)."""
     state = race(runs, finalists=finalists, baseline=baseline, rounds=rounds, noise_floor=noise_floor)

@@ -143,7 +143,7 @@ def run(args) -> int:
     args.override = []
     result_path = Path(args.result) if args.result else (Path(args.out) / "result.json" if args.out else None)
     if args.engine == "verl":
-        from trainer.verl_engine.adapter import run as run_verl
+        from trainer.verl_engine.adapter import train_verl
 
         refused = _verl_inputs_refused(args)
         if refused is not None:
@@ -151,7 +151,7 @@ def run(args) -> int:
         if result_path:  # --out DIR as for ppotune's engine: DIR/result.json, DIR made here
             result_path.parent.mkdir(parents=True, exist_ok=True)
             args.result = str(result_path)
-        return run_verl(args)
+        return train_verl(args)
     t0 = time.time()
     try:
         overrides = _overrides(args)

@@ -1,4 +1,4 @@
-"""The confirmation stage: the finalists re-run side by side with the baseline (the rules: :mod:`tuner.stages.confirm`).
+"""The confirmation stage: the finalists re-run side by side with the baseline (rules: :mod:`tuner.rules.finalists`).
 
 Runs after a search, or on its own over a study whose search is done (``ppotune search --confirm R`` on a study
 that already holds its ``--trials``): it takes the study's session (:class:`tuner.search.session.TrialSession`:
@@ -12,11 +12,11 @@ from typing import Optional
 from optuna.trial import TrialState
 
 from trainer.contracts import Status, TrialRecord
-from tuner.search import decide
+from tuner.rules import candidates as decide
+from tuner.rules import finalists as rules
+from tuner.rules.race import Rerun, race
 from tuner.search.budget import Budget
 from tuner.search.session import Proposal, TrialSession
-from tuner.stages import confirm as rules
-from tuner.stages.race import Rerun, race
 from tuner.study.frame import headroom_filter, measured_feasible, missing, pareto_mask, trials_frame
 from tuner.study.selection import Selection, rank_trials
 
@@ -38,7 +38,7 @@ class ConfirmationStage:
         """Confirm the finalists side by side, then store the aggregate in the study attribute ``confirmation``.
 
         Rounds go on until the leader separates from the runner-up, at most ``rounds`` rounds measured without
-        load (:func:`tuner.stages.race.race`). Each re-run is a trial of its own (``confirm_of`` = the finalist's or
+        load (:func:`tuner.rules.race.race`). Each re-run is a trial of its own (``confirm_of`` = the finalist's or
         the baseline's number) launched by the session's runner exactly like a search trial, one at a time (two at
         once would skew the pair). Nothing done is redone: the re-runs already taken (finished, or running in
         another worker) are counted, so a resumed search or a second worker runs only the rest, and an
@@ -87,7 +87,7 @@ class ConfirmationStage:
         fit = headroom_filter(df, study.user_attrs, self.selection.headroom)
         front = pareto_mask(df, among=fit.mask)
         cands = [
-            rules.Candidate(
+            rules.Contender(
                 number=int(row["number"]),
                 throughput=float(row["throughput"]),
                 throughput_ci=None

@@ -17,11 +17,11 @@ import optuna
 
 from trainer.config import apply_overrides
 from trainer.contracts import Status, TrialRecord
-from tuner.fit.boundary import FitState, KnobFit, ProbeOutcome, ProbePlan, judge, next_probe
+from tuner.fit.boundary import FitState, KnobFit, ProbeOutcome, ProbePlan, judge_probe, next_probe
 from tuner.fit.inputs import FitInputs
 from tuner.fit.propose import knob_values, model_predictor, proposals
 from tuner.memory_model import MIN_LOO_SAMPLES, MemoryModel, sample_from_attrs
-from tuner.search import decide
+from tuner.rules import candidates as decide
 from tuner.search.session import Proposal, TrialSession
 from tuner.study import lifecycle as st
 from tuner.study.storage import trial_id
@@ -102,7 +102,7 @@ class FitRun:
         )
         error = (self.model.gate_error if self.model is not None else None) or UNSTATED_ERROR
         try:
-            made = judge(
+            made = judge_probe(
                 self.state,
                 plan.rungs,
                 outcome,
@@ -179,7 +179,7 @@ class FitRun:
         tested = ", ".join(f"{roles[k]} {values[k]} ({why})" for k, why in plan.why.items())
         self.say(f"ppotune fit: probe #{trial.number}: {tested}")
         config = apply_overrides(s.trial_base, cand.overrides)
-        s.process(Proposal(trial, cand, decide.Verdict(config=config)), slot=0)
+        s.process(Proposal(trial, cand, decide.LaunchVerdict(config=config)), slot=0)
         return s.study.get_trials(deepcopy=False)[trial.number]  # numbers are list positions
 
     # ---- resume

@@ -1,4 +1,4 @@
-"""The worst-case stage: the configs export would take first, each probed at its worst case (:mod:`tuner.stages.probe`:
+"""The worst-case stage: the configs export would take first, each probed at its worst case (:mod:`tuner.trials.probe`:
 one step with every prompt and response at its maximum length).
 
 Runs after the confirmation, or on its own over a study whose search is done; it takes the study's session
@@ -14,12 +14,12 @@ from typing import Optional
 
 from trainer.config import apply_overrides, config_from_dict, config_to_dict
 from trainer.contracts import Status, TrialRecord
+from tuner.rules import finalists as rules
 from tuner.search.budget import Budget
 from tuner.search.session import TrialSession
-from tuner.stages import confirm as rules
-from tuner.stages.probe import WORST_CASE_ATTR, ProbeResult, probe
 from tuner.study.frame import headroom_filter, pareto_mask, trials_frame
 from tuner.study.selection import Selection, rank_trials
+from tuner.trials.probe import WORST_CASE_ATTR, ProbeResult, probe
 
 __all__ = ["WorstCaseStage"]
 

@@ -13,12 +13,11 @@ expression, constraints that nothing satisfies, a space the trainer config refus
 from __future__ import annotations
 
 import argparse
-import sys
 
 from trainer.config import ConfigError, parse_override
 from trainer.config.io import blame_command_line, check_override_keys
 from trainer.contracts import short_knob
-from trainer.launch.cliflags import add_override_flag, deprecated, fail
+from trainer.launch.cliflags import add_override_flag, command_error, deprecated
 from tuner.space.grid import GRID_LIMIT
 from tuner.space.load import base_flat_config, load_space
 
@@ -117,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
             args.file, args.base, args.nproc, over, verl_python=args.engine_python, engine=args.engine
         )
     except ValueError as e:  # SpaceError, trainer.config.ConfigError
-        return fail("space check", str(e))
+        return command_error("space check", str(e))
     size = report["size"]
     size_text = f">{GRID_LIMIT:,}" if size > GRID_LIMIT else f"{size:,}"
     print(f"{args.file}: OK" + (f" - {space.description}" if space.description else ""))
@@ -158,9 +157,3 @@ def run(args: argparse.Namespace) -> int:
             "(the baseline trial still runs the base config as written)"
         )
     return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    from tuner.cli import main
-
-    sys.exit(main(["space", *sys.argv[1:]]))

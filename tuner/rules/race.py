@@ -1,7 +1,7 @@
 """How long a confirmation goes on: interleaved rounds until the leader separates from the runner-up.
 
 Pure functions (no optuna, no process). The finalists and the baseline are re-run in rounds
-(:mod:`tuner.stages.confirm`: who, and what the re-runs say); after each round, over the rounds measured so far:
+(:mod:`tuner.rules.finalists`: who, and what the re-runs say); after each round, over the rounds measured so far:
 
 * every config's figure is its paired log-ratios to the same round's baseline (drift between rounds cancels);
 * the **leader** is the config with the best median ratio (the baseline counts, at 1.0), the **runner-up** the next;
