@@ -6,7 +6,7 @@ it, and what a real verl run showed it change (``benchmarks/data/verl_knobs.json
     python scripts/gen_verl_knob_table.py          # rewrite the table in docs/verl_parity.md
     python scripts/gen_verl_knob_table.py --check  # exit 1, with a diff, when the page differs
 
-tests/trainer/test_verl_knob_table.py runs the check.
+tests/trainer/verl_engine/test_knob_reads.py runs the check.
 """
 
 from __future__ import annotations

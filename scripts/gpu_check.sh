@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared GPU check: tests/trainer/test_gpu.py's PLAN, group by group, within its BUDGET_S of GPU time (a
+# The prepared GPU check: tests/trainer/engine/test_gpu.py's PLAN, group by group, within its BUDGET_S of GPU time (a
 # 15-minute device loan less start-up and transfers).
 #
 #   bash scripts/gpu_check.sh fetch      here, with a package index: optuna and what it needs that a bare CUDA
@@ -29,7 +29,7 @@ fi
 
 if [ "${1:-}" = --dry-run ]; then
     bash -n "$0" || exit 2
-    exec "$PY" tests/trainer/test_gpu.py --plan
+    exec "$PY" tests/trainer/engine/test_gpu.py --plan
 fi
 
 LOGS="${1:-${OUT:-gpu_logs}}"
@@ -40,7 +40,7 @@ if ls .whl/*.whl > /dev/null 2>&1; then
         && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 T0=$(date +%s)
-"$PY" tests/trainer/test_gpu.py --plan | tee "$LOGS/plan.txt"
+"$PY" tests/trainer/engine/test_gpu.py --plan | tee "$LOGS/plan.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "gpu_check: the plan does not fit (see above)"; exit 2; }
 BUDGET=$(sed -n 's/^total [0-9]* s of a \([0-9]*\) s budget$/\1/p' "$LOGS/plan.txt")
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
@@ -60,7 +60,7 @@ while read -r _ name estimate _; do
     fi
     echo "##### group $name: estimate ${estimate} s, limit ${limit} s, at $(( $(date +%s) - T0 )) s"
     # SIGINT first (the runner prints what finished), then SIGKILL 15 s later
-    timeout -s INT -k 15 "$limit" "$PY" tests/trainer/test_gpu.py --group "$name" < /dev/null 2>&1 | tee "$LOGS/$name.log"
+    timeout -s INT -k 15 "$limit" "$PY" tests/trainer/engine/test_gpu.py --group "$name" < /dev/null 2>&1 | tee "$LOGS/$name.log"
     echo "##### group $name: exit ${PIPESTATUS[0]} at $(( $(date +%s) - T0 )) s"
     sed -n '/^===== summary/,$p' "$LOGS/$name.log"
 done < <(grep '^group ' "$LOGS/plan.txt")

@@ -88,7 +88,7 @@ part_vllm() {
   fi
 }
 
-# 5. A headless browser for the report's browser test (tests/tuner/test_report_browser.py) and
+# 5. A headless browser for the report's browser test (tests/tuner/results/test_report_browser.py) and
 #    scripts/screenshots.py: Debian's chromium, driven by Playwright (the dev extra) through its executable path;
 #    Playwright's own browser download is never used. The check starts it as the test does (tests/browser.py).
 browser_ok() {

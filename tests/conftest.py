@@ -11,7 +11,11 @@ import pytest
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
-for p in (str(REPO), str(TESTS)):  # the packages under test, and tests/support.py for every test directory
+# the packages under test, tests/support.py for every test directory, and the trainer's helpers (tests/trainer/
+# invariance.py, torchrun.py, step_worker.py) for the trainer's tests in its sub-packages: pytest imports the test
+# files themselves by their path (--import-mode=importlib in pyproject), so equal base names may live in two
+# mirrored directories; one test file imports another's names as tests.<path>
+for p in (str(REPO), str(TESTS), str(TESTS / "trainer")):
     if p not in sys.path:
         sys.path.insert(0, p)
 
@@ -194,14 +198,14 @@ def vllm_installed() -> None:
 
 
 # --------------------------------------------------------------------------- two workers (pytest-xdist)
-#: files whose tests read the session's one real search (the ``real_search`` fixture): one worker runs them all,
-#: so the search runs once, not once per worker
+#: files (paths under tests/) whose tests read the session's one real search (the ``real_search`` fixture): one
+#: worker runs them all, so the search runs once, not once per worker
 _REAL_SEARCH_READERS = {
-    "test_validate.py",
-    "test_report.py",
-    "test_report_browser.py",
-    "test_export.py",
-    "test_notebook.py",
+    "e2e/test_validate.py",
+    "tuner/results/test_report.py",
+    "tuner/results/test_report_browser.py",
+    "tuner/results/test_export.py",
+    "notebooks/test_pareto_report.py",
 }
 
 
@@ -209,20 +213,21 @@ _REAL_SEARCH_READERS = {
 #: so that no worker starts one of them while the other has run out of work (pytest_configure keeps this order);
 #: the rest follow
 _LONGEST_FIRST = (
-    "test_verl.py",
+    "e2e/test_verl.py",
     "real_search",
-    "test_cluster.py",
-    "test_train.py",
-    "test_fit.py",
-    "test_search.py",
-    "test_vllm_rollout.py",
-    "test_fail_fast.py",
-    "test_offload_matrix.py",
+    "e2e/test_cluster.py",
+    "e2e/test_train.py",
+    "e2e/test_fit.py",
+    "e2e/test_search.py",
+    "trainer/engine/test_vllm_rollout.py",
+    "e2e/test_fail_fast.py",
+    "trainer/engine/test_offload_matrix.py",
 )
 
 
 def _group(item) -> str:
-    name = item.path.name
+    """The test file's path under tests/ (two mirrored directories may hold equal base names)."""
+    name = item.path.relative_to(TESTS).as_posix()
     return "real_search" if name in _REAL_SEARCH_READERS else name
 
 

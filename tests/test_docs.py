@@ -33,7 +33,8 @@ def defined_names(path: Path) -> set[str]:
 
 
 def rows() -> list[str]:
-    """The behaviour tables' rows (the generated knob table has its own test: tests/trainer/test_verl_knob_table.py)."""
+    """The behaviour tables' rows (the generated knob table has its own test:
+    tests/trainer/verl_engine/test_knob_reads.py)."""
     text = PARITY.read_text()
     start, end = text.find("<!-- BEGIN knob table"), text.find("<!-- END knob table -->")
     if start >= 0 and end > start:

@@ -1,6 +1,6 @@
-"""scripts/gpu_check.sh without a GPU (its --dry-run): the script parses, tests/trainer/test_gpu.py imports, and its
-plan (the profile at the realistic shape, then correctness, then the rest) fits the GPU-time budget, each group's
-estimate printed before anything would run. A GPU loan is minutes long: a check that cannot run or overruns must
+"""scripts/gpu_check.sh without a GPU (its --dry-run): the script parses, tests/trainer/engine/test_gpu.py imports,
+and its plan (the profile at the realistic shape, then correctness, then the rest) fits the GPU-time budget, each
+group's estimate printed before anything would run. A GPU loan is minutes long: a check that cannot run or overruns must
 fail here, not there."""
 
 import os

@@ -236,3 +236,28 @@ def test_one_name_per_concept():
         name: where for name, where in twice.items() if {w.split(":")[0] for w in where} != ALLOWED_DUPLICATES.get(name)
     }
     assert bad == {}, "\n".join(f"{name}: {', '.join(where)}" for name, where in sorted(bad.items()))
+
+
+#: test files that test a package's behaviour through its top rather than one module (tests/<package path>/)
+MIRROR_EXCEPTIONS = {
+    "tests/trainer/engine/test_invariance.py": "one PPO update under every knob: the engine as a whole",
+    "tests/trainer/engine/test_gpu.py": "the engine's GPU checks, run as a script by scripts/gpu_check.sh",
+}
+
+
+def _mirrors(test: Path) -> bool:
+    """tests/<dir>/test_<name>.py (or test_<name>_<aspect>.py) mirrors <dir>/<name>.py or the package <dir>/<name>/."""
+    where = REPO / test.parent.relative_to(REPO / "tests")
+    parts = test.stem.removeprefix("test_").split("_")
+    names = ("_".join(parts[:n]) for n in range(len(parts), 0, -1))
+    return any((where / f"{name}.py").is_file() or (where / name / "__init__.py").is_file() for name in names)
+
+
+def test_tests_mirror_the_packages():
+    """tests/<path of a module> finds its tests: every test file under tests/tuner and tests/trainer mirrors a module
+    or a package there (CONTRIBUTING, Tests)."""
+    tests = sorted(p for top in ("tuner", "trainer") for p in (REPO / "tests" / top).rglob("test_*.py"))
+    assert len(tests) > 40
+    stray = [p.relative_to(REPO).as_posix() for p in tests if not _mirrors(p)]
+    assert sorted(set(stray) - set(MIRROR_EXCEPTIONS)) == []
+    assert sorted(set(MIRROR_EXCEPTIONS) - set(stray)) == []  # an exception that mirrors after all is dropped

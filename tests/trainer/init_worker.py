@@ -1,4 +1,4 @@
-"""Run by torchrun from test_model_init.py: build actor, ref and critic from a checkpoint whose LM head is
+"""Run by torchrun from engine/test_models.py: build actor, ref and critic from a checkpoint whose LM head is
 tied to its embedding (rank 0 loads, the others build on the meta device) and report, per strategy,
 whether the tie survived sharding and whether every rank holds the same full weights; then how many
 process groups three hybrid-sharded builds leave."""

@@ -1,4 +1,4 @@
-"""The invariance check's machinery (shared by test_invariance.py and test_gpu.py): the knob variants,
+"""The invariance check's machinery (shared by engine/test_invariance.py and engine/test_gpu.py): the knob variants,
 torchrun of the worker over them, and the comparison of parameters, gradients and statistics.
 
 Each variant is a dict of config overrides on top of the worker's common ones (fp32 compute, a larger

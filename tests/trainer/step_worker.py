@@ -1,4 +1,4 @@
-"""Run by torchrun from test_offload_matrix.py / test_gpu.py: real PPO steps per config variant.
+"""Run by torchrun from engine/test_offload_matrix.py / engine/test_gpu.py: real PPO steps per config variant.
 
 argv: OUT_JSON SPEC_JSON, SPEC = {"base": config path, "steps": N, "variants": {name: {dotted: value}}}.
 Every variant builds actor, ref and critic with its knobs (on the meta device on ranks > 0), counts the

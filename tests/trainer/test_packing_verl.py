@@ -10,9 +10,9 @@ import random
 import subprocess
 
 import pytest
-from test_packing import on_ranks
 
 from support import REPO
+from tests.trainer.test_packing import on_ranks
 
 VERL_PY = REPO / ".venv-verl" / "bin" / "python"
 WORKER = REPO / "tests" / "trainer" / "verl_packing_worker.py"

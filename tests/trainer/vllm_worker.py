@@ -1,4 +1,4 @@
-"""Run by torchrun from tests/trainer/test_vllm_rollout.py: a real vLLM engine per rank, colocated with the
+"""Run by torchrun from tests/trainer/engine/test_vllm_rollout.py: a real vLLM engine per rank, colocated with the
 real FSDP actor (gloo), driven by the trainer's own code (build_roles, Roles.update_weights, ppo_step).
 
 Greedy decoding throughout, so vLLM and HF ``generate`` must agree token for token:

@@ -11,7 +11,7 @@ ones that predict a response token), a chunk of them at a time upcast to fp32 (:
 to a share of the logits), and autograd keeps only the logits and one value per row; the backward recomputes each
 chunk's softmax and writes its gradient straight into its rows (into the logits when ``inplace_backward``).
 Numbers and bytes: ``benchmarks/bench_pass_memory.py``; the same values as the plain formulas:
-``tests/trainer/test_logits.py``.
+``tests/trainer/engine/test_logits.py``.
 """
 
 from __future__ import annotations

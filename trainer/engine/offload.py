@@ -123,7 +123,7 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
     A host copy belongs to the tensor object it was made from (a weak reference: its entry goes when the tensor
     does), never to an address: the allocator hands a freed tensor's address to the next one of its size, which
     must get its own copy. A noted weight storage is alive while its unit runs, so no activation shares its address
-    then (tests/trainer/test_offload.py forces the reuse)."""
+    then (tests/trainer/engine/test_offload.py forces the reuse)."""
 
     def __init__(self, blocks: list[nn.Module]) -> None:
         super().__init__(self._pack, self._unpack)

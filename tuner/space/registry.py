@@ -8,10 +8,11 @@ why.md say in their first lines that the compared trials ran different algorithm
 
 Each entry names its evidence (``proof``): ``invariance:<variant>``, a knob variant of
 ``tests/trainer/invariance.py`` (one PPO update gives the same parameters, gradients and statistics under it);
-``engine:<variant>``, a rollout-engine variant of ``tests/trainer/test_vllm_rollout.py``; ``test:<file>::<name>``,
-another test. ``tests/trainer/test_knob_registry.py`` checks that every named variant exists and sets its key,
-and that every knob the invariance variants vary is listed here. The rollout engine's knobs size the engine (KV
-cache, scheduler, compile, sleep): they change how fast rollouts come, not the PPO update.
+``engine:<variant>``, a rollout-engine variant of ``tests/trainer/engine/test_vllm_rollout.py``;
+``test:<file>::<name>``, another test. ``tests/tuner/space/test_registry_proofs.py`` checks that every named
+variant exists and sets its key, and that every knob the invariance variants vary is listed here. The rollout
+engine's knobs size the engine (KV cache, scheduler, compile, sleep): they change how fast rollouts come, not the
+PPO update.
 
 The ``kind`` is what the space loader checks of a knob's range (:func:`range_problem`): a micro-batch is >= 1, a
 token budget holds the longest sequence the data admits, a fraction is in (0, 1], a count is >= 1, a shard group
@@ -57,7 +58,7 @@ _REF, _ROLLOUT = "actor_rollout_ref.ref", "actor_rollout_ref.rollout"
 _FSDP_SECTIONS = (f"{_ACTOR}.fsdp_config", f"{_CRITIC}.fsdp", f"{_REF}.fsdp_config")
 
 
-_LOGITS = "test:tests/trainer/test_logits.py::test_pad_to_length_changes_no_output"
+_LOGITS = "test:tests/trainer/engine/test_logits.py::test_pad_to_length_changes_no_output"
 
 #: (key, kind, proof, role): the per-GPU execution knobs, each with the invariance variant that varies it
 _KNOBS: tuple[tuple[str, KnobKind, str, str], ...] = (

@@ -154,7 +154,7 @@ def test_phases_are_the_order_the_step_runs():
     """PHASES is the step's order: every ``meter.phase(...)`` in trainer/engine/step.py, in file order."""
     import re
 
-    text = (Path(__file__).resolve().parents[1] / "trainer" / "engine" / "step.py").read_text()
+    text = (Path(__file__).resolve().parents[2] / "trainer" / "engine" / "step.py").read_text()
     assert tuple(re.findall(r'meter\.phase\("(\w+)"\)', text)) == PHASES
 
 

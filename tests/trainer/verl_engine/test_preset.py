@@ -17,10 +17,10 @@ import yaml
 from trainer.config import SyntheticDataConfig
 from trainer.engine.data import score_response, synthetic_rows
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 VERL_PYTHON = REPO / ".venv-verl" / "bin" / "python"
 VERL_STATUS = REPO / ".test_deps" / "verl-venv.status"
-CHECK_IN_VERL = Path(__file__).with_name("verl_preset_check.py")
+CHECK_IN_VERL = Path(__file__).resolve().parents[1] / "verl_preset_check.py"
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 NUM_PROMPTS, NUM_VAL, SEED = 64, 8, 3
 

@@ -10,11 +10,11 @@ test's outcome as it ends, so a timeout keeps what finished. The estimates come 
 (docs/gpu.md, its groups' times) and, for the realistic shape (not run yet), from its size.
 
 Run on a GPU machine with either of:
-    python -m pytest tests/trainer/test_gpu.py -v -s
-    python tests/trainer/test_gpu.py [NAME ...]  # no pytest plugins needed: every test (or those whose name
+    python -m pytest tests/trainer/engine/test_gpu.py -v -s
+    python tests/trainer/engine/test_gpu.py [NAME ...]  # no pytest plugins needed: every test (or those whose name
                                                  # holds a NAME), each outcome as it ends, a summary
-    python tests/trainer/test_gpu.py --plan      # the groups, their estimates, checked against the budget
-    python tests/trainer/test_gpu.py --group NAME
+    python tests/trainer/engine/test_gpu.py --plan      # the groups, their estimates, checked against the budget
+    python tests/trainer/engine/test_gpu.py --group NAME
 """
 
 import dataclasses
@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[2])]
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[3])]
 from invariance import (  # noqa: E402
     BIT_FOR_BIT,
     CHECKS_BF16,
@@ -67,14 +67,14 @@ PLAN = [
         ],
     ),
 ]
-#: Not in the plan: run by name (``python tests/trainer/test_gpu.py NAME``) when a loan has time left
+#: Not in the plan: run by name (``python tests/trainer/engine/test_gpu.py NAME``) when a loan has time left
 EXTRA = [
     "test_offload_cost_at_a_realistic_shape",
     "test_every_offload_combination_bf16",
     "test_mfu_half_b_shape",
     "test_search_on_gpu",
 ]
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 BASE = str(ROOT / "configs" / "tiny_cpu.yaml")
 # Qwen2.5-0.5B's shape (hidden 896, 24 layers, 14 heads, 2 KV heads), built from config.
 HALF_B = [

@@ -7,9 +7,10 @@ import random
 
 import optuna
 import pytest
-from test_decide import GC, MICRO, SPACE, _policy, frozen
 
 from support import search_over, tiny_setup
+from tests.tuner.rules.test_candidates import GC, MICRO, SPACE, frozen
+from tests.tuner.search.test_policy import _policy
 from trainer.contracts import DIRECTIONS, Status, TrialRecord
 from tuner.rules import candidates as decide
 from tuner.rules.budget import count_progress

@@ -3,7 +3,7 @@ execution knob names the evidence that it does not change the PPO update, and th
 
 ``invariance:<variant>``: a variant of tests/trainer/invariance.py that sets the key (or the key it follows, a
 null follow-key reading as it: trainer.config.FOLLOWS) and that the suite checks against its reference;
-``engine:<variant>``: a rollout-engine variant of tests/trainer/test_vllm_rollout.py; ``test:<file>::<name>``: a
+``engine:<variant>``: a rollout-engine variant of tests/trainer/engine/test_vllm_rollout.py; ``test:<file>::<name>``: a
 test function that exists. And the other way: every key an invariance variant varies as a knob is in the registry,
 so a new knob variant cannot be forgotten there."""
 
@@ -12,10 +12,10 @@ from __future__ import annotations
 import ast
 
 import pytest
-from test_vllm_rollout import ENGINE_VARIANTS
 
 from invariance import CHECKS_BF16, CHECKS_FP32, GRPO, VARIANTS_1, VARIANTS_2, VARIANTS_BF16_2
 from support import REPO
+from tests.trainer.engine.test_vllm_rollout import ENGINE_VARIANTS
 from trainer.config import FOLLOWS
 from tuner.space.registry import EXECUTION_KNOBS
 

@@ -12,7 +12,7 @@ from trainer.config import ConfigError, PPOConfig, load_config, need_critic, nee
 from trainer.config.rules import ADV_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES
 
 BASE = "configs/tiny_cpu.yaml"
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 MICRO = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"
 VERL_PY = REPO / ".venv-verl" / "bin" / "python"
 #: a GRPO recipe on the embedded task: 4 prompts x 4 responses, the KL as a loss, none in the reward

@@ -93,7 +93,7 @@ def test_the_ranks_die_with_a_sigkilled_launcher(env, tmp_path):
         % tmp_path
     )
     env = {**env, "RANK_0": "sleep", "RANK_1": "sleep"}
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], repo])
     p = subprocess.Popen([sys.executable, "-c", launcher], env=env)
     try:

@@ -11,7 +11,7 @@ import torch
 from trainer.config.rules import ADV_ESTIMATORS
 from trainer.engine import core, estimators
 
-VERL_PY = Path(__file__).resolve().parents[2] / ".venv-verl" / "bin" / "python"
+VERL_PY = Path(__file__).resolve().parents[3] / ".venv-verl" / "bin" / "python"
 
 # Runs in verl's venv: every estimator on the inputs of argv[1], the results printed as JSON.
 _VERL = r"""

@@ -1,6 +1,6 @@
 """Finalists confirmed side by side: tuner.rules.finalists's pure decisions with hand-computed figures, then the
 confirmation stage over a replay runner (the real loop, no process): interleaving, rounds until the leader separates,
-resume. The rounds' rule itself: tests/tuner/test_race.py."""
+resume. The rounds' rule itself: tests/tuner/rules/test_race.py."""
 
 from __future__ import annotations
 

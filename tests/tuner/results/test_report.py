@@ -183,8 +183,7 @@ def test_report_few_trials_and_unknown_device(tmp_path):
 def test_report_shows_the_confirmation_intervals_and_lengths(tmp_path):
     """A study holding a --confirm confirmation (see test_export.add_confirmation): the report ranks by it
     and shows each figure with its interval, every re-run's own interval and the lengths the trials saw."""
-    from test_export import add_confirmation
-
+    from tests.tuner.results.test_export import add_confirmation
     from tuner.cli import main
 
     add_confirmation(make_demo_study(f"sqlite:///{tmp_path / 'study.db'}"))

@@ -1,7 +1,7 @@
 """The offload knobs' own logic on a CPU (trainer/engine/offload.py): activation offload's choice of what to move
 (never a weight a layer saves, each distinct activation once) and its round trip (the same gradients, bit for bit,
 also where the allocator hands a freed activation's address to the next one). The copies themselves are pinned and
-non-blocking only on a GPU (tests/trainer/test_gpu.py runs them there)."""
+non-blocking only on a GPU (tests/trainer/engine/test_gpu.py runs them there)."""
 
 import contextlib
 

@@ -6,10 +6,18 @@ from __future__ import annotations
 
 import optuna
 import pytest
+from optuna.trial import TrialState, create_trial
 
 from support import search_over, tiny_setup
+from tests.tuner.rules.test_candidates import frozen
 from trainer.contracts import DIRECTIONS, ExitCode, Status
-from tuner.rules.budget import FailureRule, error_signature
+from tuner.rules.budget import (
+    FailureRule,
+    after_search_s,
+    error_signature,
+    over_budget,
+    search_stop_reason,
+)
 from tuner.trials.runners import ReplayRunner
 
 MICRO = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"
@@ -115,3 +123,58 @@ def test_without_the_rule_the_loop_runs_its_budget(setup):
     search = search_over(setup, study, storage, ReplayRunner({}), trials=4, sampler="grid", max_failures_in_a_row=0)
     search.run()
     assert search.halt is None and len(study.get_trials()) == 4
+
+
+def test_stop_reason():
+    ok = [frozen(i, "ok", {}) for i in range(3)]
+    kw = dict(elapsed_s=1.0, timeout_s=None)
+    assert search_stop_reason(ok, budget=4, **kw) is None
+    assert "holds 3 counted" in search_stop_reason(ok, budget=3, **kw)
+    dup = [*ok, frozen(3, "duplicate", {}, duplicate_of=0)]
+    assert search_stop_reason(dup, budget=4, **kw) is None  # a duplicate is not counted
+    assert "--timeout" in search_stop_reason(ok, budget=9, **{**kw, "timeout_s": 0.5})
+    rejected = [*ok, frozen(3, "inferred_oom", {}, inferred_from=0), frozen(4, "invalid", {}, duration_s=0.0)]
+    assert search_stop_reason(rejected, budget=4, **kw) is None  # rejected before launch: not counted
+    launched_invalid = [*ok, frozen(3, "invalid", {}, duration_s=7.5, returncode=2)]
+    assert "holds 4 counted" in search_stop_reason(launched_invalid, budget=4, **kw)  # exit 2 counts
+
+
+# --------------------------------------------------------------------------- the budget across workers
+def _t(number, state, **ua):
+    t = create_trial(state=state, values=[1.0, 1.0] if state == TrialState.COMPLETE else None, user_attrs=ua)
+    t.number = number
+    return t
+
+
+def test_over_budget_counts_what_is_below_and_may_still_count():
+    R, C, W, F = TrialState.RUNNING, TrialState.COMPLETE, TrialState.WAITING, TrialState.FAIL
+    two_done = [_t(0, C, status="ok"), _t(1, C, status="ok")]
+    assert not over_budget([*two_done, _t(2, R)], 2, budget=3)
+    # another worker's trial numbered below ours took the last slot in the same moment
+    assert over_budget([*two_done, _t(2, R), _t(3, R)], 3, budget=3)
+    # ...but not one numbered above ours: that one is the one over the budget
+    assert not over_budget([*two_done, _t(2, R), _t(3, R)], 2, budget=3)
+    # an enqueued retry below ours holds its slot: it counts once popped
+    assert over_budget([*two_done, _t(2, W, retry_of=0), _t(3, R)], 3, budget=3)
+    # what can never count again does not hold a slot
+    for gone in (
+        _t(2, F, status="interrupted"),
+        _t(2, F, status="duplicate", duplicate_of=0),
+        _t(2, F, status="over_budget"),
+        _t(2, C, status="ok", confirm_of=0),
+        _t(2, W, confirm_of=0),
+    ):
+        assert not over_budget([*two_done, gone, _t(3, R)], 3, budget=3), gone.user_attrs
+
+
+def test_timeout_leaves_the_confirmation_its_time():
+    ok = [frozen(i, "ok", {}, duration_s=d) for i, d in enumerate((10.0, 30.0, 20.0))]
+    rerun = frozen(3, "ok", {}, duration_s=500.0, confirm_of=0)  # a re-run's seconds are not the search's
+    assert after_search_s([*ok, rerun], runs=4, timeout_s=1000.0) == 80.0  # 4 x the median 20 s
+    assert after_search_s(ok, runs=40, timeout_s=1000.0) == 500.0  # at most half of the timeout
+    assert after_search_s(ok, runs=0, timeout_s=1000.0) == 0.0
+    assert after_search_s([], runs=4, timeout_s=1000.0) == 0.0  # nothing measured yet
+    kw = dict(budget=9, timeout_s=100.0)
+    assert search_stop_reason(ok, elapsed_s=70.0, reserve_s=20.0, **kw) is None
+    why = search_stop_reason(ok, elapsed_s=81.0, reserve_s=20.0, **kw)
+    assert why == "--timeout 100 s: ~20 s of it left for the confirmation and the probes"
