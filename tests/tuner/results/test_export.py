@@ -117,6 +117,35 @@ def test_without_a_confirmation_export_says_unconfirmed(demo_out, tmp_path, caps
     assert "unconfirmed: the study holds no confirmation" in capsys.readouterr().out
 
 
+def test_a_leader_that_did_not_separate_says_so_in_why_md_the_report_and_the_summary(tmp_path, capsys):
+    """#3 and #11 run within each other's noise in all 3 rounds: the claim carries its interval and says it was
+    not separated after 3 rounds, in why.md, in the report's summary and in the search's summary."""
+    from tuner.search.progress import confirm_summary
+
+    close = {
+        11: [(2150.0, 63.0), (2010.0, 63.1), (2160.0, 62.9)],
+        3: [(2200.0, 61.0), (2000.0, 61.2), (2150.0, 61.1)],
+        0: [(1500.0, 52.0), (1400.0, 52.0), (1450.0, 52.1)],
+    }
+    study = make_demo_study(f"sqlite:///{tmp_path / 'study.db'}")
+    conf = add_confirmation(study, close)
+    assert conf["rounds_run"] == 3 and conf["separated"] is False
+    rc, to = _export(tmp_path, tmp_path)
+    assert rc == 0
+    leader = f"#{conf['leader']}"
+    other = "#11" if leader == "#3" else "#3"
+    said = f"not separated from {other} after 3 interleaved rounds"
+    why = (to / "why.md").read_text()
+    assert "3 of at most 3 rounds: the leader did not separate" in why and said in why
+    assert re.search(r"90% interval \d\.\d\d–\d\.\d\d, 3 interleaved rounds; " + said, why)
+    assert main(["report", "--storage", str(tmp_path), "--out", str(tmp_path / "r")]) == 0
+    assert said in (tmp_path / "r" / "summary.md").read_text()
+    capsys.readouterr()
+    confirm_summary(study)
+    out = capsys.readouterr().out
+    assert "3 of at most 3 rounds: the leader did not separate" in out and said in out
+
+
 def test_export_picks_the_confirmed_ratio_not_the_single_trial(confirmed_out, tmp_path, capsys):
     """#11 was the fastest single trial (2150 vs #3's 2100); side by side #3 is faster: its paired
     ratios 2200/1500, 2050/1400, 2150/1450 = 1.467, 1.464, 1.483 (geometric mean 1.471) beat #11's 1.345."""
