@@ -6,8 +6,10 @@ For each job (the recorded grids' jobs, and a token-budget shape of the first gr
 * **fit**: ``ppotune fit BASE --memory-limit-gb CAP`` for real (warm jobs as shipped; vLLM runs cold), timed; its
   answer and its probe runs from ``fit.json``;
 * **sweep**: every rung of every knob's ladder probed for real (``tuner.trials.probe.probe``, the same runner, the
-  same cap at the headroom's limit), the other knobs at their smallest; a knob's answer is its largest rung whose
-  passes stay within the limit. Its answer must equal fit's (the table says where it does not);
+  same cap at the headroom's limit), knob by knob in fit's order, the knobs already swept at the sweep's answers and
+  the later ones at their smallest (the sizes held together, as the exported config holds them; see
+  :func:`run_sweep`), an OOM just above a fit run once more as fit runs it; a knob's answer is its largest rung
+  whose passes stay within the limit. Its answer must equal fit's (the table says where it does not);
 * **search**: ``ppotune search``'s own loop as shipped (TPE with local steps), replayed over the job's recorded grid
   (``benchmarks/bench_search.py``'s recording: no trial re-run, each launch one of the config's recorded repeats),
   run until its study holds what fit answers for the knob the grid varies, the actor's micro-batch at the base
@@ -42,7 +44,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import optuna  # noqa: E402
 
 from trainer.config import apply_overrides  # noqa: E402
-from trainer.contracts import Status, TrialRecord  # noqa: E402
+from trainer.contracts import PHASES, Status, TrialRecord  # noqa: E402
 from tuner.fit.inputs import fit_inputs  # noqa: E402
 from tuner.fit.propose import knob_values  # noqa: E402
 from tuner.trials.probe import probe  # noqa: E402
@@ -92,32 +94,68 @@ def run_fit(job: Job, out: Path) -> dict:
 
 
 # --------------------------------------------------------------------------- the exhaustive sweep
+def _verdict(got, knob, limit_gb: float) -> tuple[bool, Optional[float]]:
+    """(whether ``knob``'s passes fitted in probe ``got``, their peak) read as fit reads a probe: within the limit on
+    the objective's basis, or an OOM in a later pass (the passes before it ran under the cap)."""
+    by_phase = got.peak_memory_by_phase_gb
+    offset = max(0.0, (got.peak_memory_gb or 0.0) - max(by_phase.values(), default=0.0))
+    mine = [by_phase[p] for p in knob.phases if p in by_phase]
+    own = max(mine) + offset if mine else None
+    if got.status is Status.OK:
+        return own is not None and own <= limit_gb + 1e-12, own
+    later = got.status is Status.OOM and got.oom_phase in PHASES and knob.phases
+    return bool(later and all(PHASES.index(p) < PHASES.index(got.oom_phase) for p in knob.phases)), own
+
+
 def run_sweep(job: Job, out: Path) -> dict:
-    """Every rung of every ladder, the other knobs at their smallest, under fit's cap at the headroom's limit."""
+    """Every rung of every ladder, knob by knob in fit's order (the order the passes run), the knobs already swept
+    held at the sweep's answers and the rest at their smallest: a knob's passes run after the earlier knobs' passes
+    at the sizes the exported config will hold, and before the later knobs' passes, which cannot move them. An OOM
+    one rung above a fitting rung is run once more, as fit repeats it; every run is counted. A knob's answer is its
+    largest fitting rung; the last knob's run at its answer is the whole answer's run."""
     inputs = fit_inputs(str(job.base), overrides=dict(job.overrides), memory_limit_gb=job.cap_gb)
     knobs = list(inputs.knobs)
     cold = SubprocessRunner(device_kind=inputs.device["kind"], nproc=inputs.trial_base["trainer"]["n_gpus_per_node"])
     runner = WarmRunner(cold=cold, jobs_dir=out / "jobs")
-    best, runs, seconds = {}, 0, 0.0
-    t0 = time.monotonic()
+    held, trace, whole = {g.key: 0 for g in knobs}, [], None
+
+    def one(k, r: int, again: bool):
+        over = knob_values(knobs, held | {k.key: r})
+        got = probe(apply_overrides(inputs.trial_base, over), runner=runner, trial_dir=out / str(len(trace)))
+        fits, own = _verdict(got, k, inputs.limit_gb)
+        st, phase = got.status.value, got.oom_phase
+        trace.append(
+            dict(knob=k.key, value=k.ladder[r], status=st, fits=fits, own_gb=own, oom_phase=phase, repeat=again)
+        )
+        print(f"sweep {k.role} {k.ladder[r]}{' again' if again else ''}: {st} {phase or ''} {own or 0.0:.3f} GB {fits}")
+        return got, fits, got.duration_s
+
+    seconds, t0 = 0.0, time.monotonic()
     try:
         for k in knobs:
+            best = -1
             for r in range(len(k.ladder)):
-                rungs = {g.key: 0 for g in knobs} | {k.key: r}
-                over = knob_values(knobs, rungs)
-                got = probe(apply_overrides(inputs.trial_base, over), runner=runner, trial_dir=out / str(runs))
-                runs += 1
-                seconds += got.duration_s
-                by_phase = got.peak_memory_by_phase_gb
-                offset = max(0.0, (got.peak_memory_gb or 0.0) - max(by_phase.values(), default=0.0))
-                own = max((by_phase.get(p, 0.0) for p in k.phases), default=0.0) + offset
-                fits = got.status is Status.OK and own <= inputs.limit_gb
-                print(f"sweep {k.role} {k.ladder[r]}: {got.status.value} {own:.3f} GB {'fits' if fits else ''}")
-                if fits:
-                    best[k.key] = k.ladder[r]
+                got, fits, spent = one(k, r, False)
+                if not fits and got.status is Status.OOM and best == r - 1 >= 0:
+                    seconds += spent
+                    got, fits, spent = one(k, r, True)  # an OOM one rung above a fit: a noisy boundary, once more
+                seconds += spent
+                best = r if fits else best
+                if fits and k is knobs[-1]:  # every knob at its answer: the whole answer's run
+                    whole = got.status is Status.OK and (got.peak_memory_gb or 0.0) <= inputs.limit_gb + 1e-12
+            held[k.key] = max(best, 0)  # none fits: the later knobs' runs hold it at its smallest
     finally:
         runner.close()
-    return {"values": best, "runs": runs, "wall_s": time.monotonic() - t0, "trial_s": seconds}
+    values = {k.key: k.ladder[held[k.key]] for k in knobs if any(t["knob"] == k.key and t["fits"] for t in trace)}
+    return {
+        "values": values,
+        "runs": len(trace),
+        "repeats": sum(t["repeat"] for t in trace),
+        "wall_s": time.monotonic() - t0,
+        "trial_s": seconds,
+        "answer_ran_within": whole,
+        "trace": trace,
+    }
 
 
 # --------------------------------------------------------------------------- a default search, replayed
@@ -194,7 +232,10 @@ def main() -> int:
             else name
         )
         if s:
-            line += f" | sweep {s['runs']} runs {s['wall_s']:.0f} s ({s['trial_s']:.0f} trial-s), equal {row['equal']}"
+            line += (
+                f" | sweep {s['runs']} runs ({s['repeats']} repeats) {s['wall_s']:.0f} s ({s['trial_s']:.0f} trial-s)"
+            )
+            line += f", equal {row['equal']}"
         if q and q["reached"]:
             reached = f"{q['reached']}/{q['seeds']} seeds reached it"
             line += (

@@ -159,6 +159,29 @@ REF = "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"
 NOISY_SPACE = SPACE + f"  {REF}: {{type: pow2, low: 1, high: 4, memory: increasing}}\n"
 
 
+def test_the_incumbent_is_ranked_by_the_lower_end_of_its_own_interval_not_its_luckier_median(setup):
+    """The winner's curse: a challenger whose median beats the incumbent's by less than its own noise does not
+    lead; one that beats it by more than its noise does; a trial without an interval is ranked by its median."""
+    space, _, flat = setup
+
+    def eff(micro, gc):
+        return space.complete({MICRO: micro, GC: gc}, flat).effective
+
+    steady = frozen(0, "ok", {MICRO: 1, GC: False}, throughput=100.0, throughput_ci=[96.0, 104.0])
+    lucky = frozen(1, "ok", {MICRO: 2, GC: True}, throughput=110.0, throughput_ci=[80.0, 140.0])
+    known = decide.known_configs([steady, lucky], space, flat)
+    assert decide.measured_score(TrialRecord.from_user_attrs(lucky.user_attrs)) == 80.0
+    assert [t.number for t in decide.ranked_measured(known)] == [0, 1]
+    assert space.identity(decide.incumbent(known, flat)) == space.identity(eff(1, False))
+    clear = frozen(1, "ok", {MICRO: 2, GC: True}, throughput=130.0, throughput_ci=[120.0, 140.0])
+    known = decide.known_configs([steady, clear], space, flat)
+    assert space.identity(decide.incumbent(known, flat)) == space.identity(eff(2, True))
+    bare = frozen(1, "ok", {MICRO: 2, GC: True}, throughput=101.0)
+    assert decide.measured_score(TrialRecord.from_user_attrs(bare.user_attrs)) == 101.0
+    known = decide.known_configs([steady, bare], space, flat)
+    assert space.identity(decide.incumbent(known, flat)) == space.identity(eff(2, True))
+
+
 def test_an_oom_that_a_fitted_hungrier_config_contradicts_rules_nothing_out():
     """Near the cap the same config runs out of memory once and fits the next time: once a config at least as
     hungry as the OOM's has run, the OOM infers nothing more."""
