@@ -72,7 +72,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="what runs a probe: ppotune's FSDP trainer (its memory model proposes each boundary), or verl's own "
         "main_ppo (BASE_CONFIG a verl run file) (default: ppotune)",
     )
-    p.add_argument("--engine-python", default=None, metavar="PY", help="--engine verl: your verl environment's python")
+    p.add_argument(
+        "--engine-python",
+        default=None,
+        metavar="PY",
+        help="--engine verl: your verl environment's python (default: the run file's ppotune.python, else this one)",
+    )
     p.add_argument(
         "--storage",
         default=None,
