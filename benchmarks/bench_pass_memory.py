@@ -103,7 +103,7 @@ class Ours:
     """ppotune's pass: forward_response over the packed micro-batch (the engine's own function)."""
 
     def __init__(self, args, dtype_name: str) -> None:
-        from trainer.engine.roles import make_entropy_fn
+        from trainer.engine.parallelize import make_entropy_fn
 
         self.model, self.batch, self.P, self.dtype = build(args, dtype_name)
         self.entropy_fn = make_entropy_fn(chunk_size=None, checkpointing=False, compile=True)

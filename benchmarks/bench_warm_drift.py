@@ -12,7 +12,7 @@ trials' median step time over the first trial's:
     last:   C
 
 ``C`` is the config where drift was built in: ``use_torch_compile`` with chunked entropy and token-budget
-micro-batches (the compiled entropy is kept across a job's trials, trainer.engine.roles.compiled_entropy; before,
+micro-batches (the compiled entropy is kept across a job's trials, trainer.engine.parallelize.compiled_entropy; before,
 each trial recompiled it inside measured steps). The test (tests/e2e/test_warm_drift.py) checks the mechanism
 (no measured step compiles); the step times are a timing claim, measured here, where a noisy machine shows as
 spread across jobs instead of failing one run.

@@ -4,7 +4,7 @@ REAL trials (the tiny preset, 2 CPU ranks, gloo) through the real warm runner. T
 timing claim: benchmarks/bench_warm_drift.py measures them over several jobs (benchmarks/README.md).
 
 The config is the one where drift was built in: ``use_torch_compile`` with chunked entropy and token-budget
-micro-batches. The compiled entropy is compiled once per shape family (trainer.engine.roles.compiled_entropy)
+micro-batches. The compiled entropy is compiled once per shape family (trainer.engine.parallelize.compiled_entropy)
 and kept across a job's trials; before, a job reset dynamo between trials and the chunked entropy recompiled
 for every new micro-batch token count, so compiles landed inside measured steps, more of them in some trials
 than in others. A measured step that compiles says so in the trial's notes (trainer.rank.trial)."""

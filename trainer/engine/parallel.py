@@ -1,7 +1,7 @@
-"""FSDP wrapping, one ordered apply step whose arguments are exactly the tuned knobs.
+"""FSDP's mechanics: wrapping (each transformer block, then the root), gathering, clipping, state dicts, freeing.
 
-activation checkpointing -> shard each transformer block -> shard the root
-(torchtitan's parallelize order). FSDP1 = ``FullyShardedDataParallel``; FSDP2 = ``fully_shard``.
+:func:`shard_model` is the FSDP step of trainer.engine.parallelize.parallelize, which applies a role's knobs in
+order. FSDP1 = ``FullyShardedDataParallel``; FSDP2 = ``fully_shard``.
 Precision and offload follow verl 0.9.1's FSDP engine (``verl/workers/engine/fsdp/transformer_impl.py``):
 fp32 master weights computed in ``mixed_precision.param_dtype`` (bf16 by default), gradients reduced
 in ``reduce_dtype``; ``param_offload``/``optimizer_offload`` are moves between phases
@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from trainer.engine.logits import token_entropy
 
 __all__ = [
     "ShardKnobs",
@@ -43,14 +45,12 @@ class ShardKnobs:
     # Compute-time offload: FSDP1 CPUOffload / FSDP2 CPUOffloadPolicy. The actor's and critic's come
     # from offload_policy (FSDP2 only); the reference model always has it, as in verl.
     compute_offload: bool = False
-    compute_offload_on_cpu: bool = False  # FSDP2's policy unpinned on a CPU (tests: the offload mechanism there)
     reshard_after_forward: bool = True
     forward_prefetch: bool = False
     fsdp_size: int = -1  # -1: shard over all ranks; else replicate over world/fsdp_size groups (HSDP)
     param_dtype: str = "float32"
     reduce_dtype: str = "float32"
     buffer_dtype: str = "float32"
-    gradient_checkpointing: bool = False
     wrap_min_num_params: int = 0
 
 
@@ -61,8 +61,10 @@ class Sharded:
     blocks: list = field(default_factory=list)
     reshard_after_forward: bool = True
     compute_dtype: str = "float32"
-    # trainer.engine.offload.ActivationOffload, built on first use (enable_activation_offload: CUDA, or asked on a CPU)
+    # trainer.engine.offload.ActivationOffload, built by parallelize's offload step (CUDA, or asked on a CPU)
     activation_offload: Any = None
+    # the entropy head, (logits (M, V), rows (N,)) -> (N,): parallelize's compile step makes it from the knobs
+    entropy_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = token_entropy
 
 
 def layer_classes(model: nn.Module) -> set[type]:
@@ -99,26 +101,33 @@ def _mesh(device: torch.device, fsdp_size: int):
     return mesh
 
 
-def shard_model(model: nn.Module, knobs: ShardKnobs, *, device: torch.device, name: str, notes: list[str]) -> Sharded:
-    """Wrap ``model`` for data-parallel sharding over the default process group.
+def shard_model(
+    model: nn.Module,
+    knobs: ShardKnobs,
+    *,
+    device: torch.device,
+    name: str,
+    notes: list[str],
+    offload_on_cpu: bool = False,
+) -> Sharded:
+    """Wrap ``model`` for data-parallel sharding over the default process group: each block, then the root.
 
     ``model`` may live on the meta device on ranks other than 0: its parameters and buffers are then
     materialized on ``device`` and filled from rank 0 (verl's ``sync_module_states``), so host memory
     per node does not grow with ranks x model size.
     ``name`` is the config prefix of these knobs (e.g. ``actor_rollout_ref.actor.fsdp_config``),
-    used in the notes that say which knob had no effect here.
+    used in the notes that say which knob had no effect here. ``offload_on_cpu``: FSDP2's compute-time offload
+    policy, unpinned, on a CPU too (the offload mechanism under test there).
     """
     on_cpu = device.type == "cpu"
     if knobs.forward_prefetch and on_cpu:
         notes.append(
             f"{name}.forward_prefetch: applied, but no effect on CPU (gloo has no compute/communication overlap)"
         )
-    if knobs.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     blocks = [m for m in model.modules() if type(m) in layer_classes(model)]
     mesh = _mesh(device, knobs.fsdp_size)
     # FSDP1's CPUOffload pins its host shards, which a CPU-only torch refuses: never on a CPU
-    offload = knobs.compute_offload and (not on_cpu or (knobs.compute_offload_on_cpu and knobs.strategy == "fsdp2"))
+    offload = knobs.compute_offload and (not on_cpu or (offload_on_cpu and knobs.strategy == "fsdp2"))
     if knobs.strategy == "fsdp2":
         return _shard_fsdp2(model, blocks, knobs, device=device, mesh=mesh, offload=offload, name=name, notes=notes)
     return _shard_fsdp1(model, blocks, knobs, device=device, mesh=mesh, offload=offload)

@@ -223,7 +223,7 @@ def _forward_only(
                 rmpad=trainee.rmpad,
                 prompt_width=prompt_width,
                 temperature=temperature,
-                entropy_fn=trainee.entropy_fn if entropy else None,
+                entropy_fn=trainee.sharded.entropy_fn if entropy else None,
                 layout=layout,
             )
             if not layout.empty:
@@ -372,7 +372,7 @@ def actor_loss(
             rmpad=trainee.rmpad,
             prompt_width=prompt_width,
             temperature=temperature,
-            entropy_fn=trainee.entropy_fn if with_entropy else None,
+            entropy_fn=trainee.sharded.entropy_fn if with_entropy else None,
             layout=layout,
         )
         mask = mb["response_mask"]

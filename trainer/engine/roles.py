@@ -11,10 +11,8 @@ at a time, the rollout engine, optimizers, KL controller, plans and settings, as
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -24,17 +22,10 @@ from trainer.contracts import SHAPE_KEYS
 from trainer.engine import core
 from trainer.engine.batching import fixed_micro_batches, token_budget_micro_batches
 from trainer.engine.knob_notes import knob_notes
-from trainer.engine.logits import entropy_stats, token_entropy
 from trainer.engine.models import load_actor, load_critic, num_params
 from trainer.engine.offload import move_optimizer_state, move_params
-from trainer.engine.parallel import (
-    Sharded,
-    ShardKnobs,
-    free_memory,
-    iter_full_params,
-    shard_model,
-    torch_dtype,
-)
+from trainer.engine.parallel import Sharded, ShardKnobs, free_memory, iter_full_params, torch_dtype
+from trainer.engine.parallelize import ModelKnobs, parallelize
 from trainer.engine.rollout import Sampling, generate_responses, with_rollout
 
 if TYPE_CHECKING:
@@ -44,8 +35,6 @@ __all__ = [
     "MicroBatching",
     "Trainee",
     "resident",
-    "make_entropy_fn",
-    "compiled_entropy",
     "ActorLoss",
     "StepSettings",
     "Plans",
@@ -82,7 +71,6 @@ class Trainee:
     rmpad: bool = True
     no_sync: bool = False  # use_no_sync_for_gradient_accumulation
     pad_to_multiple: Optional[int] = None  # pad_to_length: packed rows padded to a multiple of the bucket
-    entropy_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = token_entropy  # (logits, rows) -> (N,)
     offload_on_cpu: bool = False  # the offload knobs' copies run on a CPU too (build_roles' offload_on_cpu)
 
 
@@ -104,39 +92,6 @@ def resident(trainee: Trainee, device: torch.device, *, update: bool = False):
             move_optimizer_state(trainee.optimizer, torch.device("cpu"), copy=copy)
         if trainee.param_offload:
             move_params(trainee.sharded, torch.device("cpu"), copy=copy)
-
-
-def make_entropy_fn(*, chunk_size: Optional[int], checkpointing: bool, compile: bool):
-    """The actor's entropy function ``fn(logits (M, V), rows (N,)) -> (N,)`` as verl builds it: chunked over tokens
-    (``chunk_size`` rows at a time; None: trainer.engine.logits' bounded share), torch.compile'd, and under autograd
-    optionally checkpointed (the chunks recomputed in backward).
-
-    Compiled once per process and shape family: :func:`compiled_entropy` is one graph for any chunk's row count
-    (dynamic shapes), the chunks are its calls from Python. (verl compiles its chunked loop whole, which dynamo
-    unrolls and recompiles for every new number of chunks, up to its recompile limit.) A warm job keeps it for its
-    later trials (trainer/rank/serve.py does not reset dynamo)."""
-    stats = compiled_entropy() if compile else entropy_stats
-    fn = functools.partial(token_entropy, chunk_size=chunk_size, stats=stats)
-    if not checkpointing:
-        return fn
-
-    def checkpointed(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        if not torch.is_grad_enabled():
-            return fn(logits, rows)
-        return torch.utils.checkpoint.checkpoint(fn, logits, rows, use_reentrant=False)
-
-    return checkpointed
-
-
-_COMPILED: dict[str, Callable] = {}
-
-
-def compiled_entropy() -> Callable[[torch.Tensor], torch.Tensor]:
-    """``torch.compile(entropy_stats, dynamic=True)`` (a chunk's per-row log-sum-exp and entropy, fused), made once
-    per process (compiled at its first call)."""
-    if "entropy" not in _COMPILED:
-        _COMPILED["entropy"] = torch.compile(entropy_stats, dynamic=True)
-    return _COMPILED["entropy"]
 
 
 @dataclass(frozen=True)
@@ -317,24 +272,17 @@ def build_roles(cfg, tokenizer, device, world: int, notes: list[str], *, weights
     # step 1. what cannot act as set is said in the notes, never silently ignored
     notes.extend(knob_notes(cfg, device.type))
 
-    # step 2. actor, reference model and critic, each sharded before the next is built
+    # step 2. actor, reference model and critic, each transformed by its knobs (trainer.engine.parallelize:
+    # checkpointing, compile, FSDP, offload) before the next is built
     models = _build_models(cfg, tokenizer, device, notes, weights, offload_on_cpu)
 
-    # step 3. param_offload: the shards wait in host memory from the start, as verl offloads them at init
-    # (a colocated vLLM engine, built next, then sees the device without them)
-    if device.type != "cpu" or offload_on_cpu:
-        a, c = cfg.actor_rollout_ref.actor, cfg.critic
-        for sharded, offload in ((models.actor, a.fsdp_config.param_offload), (models.critic, c.fsdp.param_offload)):
-            if offload and sharded is not None:
-                move_params(sharded, torch.device("cpu"), copy=offload_on_cpu)
-
-    # step 4. the rollout: a colocated vLLM engine (rollout.name=vllm), else HF generate from the actor
+    # step 3. the rollout: a colocated vLLM engine (rollout.name=vllm), else HF generate from the actor
     rollout = _vllm_rollout(cfg, models, device, notes) if cfg.actor_rollout_ref.rollout.name == "vllm" else None
 
-    # step 5. the trainees: the models with their optimizers and the knobs that act around their passes
+    # step 4. the trainees: the models with their optimizers and the knobs that act around their passes
     actor, ref, critic = _trainees(cfg, models, offload_on_cpu)
 
-    # step 6. assembled with the KL controller, the micro-batch plans and the step's settings
+    # step 5. assembled with the KL controller, the micro-batch plans and the step's settings
     roles = Roles(
         actor=actor,
         ref=ref,
@@ -348,8 +296,34 @@ def build_roles(cfg, tokenizer, device, world: int, notes: list[str], *, weights
     return roles, _shape_info(models.shape, models.num_params)
 
 
-def _shard_knobs(fc, strategy: str, gradient_checkpointing: bool, *, compute_offload: bool) -> ShardKnobs:
-    """A role's sharding knobs from its FSDP section (``fc``)."""
+def _model_knobs(cfg, role: str, offload_on_cpu: bool) -> ModelKnobs:
+    """A role's model knobs (trainer.engine.parallelize) from its sections of the config."""
+    a, c, mdl = cfg.actor_rollout_ref.actor, cfg.critic, cfg.actor_rollout_ref.model
+    if role == "ref":  # forward only: always compute-time offloaded (as in verl), never checkpointed
+        shard = _shard_knobs(cfg.actor_rollout_ref.ref.fsdp_config, a.strategy, compute_offload=True)
+        return ModelKnobs(shard=shard, offload_on_cpu=offload_on_cpu)
+    if role == "critic":
+        return ModelKnobs(
+            shard=_shard_knobs(c.fsdp, c.strategy, compute_offload=c.fsdp.offload_policy),
+            gradient_checkpointing=c.model.enable_gradient_checkpointing,
+            param_offload=c.fsdp.param_offload,
+            activation_offload=c.model.enable_activation_offload,
+            offload_on_cpu=offload_on_cpu,
+        )
+    return ModelKnobs(
+        shard=_shard_knobs(a.fsdp_config, a.strategy, compute_offload=a.fsdp_config.offload_policy),
+        gradient_checkpointing=mdl.enable_gradient_checkpointing,
+        entropy_chunk_size=a.entropy_from_logits_chunk_size if a.entropy_from_logits_with_chunking else None,
+        entropy_checkpointing=a.entropy_checkpointing,
+        compile_entropy=a.use_torch_compile,
+        param_offload=a.fsdp_config.param_offload,
+        activation_offload=mdl.enable_activation_offload,
+        offload_on_cpu=offload_on_cpu,
+    )
+
+
+def _shard_knobs(fc, strategy: str, *, compute_offload: bool) -> ShardKnobs:
+    """A role's FSDP knobs from its FSDP section (``fc``)."""
     mp = fc.mixed_precision
     return ShardKnobs(
         strategy=strategy,
@@ -360,7 +334,6 @@ def _shard_knobs(fc, strategy: str, gradient_checkpointing: bool, *, compute_off
         param_dtype=PRECISIONS[mp.param_dtype],
         reduce_dtype=PRECISIONS[mp.reduce_dtype],
         buffer_dtype=PRECISIONS[mp.buffer_dtype],
-        gradient_checkpointing=gradient_checkpointing,
         wrap_min_num_params=fc.wrap_policy.min_num_params,
     )
 
@@ -378,36 +351,28 @@ class _Models:
 
 def _build_models(cfg, tokenizer, device, notes: list[str], weights, on_cpu: bool) -> _Models:
     """Rank 0 loads the weights; the others build the architecture on the meta device and get their
-    shards from rank 0 (verl: rank-0 load + sync_module_states). One model at a time, each sharded
-    before the next is built: host memory holds one full model, on one rank."""
+    shards from rank 0 (verl: rank-0 load + sync_module_states). One model at a time, each transformed by its
+    knobs (trainer.engine.parallelize) before the next is built: host memory holds one full model, on one rank."""
     a, c = cfg.actor_rollout_ref.actor, cfg.critic
-    ref_fc, mdl = cfg.actor_rollout_ref.ref.fsdp_config, cfg.actor_rollout_ref.model
     loads = model_loads(cfg, dist.get_rank())
 
-    def build(role, fc, name, shard_knobs, *, frozen=False):
+    def build(role, fc, name, *, frozen=False):
         """-> (the model's HF config, its parameter count, the sharded model)."""
         load, path, kw = loads[role]
         model = load(path, tokenizer, **kw) if weights is None else weights.load(load, path, tokenizer, **kw)
         model = model.to(torch_dtype(fc.model_dtype))  # master weights (model_dtype)
         model.requires_grad_(not frozen)
         count = num_params(model)  # before sharding: afterwards a rank sees only its shards
-        shard_knobs = dataclasses.replace(shard_knobs, compute_offload_on_cpu=on_cpu)
-        return model.config, count, shard_model(model, shard_knobs, device=device, name=name, notes=notes)
+        knobs = _model_knobs(cfg, role, on_cpu)
+        return model.config, count, parallelize(model, knobs, device=device, name=name, notes=notes)
 
-    actor_knobs = _shard_knobs(
-        a.fsdp_config, a.strategy, mdl.enable_gradient_checkpointing, compute_offload=a.fsdp_config.offload_policy
-    )
-    shape, count, actor = build("actor", a.fsdp_config, "actor_rollout_ref.actor.fsdp_config", actor_knobs)
-    # the reference model: always compute-time offloaded, never checkpointed (it runs forward only)
+    shape, count, actor = build("actor", a.fsdp_config, "actor_rollout_ref.actor.fsdp_config")
     ref = critic = None
     if need_reference_policy(cfg):
-        ref_knobs = _shard_knobs(ref_fc, a.strategy, False, compute_offload=True)
-        _, _, ref = build("ref", ref_fc, "actor_rollout_ref.ref.fsdp_config", ref_knobs, frozen=True)
+        ref_fc = cfg.actor_rollout_ref.ref.fsdp_config
+        _, _, ref = build("ref", ref_fc, "actor_rollout_ref.ref.fsdp_config", frozen=True)
     if need_critic(cfg):
-        critic_knobs = _shard_knobs(
-            c.fsdp, c.strategy, c.model.enable_gradient_checkpointing, compute_offload=c.fsdp.offload_policy
-        )
-        _, _, critic = build("critic", c.fsdp, "critic.fsdp", critic_knobs)
+        _, _, critic = build("critic", c.fsdp, "critic.fsdp")
     return _Models(actor=actor, ref=ref, critic=critic, shape=shape, num_params=count)
 
 
@@ -449,11 +414,6 @@ def _trainees(cfg, models: _Models, on_cpu: bool) -> tuple[Trainee, Optional[Tra
         rmpad=mdl.use_remove_padding,
         no_sync=a.fsdp_config.use_no_sync_for_gradient_accumulation,
         pad_to_multiple=a.fsdp_config.pad_to_length_bucket if a.pad_to_length else None,
-        entropy_fn=make_entropy_fn(
-            chunk_size=a.entropy_from_logits_chunk_size if a.entropy_from_logits_with_chunking else None,
-            checkpointing=a.entropy_checkpointing,
-            compile=a.use_torch_compile,
-        ),
         offload_on_cpu=on_cpu,
     )
     ref = critic = None

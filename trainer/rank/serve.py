@@ -15,7 +15,7 @@ Between two trials it gives back what the trial held and resets what the next on
   own figure), so its figures are a cold run's (trainer.rank.trial.run_trial);
 * torch's random generators re-seeded as a fresh process has them, so a trial samples the same responses
   warm or cold. ``torch._dynamo`` is NOT reset: what it caches is the compiled entropy function (a pure
-  function, no model in it: trainer.engine.roles.compiled_entropy), compiled once for every token count. A cold
+  function, no model in it: trainer.engine.parallelize.compiled_entropy), compiled once for every token count. A cold
   run compiles it in its warm-up step, which is never measured; a later trial of the job, which runs no warm-up
   step, finds it compiled, so its measured steps hold no compile either (a reset made every later trial
   compile inside its first measured step).

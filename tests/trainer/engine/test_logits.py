@@ -8,7 +8,7 @@ import torch
 from trainer.config import TinyModelConfig
 from trainer.engine import core, logits
 from trainer.engine.models import build_tokenizer, load_actor
-from trainer.engine.roles import make_entropy_fn
+from trainer.engine.parallelize import make_entropy_fn
 from trainer.engine.step import assemble_batch, forward_response
 
 P, R, B = 24, 16, 6

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from trainer.engine.core import entropy_from_logits
-from trainer.engine.roles import make_entropy_fn
+from trainer.engine.parallelize import make_entropy_fn
 from trainer.rank.trial import compiled_graphs
 
 pytestmark = pytest.mark.slow  # inductor compiles C++ on a CPU (seconds)
