@@ -61,7 +61,7 @@ from trainer.config import (
 )
 from trainer.config.io import blame_command_line, check_override_keys
 from trainer.contracts import ExitCode, Status, StorageError
-from trainer.launch.cliflags import add_override_flag, command_error, overrides_of
+from tuner.commands.flags import add_override_flag, command_error, overrides_of
 from tuner.rules.finalists import CONFIRMATION_ATTR, Rerun, entry_of, log_interval, paired_ratios, schedule
 from tuner.study.schema import notes_summary
 from tuner.trials.launch import add_hang_flags, next_numbered_dir, stop_on_signals
