@@ -14,7 +14,6 @@ says to describe it, so tests/test_docs.py fails until someone does.
 from __future__ import annotations
 
 import argparse
-import difflib
 import sys
 from pathlib import Path
 
@@ -132,21 +131,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Write docs/architecture.md's layers from the import contracts.")
     parser.add_argument("--check", action="store_true", help="exit 1 with a diff if the page is out of date")
     args = parser.parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from generated_docs import rewrite
+
     text = ARCHITECTURE_MD.read_text()
-    new = updated(text)
-    if args.check:
-        if new != text:
-            diff = difflib.unified_diff(
-                text.splitlines(), new.splitlines(), "docs/architecture.md", "the contracts", lineterm=""
-            )
-            print("\n".join(diff))
-            print("docs/architecture.md is out of date: run python scripts/gen_layers_doc.py", file=sys.stderr)
-            return 1
-        return 0
-    if new != text:
-        ARCHITECTURE_MD.write_text(new)
-        print("docs/architecture.md: layers rewritten from the contracts")
-    return 0
+    command = "python scripts/gen_layers_doc.py"
+    return rewrite(ARCHITECTURE_MD, text, updated(text), check=args.check, source="the contracts", command=command)
 
 
 if __name__ == "__main__":
