@@ -163,6 +163,33 @@ def _check_shape(tiny: TinyModelConfig) -> None:
         raise ValueError(f"--heads: head size {tiny.hidden_size // tiny.num_attention_heads} must be even (RoPE)")
 
 
+def _preset_overrides(out: Path, *, max_prompt_length: int, max_response_length: int) -> list[str]:
+    """The verl Hydra overrides that point verl at the preset in ``out`` and size its job for one CPU rank."""
+    model_dir, data_dir = out / "model", out / "data"
+    return [
+        f"actor_rollout_ref.model.path={model_dir}",
+        f"critic.model.path={model_dir}",
+        f"data.train_files={data_dir / 'train.parquet'}",
+        f"data.val_files={data_dir / 'val.parquet'}",
+        f"data.max_prompt_length={max_prompt_length}",
+        f"data.max_response_length={max_response_length}",
+        f"reward.custom_reward_function.path={out / 'reward.py'}",
+        f"reward.custom_reward_function.name={REWARD_FN_NAME}",
+        # a CPU-sized PPO job on one rank (verl's defaults are sized for a GPU node: 1024 prompts a step)
+        "algorithm.adv_estimator=gae",
+        "data.train_batch_size=8",
+        "data.dataloader_num_workers=0",  # loaders take the cores: docs/decisions.md#verl-preset-loaders
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
+        "critic.ppo_mini_batch_size=4",
+        "critic.ppo_micro_batch_size_per_gpu=2",
+        "trainer.n_gpus_per_node=1",
+        "trainer.nnodes=1",
+    ]
+
+
 def make_verl_preset(
     out_dir: str | Path,
     *,
@@ -213,28 +240,7 @@ def make_verl_preset(
     _write_parquet(val, data_dir / "val.parquet")
     (out / "reward.py").write_text(reward_source())
 
-    overrides = [
-        f"actor_rollout_ref.model.path={model_dir}",
-        f"critic.model.path={model_dir}",
-        f"data.train_files={data_dir / 'train.parquet'}",
-        f"data.val_files={data_dir / 'val.parquet'}",
-        f"data.max_prompt_length={max_prompt_length}",
-        f"data.max_response_length={max_response_length}",
-        f"reward.custom_reward_function.path={out / 'reward.py'}",
-        f"reward.custom_reward_function.name={REWARD_FN_NAME}",
-        # a CPU-sized PPO job on one rank (verl's defaults are sized for a GPU node: 1024 prompts a step)
-        "algorithm.adv_estimator=gae",
-        "data.train_batch_size=8",
-        "data.dataloader_num_workers=0",  # loaders take the cores: docs/decisions.md#verl-preset-loaders
-        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
-        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
-        "critic.ppo_mini_batch_size=4",
-        "critic.ppo_micro_batch_size_per_gpu=2",
-        "trainer.n_gpus_per_node=1",
-        "trainer.nnodes=1",
-    ]
+    overrides = _preset_overrides(out, max_prompt_length=max_prompt_length, max_response_length=max_response_length)
     header = (
         "# verl Hydra overrides that point verl at this preset (written by `ppotune make-preset verl`).\n"
         f"# model: Qwen2 {tiny.num_hidden_layers} layers x {tiny.hidden_size}, byte-level tokenizer, random init "
