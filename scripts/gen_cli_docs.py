@@ -14,7 +14,6 @@ terminal's width and worded differently across Python versions, so it would not 
 from __future__ import annotations
 
 import argparse
-import difflib
 import sys
 from pathlib import Path
 
@@ -129,19 +128,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Write docs/cli.md's options tables from the CLI's parsers.")
     parser.add_argument("--check", action="store_true", help="exit 1 with a diff if docs/cli.md is out of date")
     args = parser.parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from generated_docs import rewrite
+
     text = CLI_MD.read_text()
-    new = updated(text)
-    if args.check:
-        if new != text:
-            diff = difflib.unified_diff(text.splitlines(), new.splitlines(), "docs/cli.md", "the parsers", lineterm="")
-            print("\n".join(diff))
-            print("docs/cli.md is out of date: run python scripts/gen_cli_docs.py", file=sys.stderr)
-            return 1
-        return 0
-    if new != text:
-        CLI_MD.write_text(new)
-        print("docs/cli.md: options rewritten from the parsers")
-    return 0
+    return rewrite(
+        CLI_MD, text, updated(text), check=args.check, source="the parsers", command="python scripts/gen_cli_docs.py"
+    )
 
 
 if __name__ == "__main__":

@@ -222,6 +222,15 @@ def test_cli_md_options_are_the_parsers():
     assert gen.updated(text) == text, "docs/cli.md is out of date: run python scripts/gen_cli_docs.py"
 
 
+def test_architecture_layers_are_the_contracts():
+    """docs/architecture.md's layers and "may import" column are what pyproject.toml's import contracts say now."""
+    spec = importlib.util.spec_from_file_location("gen_layers_doc", REPO / "scripts" / "gen_layers_doc.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    text = gen.ARCHITECTURE_MD.read_text()
+    assert gen.updated(text) == text, "docs/architecture.md is out of date: run python scripts/gen_layers_doc.py"
+
+
 # --------------------------------------------------------------------------- links
 _LINK = re.compile(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)")
 

@@ -27,8 +27,8 @@ _COMMANDS = {
     "search": ("tuner.commands.search", "run an Optuna study of short, isolated PPO trials"),
     "check": ("tuner.commands.check", "validate a training config without launching anything (no GPU needed)"),
     "space": ("tuner.commands.space", "validate a search space YAML and print its size"),
-    "report": ("tuner.results.report", "write the Pareto report (HTML, PNG, CSV, summary.md) of a study"),
-    "export": ("tuner.results.export", "write the chosen config: best_config.yaml, verl overrides, why.md"),
+    "report": ("tuner.commands.report", "write the Pareto report (HTML, PNG, CSV, summary.md) of a study"),
+    "export": ("tuner.commands.export", "write the chosen config: best_config.yaml, verl overrides, why.md"),
     "validate": (
         "tuner.commands.validate",
         "run the exported config against the baseline, interleaved: PASS/FAIL vs the study",
@@ -38,12 +38,15 @@ _COMMANDS = {
         "the largest per-GPU sizes whose worst-case step keeps the headroom free: a few worst-case probes",
     ),
     "probe": (
-        "tuner.trials.probe",
+        "tuner.commands.probe",
         "run one worst-case-length step of a config (longest prompts and responses): its peaks",
     ),
-    "storage-proxy": ("tuner.study.proxy", "serve a study database to many workers through Optuna's gRPC proxy"),
+    "storage-proxy": (
+        "tuner.commands.storage_proxy",
+        "serve a study database to many workers through Optuna's gRPC proxy",
+    ),
     "make-preset": (
-        "trainer.verl_engine.preset",
+        "tuner.commands.make_preset",
         "write a tiny offline job (model, tokenizer, data, reward) for an engine: verl",
     ),
 }

@@ -14,7 +14,7 @@ import yaml
 
 from support import make_demo_study
 from tuner.cli import main
-from tuner.commands.validate import StudyFigures, length_warnings, verdict
+from tuner.results.validation import StudyFigures, length_warnings, verdict
 from tuner.rules.finalists import CONFIRMATION_ATTR, entry_of
 
 STUDY = StudyFigures(

@@ -1,4 +1,4 @@
-"""``ppotune make-preset verl --out DIR``: a tiny job that verl itself can run, built offline.
+"""A tiny job that verl itself can run, built offline (``ppotune make-preset verl``: :mod:`tuner.commands.make_preset`).
 
 The preset is what the verl engine's tests (and a user trying the engine) point verl at:
 
@@ -16,14 +16,10 @@ The preset is what the verl engine's tests (and a user trying the engine) point 
 
 from __future__ import annotations
 
-import argparse
 import inspect
-import sys
 from pathlib import Path
 
 from trainer.config import DataConfig, SyntheticDataConfig, TinyModelConfig
-from trainer.contracts import ExitCode
-from trainer.launch.cliflags import deprecated
 
 __all__ = [
     "PRESETS",
@@ -32,8 +28,6 @@ __all__ = [
     "verl_rows",
     "reward_source",
     "make_verl_preset",
-    "add_arguments",
-    "run",
 ]
 
 PRESETS = ("verl",)
@@ -169,6 +163,33 @@ def _check_shape(tiny: TinyModelConfig) -> None:
         raise ValueError(f"--heads: head size {tiny.hidden_size // tiny.num_attention_heads} must be even (RoPE)")
 
 
+def _preset_overrides(out: Path, *, max_prompt_length: int, max_response_length: int) -> list[str]:
+    """The verl Hydra overrides that point verl at the preset in ``out`` and size its job for one CPU rank."""
+    model_dir, data_dir = out / "model", out / "data"
+    return [
+        f"actor_rollout_ref.model.path={model_dir}",
+        f"critic.model.path={model_dir}",
+        f"data.train_files={data_dir / 'train.parquet'}",
+        f"data.val_files={data_dir / 'val.parquet'}",
+        f"data.max_prompt_length={max_prompt_length}",
+        f"data.max_response_length={max_response_length}",
+        f"reward.custom_reward_function.path={out / 'reward.py'}",
+        f"reward.custom_reward_function.name={REWARD_FN_NAME}",
+        # a CPU-sized PPO job on one rank (verl's defaults are sized for a GPU node: 1024 prompts a step)
+        "algorithm.adv_estimator=gae",
+        "data.train_batch_size=8",
+        "data.dataloader_num_workers=0",  # loaders take the cores: docs/decisions.md#verl-preset-loaders
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
+        "critic.ppo_mini_batch_size=4",
+        "critic.ppo_micro_batch_size_per_gpu=2",
+        "trainer.n_gpus_per_node=1",
+        "trainer.nnodes=1",
+    ]
+
+
 def make_verl_preset(
     out_dir: str | Path,
     *,
@@ -219,28 +240,7 @@ def make_verl_preset(
     _write_parquet(val, data_dir / "val.parquet")
     (out / "reward.py").write_text(reward_source())
 
-    overrides = [
-        f"actor_rollout_ref.model.path={model_dir}",
-        f"critic.model.path={model_dir}",
-        f"data.train_files={data_dir / 'train.parquet'}",
-        f"data.val_files={data_dir / 'val.parquet'}",
-        f"data.max_prompt_length={max_prompt_length}",
-        f"data.max_response_length={max_response_length}",
-        f"reward.custom_reward_function.path={out / 'reward.py'}",
-        f"reward.custom_reward_function.name={REWARD_FN_NAME}",
-        # a CPU-sized PPO job on one rank (verl's defaults are sized for a GPU node: 1024 prompts a step)
-        "algorithm.adv_estimator=gae",
-        "data.train_batch_size=8",
-        "data.dataloader_num_workers=0",  # loaders take the cores: docs/decisions.md#verl-preset-loaders
-        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
-        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
-        "critic.ppo_mini_batch_size=4",
-        "critic.ppo_micro_batch_size_per_gpu=2",
-        "trainer.n_gpus_per_node=1",
-        "trainer.nnodes=1",
-    ]
+    overrides = _preset_overrides(out, max_prompt_length=max_prompt_length, max_response_length=max_response_length)
     header = (
         "# verl Hydra overrides that point verl at this preset (written by `ppotune make-preset verl`).\n"
         f"# model: Qwen2 {tiny.num_hidden_layers} layers x {tiny.hidden_size}, byte-level tokenizer, random init "
@@ -248,63 +248,3 @@ def make_verl_preset(
     )
     (out / "preset.yaml").write_text(header + yaml.safe_dump({"overrides": overrides}, sort_keys=False))
     return overrides
-
-
-# --------------------------------------------------------------------------- CLI
-def add_arguments(p) -> None:
-    tiny, syn = TinyModelConfig(), SyntheticDataConfig()
-    p.add_argument("preset", choices=PRESETS, help="which engine the preset is for")
-    p.add_argument("dir", metavar="DIR", nargs="?", default=None, help=argparse.SUPPRESS)  # deprecated: --out DIR
-    p.add_argument(
-        "--out", metavar="DIR", help="output directory (created; must be empty unless --force; no default: required)"
-    )
-    p.add_argument("--hidden-size", type=int, default=tiny.hidden_size, help="model hidden size")
-    p.add_argument("--layers", type=int, default=tiny.num_hidden_layers, help="decoder layers")
-    p.add_argument("--heads", type=int, default=tiny.num_attention_heads, help="attention heads")
-    p.add_argument("--kv-heads", type=int, default=tiny.num_key_value_heads, help="key/value heads (GQA)")
-    p.add_argument("--intermediate", type=int, default=tiny.intermediate_size, help="MLP intermediate size")
-    p.add_argument("--num-prompts", type=int, default=256, help="training prompts")
-    p.add_argument("--num-val-prompts", type=int, default=32, help="validation prompts")
-    p.add_argument(
-        "--max-response-length",
-        type=int,
-        default=DataConfig.max_response_length,
-        help="data.max_response_length in the overrides",
-    )
-    p.add_argument("--seed", type=int, default=syn.seed, help="seed of the data and of the model's initial weights")
-    p.add_argument("--force", action="store_true", help="write into a non-empty DIR (overwrites the preset's files)")
-
-
-def run(args) -> int:
-    if args.dir is not None and args.out is None:
-        deprecated("make-preset", f"make-preset {args.preset} DIR", f"make-preset {args.preset} --out DIR")
-        args.out = args.dir
-    if args.out is None:
-        print("ppotune make-preset: error: the following arguments are required: --out", file=sys.stderr)
-        return ExitCode.USAGE
-    args.dir = args.out
-    tiny = TinyModelConfig(
-        hidden_size=args.hidden_size,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        intermediate_size=args.intermediate,
-    )
-    synthetic = SyntheticDataConfig(num_prompts=args.num_prompts, seed=args.seed)
-    try:
-        overrides = make_verl_preset(
-            args.dir,
-            tiny=tiny,
-            synthetic=synthetic,
-            num_val_prompts=args.num_val_prompts,
-            max_response_length=args.max_response_length,
-            force=args.force,
-        )
-    except ValueError as e:
-        print(f"ppotune make-preset: error: {e}", file=sys.stderr)
-        return ExitCode.USAGE
-    out = Path(args.dir).expanduser().resolve()
-    print(f"wrote the verl preset to {out} (overrides in {out / 'preset.yaml'}):")
-    for o in overrides:
-        print(f"  {o}")
-    return ExitCode.OK

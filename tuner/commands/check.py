@@ -12,8 +12,8 @@ import sys
 
 from trainer.config import ConfigError, effective_config, load_config, world_size
 from trainer.contracts import ExitCode
-from trainer.launch.cliflags import add_override_flag, overrides_of
 from trainer.launch.preflight import preflight
+from tuner.commands.flags import add_override_flag, overrides_of
 
 __all__ = ["add_arguments", "run"]
 

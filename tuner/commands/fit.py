@@ -26,7 +26,7 @@ from trainer.contracts import (
     StorageSpec,
     parse_storage,
 )
-from trainer.launch.cliflags import add_override_flag, command_error, overrides_of
+from tuner.commands.flags import add_override_flag, command_error, overrides_of
 from tuner.fit.boundary import FitBlocked
 from tuner.fit.inputs import FitInputs, fit_inputs, ladder_space
 from tuner.search.fit_probes import FIT_ATTR, FitRun, fit_attr, state_of

@@ -35,8 +35,8 @@ import psutil
 from trainer.config import ConfigError, apply_overrides, config_from_dict, config_to_dict, flatten, parse_override
 from trainer.config.io import COMMAND_LINE, blame_command_line, check_override_keys
 from trainer.contracts import ExitCode, StorageError, parse_storage
-from trainer.launch.cliflags import command_error, overrides_of
 from trainer.launch.preflight import preflight
+from tuner.commands.flags import command_error, overrides_of
 from tuner.commands.search_flags import add_search_arguments as add_arguments
 from tuner.fit.bounds import bounded_space, fitted_params, read_fit
 from tuner.rules.budget import MAX_FAILURES_IN_A_ROW, count_progress

@@ -7,8 +7,8 @@ from __future__ import annotations
 import argparse
 
 from trainer.contracts import DEFAULT_HEADROOM, DEFAULT_OUT_DIR
-from trainer.launch.cliflags import add_override_flag
 from trainer.summary import MIN_MEASURED_STEPS
+from tuner.commands.flags import add_override_flag
 from tuner.rules.budget import MAX_FAILURES_IN_A_ROW
 from tuner.rules.finalists import DEFAULT_FINALISTS, DEFAULT_ROUNDS, MAX_FINALISTS
 from tuner.search.policy import SAMPLERS

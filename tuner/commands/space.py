@@ -17,7 +17,7 @@ import argparse
 from trainer.config import ConfigError, parse_override
 from trainer.config.io import blame_command_line, check_override_keys
 from trainer.contracts import short_knob
-from trainer.launch.cliflags import add_override_flag, command_error, deprecated
+from tuner.commands.flags import add_override_flag, command_error, deprecated
 from tuner.space.grid import GRID_LIMIT
 from tuner.space.load import base_flat_config, load_space
 

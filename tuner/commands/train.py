@@ -28,12 +28,12 @@ import yaml
 
 from trainer.config import ConfigError, config_to_dict, load_config
 from trainer.contracts import ExitCode
-from trainer.launch.cliflags import add_override_flag, overrides_of
 from trainer.launch.jobdir import JobDir, serve_layout, warm_refusal
 from trainer.launch.preflight import preflight, preflight_verl
 from trainer.launch.proc import write_json_atomic
 from trainer.launch.ranks import RankGroup
 from trainer.launch.result import build_result, error_result, exit_code, outcome_lines, read_rank_files
+from tuner.commands.flags import add_override_flag, overrides_of
 
 __all__ = ["add_arguments", "run", "serve"]
 

@@ -1,6 +1,6 @@
-"""``ppotune export``: pick one config from the feasible Pareto front and write it out.
+"""One config picked from the feasible Pareto front, written out (``ppotune export``: :mod:`tuner.commands.export`).
 
-Outputs (in ``--out``; default: the study's search output dir, else the current dir):
+Outputs (in the out dir):
 - ``best_config.yaml``  the complete training config: the study's base config with the
   chosen trial's overrides applied; ``ppotune train best_config.yaml`` runs it as is.
 - ``verl_overrides.txt`` one Hydra ``key=value`` per line, verl keys only.
@@ -22,29 +22,25 @@ re-exported here (``choose``, ``Choice``, ``NoFit``, ``nearest_oom``) as the exp
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import shlex
-import sys
 from pathlib import Path
 from typing import Any, Optional
 
 import yaml
 
 from trainer.config import ConfigError, apply_overrides, config_from_dict, config_to_dict, flatten
-from trainer.contracts import DEFAULT_HEADROOM, ExitCode, StorageError, search_dir_of
-from trainer.launch.cliflags import command_error, deprecated
+from trainer.contracts import DEFAULT_HEADROOM, StorageError
 from trainer.verl_engine.overrides import hydra_value, verl_overrides
 from tuner.results.pick import PICKS, Choice, NoFit, choose, pct, trial_row
-from tuner.results.view import StudyView, add_study_arguments, view_from_args
+from tuner.results.view import StudyView
 from tuner.results.why import nearest_oom, why_md
 from tuner.rules.finalists import describe
 from tuner.rules.units import gb
 from tuner.rules.world import WorldPlan, production_overrides
 from tuner.study.frame import Fit, headroom_filter
-from tuner.study.schema import comment_safe, notes_summary
-from tuner.study.selection import Selection, selection_of
+from tuner.study.schema import comment_safe
 
 __all__ = [
     "PICKS",
@@ -57,8 +53,9 @@ __all__ = [
     "best_config",
     "nearest_oom",
     "write_export",
-    "add_arguments",
-    "run",
+    "ExportResult",
+    "production_of",
+    "verl_engine_of",
 ]
 
 # Keys a trial sets to make it a short trial, not to tune it: production keeps the
@@ -259,172 +256,3 @@ def write_export(
     os.chmod(files["verl_command"], 0o755)
     files["why"].write_text(why_md(view, choice, overrides, lines))
     return ExportResult(choice=choice, files=files, overrides=lines, note=note)
-
-
-# --------------------------------------------------------------------------- CLI
-def add_arguments(parser) -> None:
-    add_study_arguments(parser)
-    parser.add_argument(
-        "--out",
-        metavar="DIR",
-        help="where to write the four files (default: the study's search output dir, else the current dir)",
-    )
-    parser.add_argument("--to", metavar="DIR", help=argparse.SUPPRESS)  # deprecated: --out
-    parser.add_argument(
-        "--pick",
-        choices=PICKS,
-        default=None,
-        help="which Pareto config: the fastest, the smallest, or the knee (default: the search's --pick, what it "
-        "confirmed and probed; else max-throughput)",
-    )
-    parser.add_argument(
-        "--memory-headroom",
-        type=float,
-        default=None,
-        metavar="F",
-        help="keep this fraction of device memory free: peak <= (1-F) x device memory (default: the search's "
-        f"--memory-headroom, else {DEFAULT_HEADROOM:.2f})",
-    )
-    parser.add_argument(
-        "--engine-python",
-        default=None,
-        metavar="PY",
-        help="a study of --engine verl trials: the interpreter of your verl environment, written into "
-        "verl_command.sh and the run file (never the one the study names; default: python on the PATH)",
-    )
-    parser.add_argument(
-        "--validate-verl",
-        action="store_true",
-        help="compose verl's own ppo_trainer config with the overrides; fail on an unknown or mistyped key",
-    )
-
-
-def _fail(message: str) -> int:
-    return command_error("export", message)
-
-
-def _verl_missing(python: Optional[str] = None) -> Optional[str]:
-    """Why --validate-verl cannot run here, or None (``python``: ``--engine-python``, where verl's configs are
-    looked for after ``$PPOTUNE_VERL_ROOT``)."""
-    import importlib.util
-
-    from tuner.results.verl_validate import VERL_ROOT_ENV, verl_root
-
-    root = verl_root(python)
-    if root is None or not (root / "trainer" / "config" / "ppo_trainer.yaml").is_file():
-        where = f"the verl of {python}" if python else "a verl importable here"
-        return (
-            f"--validate-verl: verl's config files not found (looked in ${VERL_ROOT_ENV}, then {where}): set "
-            f"{VERL_ROOT_ENV} to verl's package directory, or pass --engine-python PY, your verl environment's "
-            "interpreter"
-        )
-    if importlib.util.find_spec("hydra") is None:
-        return "--validate-verl needs hydra-core installed (pip install hydra-core)"
-    return None
-
-
-def _selection(args, view: StudyView) -> Selection:
-    """``--pick``/``--memory-headroom``, each defaulting to what the search recorded (ValueError: out of range)."""
-    recorded = selection_of(view.attrs)
-    return Selection(
-        pick=args.pick or recorded.pick,
-        headroom=recorded.headroom if args.memory_headroom is None else args.memory_headroom,
-    )
-
-
-def off_selection_note(view: StudyView, choice: Choice, asked: Selection) -> Optional[str]:
-    """What to say when ``asked`` is not what the search confirmed and probed for and its pick was not confirmed
-    or not probed: which, and the command that would (the search resumed on this study: no new trial, only the
-    confirmation and the probe for this pick). None when there is nothing to say."""
-    recorded = selection_of(view.attrs)
-    if asked.same(recorded):
-        return None
-    baseline = bool(trial_row(view, choice.chosen)["baseline"])  # the base config: confirmed as the yardstick
-    missing = [
-        what
-        for what, done in (
-            ("confirmed", choice.confirmed is not None or baseline),
-            ("probed", choice.worst_case is not None),
-        )
-        if not done
-    ]
-    if not missing:
-        return None
-    ran = f"it ran for {recorded.flags()}" if recorded.recorded else "it recorded no --pick/--memory-headroom"
-    verbs = " and ".join({"confirmed": "confirm", "probed": "probe"}[m] for m in missing)
-    return (
-        f"trial #{choice.chosen} ({asked.flags()}) was not {' or '.join(missing)} by the search ({ran}); to {verbs} "
-        f"it: {confirm_command(view, asked)}"
-    )
-
-
-def confirm_command(view: StudyView, asked: Selection) -> str:
-    """``ppotune search BASE --space SPACE --storage S --study N --trials T ...``: the study's search resumed
-    with no new trial (``--trials`` = the trials it holds), so only its confirmation and worst-case probe run, for
-    ``asked``. Every value from the study is quoted, then escaped for one line."""
-    from tuner.rules.budget import count_progress
-
-    a = view.attrs
-    done = count_progress(view.study.get_trials(deepcopy=False))
-    words = ["ppotune", "search", a.get("base_config_path") or "BASE_CONFIG", "--space", a.get("space_path") or "SPACE"]
-    words += ["--storage", view.storage.display, "--study", view.name, "--trials", str(max(1, done))]
-    for flag, key in (("--steps", "steps"), ("--warmup", "warmup"), ("--nproc", "nproc")):
-        if a.get(key) is not None:
-            words += [flag, str(a[key])]
-    if a.get("memory_limit_gb") is not None:
-        words += ["--memory-limit-gb", f"{a['memory_limit_gb']:g}"]
-    if a.get("engine") == "verl":
-        words += ["--engine", "verl"]
-    words += ["--pick", asked.pick, "--memory-headroom", f"{asked.headroom:g}"]
-    return comment_safe(" ".join(shlex.quote(w) for w in words))
-
-
-def run(args) -> int:
-    missing = _verl_missing(args.engine_python) if args.validate_verl else None
-    if missing:
-        return _fail(missing)
-    from tuner.results.verl_validate import VerlNotInstalled, VerlOverrideError
-
-    if args.to:
-        deprecated("export", "--to DIR", "--out DIR")
-    try:
-        view = view_from_args(args)
-        asked = _selection(args, view)
-        home = search_dir_of(view.storage)
-        to = args.to or args.out or (str(home) if home is not None else ".")
-        for line in notes_summary(view.notes):
-            print(f"ppotune export: note: {line}", file=sys.stderr)
-        if view.algorithm_warning:
-            print(f"ppotune export: warning: {view.algorithm_warning}", file=sys.stderr)
-        result = write_export(
-            view,
-            to,
-            pick=asked.pick,
-            headroom=asked.headroom,
-            validate_verl=args.validate_verl,
-            engine_python=args.engine_python,
-        )
-    except (StorageError, VerlNotInstalled, ValueError) as e:
-        return _fail(f"verl rejects an override: {e}" if isinstance(e, VerlOverrideError) else str(e))
-    _say(view, result, asked, validated=args.validate_verl)
-    return ExitCode.OK
-
-
-def _say(view: StudyView, result: ExportResult, asked: Selection, *, validated: bool) -> None:
-    """The console: notes and warnings on stderr, the pick and the files on stdout."""
-    c = result.choice
-    for line in (result.note, off_selection_note(view, c, asked)):
-        if line:
-            print(f"ppotune export: note: {line}", file=sys.stderr)
-    if c.warning:
-        print(f"ppotune export: warning: {c.warning}", file=sys.stderr)
-    r = trial_row(view, c.chosen)
-    print(f"trial #{c.chosen} ({c.pick}): {r['throughput']:.1f} tokens/s/GPU, peak {gb(r['peak_memory_gb'])} GB")
-    if c.confirmed is not None and c.unconfirmed is None:
-        print(f"  confirmed: {describe(c.confirmed)}")
-    else:
-        print(f"  unconfirmed: {c.unconfirmed}")
-    if validated:
-        print(f"verl accepts the {len(result.overrides)} overrides")
-    for f in result.files.values():
-        print(f"  {f}")

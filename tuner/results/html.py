@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import base64
 import datetime as _dt
-import html
-from typing import Any, Optional
+from typing import Optional
 
 import pandas as pd
 
-from trainer.contracts import PHASES, Status, short_knob
+from trainer.contracts import Status, short_knob
 from tuner.results.analysis import (
     LENGTH_KEYS,
     MEMORY_ABS_TOL_GB,
@@ -19,157 +18,24 @@ from tuner.results.analysis import (
     ReportData,
     lengths_seen,
 )
+from tuner.results.html_tables import (
+    all_trials_table,
+    ci_text,
+    confirmation_table,
+    dur_text,
+    esc,
+    fmt,
+    front_table,
+    knob_value_table,
+    lengths_table,
+)
 from tuner.results.memory_findings import findings_md, projection_text
 from tuner.results.plots import STATUS_STYLE
-from tuner.results.view import TIME_PREFIX, StudyView, missing, pareto_front
+from tuner.results.view import StudyView, pareto_front
 from tuner.rules.finalists import CONFIRMATION_ATTR, describe, rounds_text
 from tuner.rules.units import gb
 
 __all__ = ["report_html", "summary_md", "page_head", "trials_section"]
-
-
-def _f(v: Any, spec: str = ".2f") -> str:
-    return "–" if missing(v) else format(v, spec)
-
-
-def _e(v: Any) -> str:
-    return html.escape(str(v))
-
-
-def _ci(r: Any, spec: str = ".1f") -> str:
-    """A trial row's 90% throughput interval, ``low–high``; ``–`` when the trial has none."""
-    lo, hi = r.get("throughput_ci_low"), r.get("throughput_ci_high")
-    return "–" if missing(lo) or missing(hi) else f"{format(lo, spec)}–{format(hi, spec)}"
-
-
-def _dur(s: Optional[float]) -> str:
-    if missing(s):
-        return "–"
-    return f"{s / 3600:.2f} h" if s >= 7200 else f"{s / 60:.1f} min" if s >= 120 else f"{s:.1f} s"
-
-
-def _knob_value_table(view: StudyView, numbers: list[int]) -> str:
-    base_n = [int(n) for n in view.trials.loc[view.trials["baseline"], "number"]]
-    cols = list(dict.fromkeys(base_n + numbers))
-    params = {n: view.trial(n).params for n in cols}
-    knobs = view.knobs
-    head = "".join(f"<th>#{n}{' (baseline)' if n in base_n else ''}</th>" for n in cols)
-    rows = []
-    for k in knobs:
-        ref = params[base_n[0]].get(k) if base_n else None
-        cells = []
-        for n in cols:
-            v = params[n].get(k)  # absent: a conditional knob this trial did not use
-            cls = ' class="diff"' if base_n and n not in base_n and v != ref else ""
-            cells.append(f"<td{cls}>{'–' if v is None else _e(v)}</td>")
-        rows.append(f'<tr><th class="knob" title="{_e(k)}">{_e(short_knob(k))}</th>{"".join(cells)}</tr>')
-    return f'<table class="t"><tr><th>knob</th>{head}</tr>{"".join(rows)}</table>'
-
-
-def _pareto_table(view: StudyView, numbers: list[int]) -> str:
-    df = view.trials.set_index("number")
-    phase_head = "".join(f"<th>{p}</th>" for p in PHASES)
-    head = (
-        "<tr><th rowspan=2>trial</th><th rowspan=2>throughput<br>tokens/s/GPU</th>"
-        "<th rowspan=2>90% interval</th><th rowspan=2>steps</th><th rowspan=2>CV</th>"
-        "<th rowspan=2>peak memory<br>GB (objective)</th><th colspan=2>external sampler</th>"
-        "<th colspan=3>in-process</th><th rowspan=2>step s</th>"
-        f"<th colspan={len(PHASES)}>median seconds per phase</th></tr>"
-        "<tr><th>peak GB</th><th>source</th><th>allocated</th><th>reserved</th><th>RSS</th>"
-        f"{phase_head}</tr>"
-    )
-    rows = []
-    for n in numbers:
-        r = df.loc[n]
-        tag = " ★" if r["baseline"] else ""
-        if not missing(r["confirm_of"]):
-            tag += f"<br><span class='muted'>confirms #{int(r['confirm_of'])}</span>"
-        phases = "".join(f"<td>{_f(r.get(TIME_PREFIX + p), '.3f')}</td>" for p in PHASES)
-        rows.append(
-            f"<tr><td>#{n}{tag}</td><td>{_f(r['throughput'], '.1f')}</td><td>{_ci(r)}</td>"
-            f"<td>{_f(r['measured_steps'], '.0f')}</td><td>{_f(r['throughput_cv'], '.1%')}</td>"
-            f"<td><b>{_f(r['peak_memory_gb'])}</b></td><td>{_f(r['mem.external_peak_gb'])}</td>"
-            f"<td>{_e(r['memory_source'] or '–')}</td><td>{_f(r['mem.allocated_peak_gb'])}</td>"
-            f"<td>{_f(r['mem.reserved_peak_gb'])}</td><td>{_f(r['mem.rss_peak_gb'])}</td>"
-            f"<td>{_f(r['step_s'], '.3f')}</td>{phases}</tr>"
-        )
-    return f'<table class="t">{head}{"".join(rows)}</table>'
-
-
-def _all_trials_table(view: StudyView) -> str:
-    df = view.trials
-    base_n = [int(n) for n in df.loc[df["baseline"], "number"]]
-    base_p = view.trial(base_n[0]).params if base_n else {}
-    rows = []
-    for _, r in df.iterrows():
-        n = int(r["number"])
-        p = view.trial(n).params
-        diff = (
-            ", ".join(f"{short_knob(k)}={v}" for k, v in sorted(p.items()) if base_p.get(k) != v)
-            if n not in base_n
-            else "(base config)"
-        )
-        label, color, _ = STATUS_STYLE.get(r["status"], (r["status"], "#444444", "o"))
-        extra = []
-        if not pd.isna(r["inferred_from"]):
-            extra.append(f"inferred from #{int(r['inferred_from'])}")
-        if not pd.isna(r["confirm_of"]):
-            extra.append(f"confirms #{int(r['confirm_of'])}")
-        retry = view.record(n).retry_of
-        if retry is not None:
-            extra.append(f"re-run of interrupted #{retry}")
-        if not pd.isna(r["duplicate_of"]):
-            extra.append(f"same config as #{int(r['duplicate_of'])} (not re-run)")
-        if r["error"]:
-            extra.append((str(r["error"]).strip().splitlines() or [""])[0][:160])
-        if r["notes"]:
-            extra.append(r["notes"])
-        flags = (" ★" if r["baseline"] else "") + (" ◆" if r["pareto"] else "")
-        rows.append(
-            f'<tr id="t{n}"><td>#{n}{flags}</td>'
-            f'<td><span class="st" style="background:{color}">{_e(label)}</span></td>'
-            f"<td>{_f(r['throughput'], '.1f')}</td><td>{_ci(r)}</td><td>{_f(r['peak_memory_gb'])}</td>"
-            f"<td>{_e(r['memory_source'] or '–')}</td>"
-            f'<td>{_dur(r["duration_s"])}</td><td class="small">{_e(diff)}</td>'
-            f'<td class="small">{_e("; ".join(extra))}</td></tr>'
-        )
-    return (
-        '<table class="t"><tr><th>trial</th><th>status</th><th>throughput</th><th>90% interval</th><th>peak GB</th>'
-        "<th>mem source</th>"
-        f"<th>cost</th><th>knobs (vs baseline)</th><th>notes / error</th></tr>{''.join(rows)}</table>"
-    )
-
-
-def _confirmation_table(conf: dict) -> str:
-    """The study's ``confirmation`` (tuner.rules.finalists.aggregate): one row per finalist, then the baseline."""
-    rows = []
-    for e in list(conf.get("finalists") or []) + [conf.get("baseline_result")]:
-        if not e:
-            continue
-        base = e["number"] == conf.get("baseline")
-        ci, tci = e.get("ratio_ci"), e.get("throughput_ci")
-        trials = ", ".join(f"<a href='#t{n}'>#{n}</a>" for n in e.get("trials") or []) or "none"
-        failed = f"{e.get('failed', 0)}" + (f" ({_e(', '.join(e.get('statuses') or []))})" if e.get("failed") else "")
-        rows.append(
-            f"<tr><td>#{e['number']}{' ★' if base else ''}</td><td><b>{_f(e.get('ratio'))}x</b></td>"
-            f"<td>{f'{ci[0]:.2f}–{ci[1]:.2f}' if ci else '–'}</td><td>{_f(e.get('throughput'), '.1f')}</td>"
-            f"<td>{f'{tci[0]:.1f}–{tci[1]:.1f}' if tci else '–'}</td><td>{_f(e.get('peak_memory_gb'))}</td>"
-            f"<td>{e.get('rounds', 0)}</td><td class='small'>{trials}</td><td>{failed}</td></tr>"
-        )
-    return (
-        "<table class='t'><tr><th>trial</th><th>vs baseline<br>(paired ratios)</th><th>90% interval</th>"
-        "<th>confirmed<br>tokens/s/GPU</th><th>90% interval</th><th>peak GB<br>(max)</th><th>rounds</th>"
-        f"<th>re-runs</th><th>not ok</th></tr>{''.join(rows)}</table>"
-    )
-
-
-def _lengths_table(seen: dict) -> str:
-    head = "".join(f"<th>{k}</th>" for k in LENGTH_KEYS)
-    rows = "".join(
-        f"<tr><th class='knob'>{_e(part)}</th>" + "".join(f"<td>{_f(figs.get(k), '.0f')}</td>" for k in LENGTH_KEYS)
-        for part, figs in seen.items()
-    )
-    return f"<table class='t'><tr><th>tokens</th>{head}</tr>{rows}</table>"
 
 
 _CSS = """
@@ -229,18 +95,18 @@ def page_head(view: StudyView) -> list[str]:
     device = attrs.get("device") or {}
     running = int((df["state"] == "RUNNING").sum()) if not df.empty else 0
     parts = [
-        f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>ppotune report: {_e(view.name)}</title>"
+        f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>ppotune report: {esc(view.name)}</title>"
         f"<style>{_CSS}</style></head><body>"
     ]
-    parts.append(f"<h1>ppotune report: study <code>{_e(view.name)}</code></h1>")
+    parts.append(f"<h1>ppotune report: study <code>{esc(view.name)}</code></h1>")
     if view.algorithm_warning:  # before anything else: the figures below compare different algorithms
-        parts.append(f"<p class='warn'><b>{_e(view.algorithm_warning)}.</b></p>")
+        parts.append(f"<p class='warn'><b>{esc(view.algorithm_warning)}.</b></p>")
     parts.append(
-        f"<div class='sub'>{len(df)} trials · measured by {_e(_engine_label(attrs))}"
-        f" · device {_e(device.get('name') or device.get('kind') or 'unknown')}"
-        f" · {_e(dev_label)} · {attrs.get('nproc', '?')} processes · {attrs.get('steps', '?')} steps"
-        f" ({attrs.get('warmup', '?')} warm-up) per trial · space {_e(attrs.get('space_path', '?'))}"
-        f" · base config {_e(attrs.get('base_config_path', '?'))} · generated "
+        f"<div class='sub'>{len(df)} trials · measured by {esc(_engine_label(attrs))}"
+        f" · device {esc(device.get('name') or device.get('kind') or 'unknown')}"
+        f" · {esc(dev_label)} · {attrs.get('nproc', '?')} processes · {attrs.get('steps', '?')} steps"
+        f" ({attrs.get('warmup', '?')} warm-up) per trial · space {esc(attrs.get('space_path', '?'))}"
+        f" · base config {esc(attrs.get('base_config_path', '?'))} · generated "
         f"{_dt.datetime.now().strftime('%Y-%m-%d %H:%M')}</div>"
     )
     if running:
@@ -252,7 +118,7 @@ def page_head(view: StudyView) -> list[str]:
             "<p class='warn'>Device memory unknown: no headroom line, and export applies no headroom filter.</p>"
         )
     if view.notes:
-        items = "".join(f"<li>{_e(n)}</li>" for n in view.notes)
+        items = "".join(f"<li>{esc(n)}</li>" for n in view.notes)
         parts.append(
             f"<div class='warn'>Left out of this report (they do not fit the study's schema):<ul>{items}</ul></div>"
         )
@@ -287,20 +153,26 @@ def _cards(data: ReportData, counts: dict) -> list[str]:
         cards.append(
             ("best vs baseline", f"{bvb.thr_ratio:.2f}x", f"single trials, unconfirmed; memory {bvb.mem_ratio:.2f}x")
         )
-    cards.append(("search cost", _dur(cost.trial_s), f"trial time; OOM {_dur(cost.by_status.get(Status.OOM, 0.0))}"))
+    cards.append(
+        (
+            "search cost",
+            dur_text(cost.trial_s),
+            f"trial time; OOM {dur_text(cost.by_status.get(Status.OOM, 0.0))}",
+        )
+    )
     if cost.inferred:
         cards.append(
             (
                 "saved by OOM inference",
-                f"≈{_dur(cost.saved_s)}",
+                f"≈{dur_text(cost.saved_s)}",
                 f"{cost.inferred} trials skipped ({cost.predicted} predicted by the memory model)",
             )
         )
     return [
         "<div class='cards'>"
         + "".join(
-            f"<div class='card'><div class='k'>{_e(k)}</div><div class='v'>{_e(v)}</div>"
-            f"<div class='k'>{_e(s)}</div></div>"
+            f"<div class='card'><div class='k'>{esc(k)}</div><div class='v'>{esc(v)}</div>"
+            f"<div class='k'>{esc(s)}</div></div>"
             for k, v, s in cards
         )
         + "</div>"
@@ -325,7 +197,7 @@ def _baseline_section(data: ReportData) -> list[str]:
     parts = ["<h2>Baseline vs best</h2>"]
     b, best = bvb.baseline, bvb.best
     if data.pick_error:
-        parts.append(f"<p class='warn'>{_e(data.pick_error)}</p>")
+        parts.append(f"<p class='warn'>{esc(data.pick_error)}</p>")
     if b is None:
         parts.append("<p class='muted'>No baseline trial (user_attr baseline) in the study.</p>")
     elif best is not None:
@@ -340,17 +212,17 @@ def _baseline_section(data: ReportData) -> list[str]:
             )
         else:
             parts.append(
-                f"<p>The base config (trial #{int(b['number'])}) ended <b>{_e(b['status'])}</b>; "
+                f"<p>The base config (trial #{int(b['number'])}) ended <b>{esc(b['status'])}</b>; "
                 f"the fastest config that fits is trial #{int(best['number'])} "
                 f"at {best['throughput']:.1f} tokens/s/GPU.</p>"
             )
     if best is not None and bvb.confirmed is not None:
         parts.append(
-            f"<p>Confirmed side by side: trial #{int(best['number'])} runs at <b>{_e(describe(bvb.confirmed))}</b>"
+            f"<p>Confirmed side by side: trial #{int(best['number'])} runs at <b>{esc(describe(bvb.confirmed))}</b>"
             " (the median over rounds of its throughput divided by the same round's baseline throughput).</p>"
         )
     elif best is not None and data.pick is not None:
-        parts.append(f"<p class='warn'>Unconfirmed: {_e(data.pick.unconfirmed)}. These are single short trials.</p>")
+        parts.append(f"<p class='warn'>Unconfirmed: {esc(data.pick.unconfirmed)}. These are single short trials.</p>")
     return parts
 
 
@@ -362,12 +234,12 @@ def _confirmation_section(conf: Optional[dict]) -> list[str]:
         "<h2>Finalists confirmed side by side</h2>",
         f"<p class='sub'>The finalists (Pareto points under the headroom, trials whose throughput interval reaches "
         f"the best's) and the baseline re-run interleaved, rotated each round, until the leader separated from the "
-        f"runner-up ({_e(rounds_text(conf))}). A figure is the geometric mean of paired ratios (throughput / the same "
+        f"runner-up ({esc(rounds_text(conf))}). A figure is the geometric mean of paired ratios (throughput / the same "
         "round's baseline's), its 90% interval from the runs' own noise and the rounds' scatter; rounds under load "
         "are not claimed from. Export ranks by it. ★ baseline."
         + ("" if conf.get("complete") else " <b>Incomplete</b>: the search was stopped; re-run it to finish.")
         + "</p>",
-        _confirmation_table(conf),
+        confirmation_table(conf),
     ]
 
 
@@ -381,9 +253,9 @@ def _pareto_configs_section(view: StudyView, img: dict[str, str]) -> list[str]:
             "(NVML on GPU: includes NCCL buffers and the CUDA context; psutil RSS of the process tree on CPU) "
             "and the trial's own in-process peaks (torch allocator allocated/reserved, or RSS). ★ baseline.</p>"
         )
-        parts.append(_pareto_table(view, front))
+        parts.append(front_table(view, front))
         parts.append("<p class='sub'>Knob values (highlighted where they differ from the baseline):</p>")
-        parts.append(_knob_value_table(view, front))
+        parts.append(knob_value_table(view, front))
         parts.append(f"<img alt='phases' src='{img['phases']}'>")
     else:
         parts.append("<p class='muted'>No feasible trial yet.</p>")
@@ -400,7 +272,7 @@ def _lengths_section(view: StudyView) -> list[str]:
             "trials; max: the largest). A config tuned on these lengths can lose to the base config on other "
             "data: <code>ppotune validate</code> compares them with what it sees.</p>"
         )
-        parts.append(_lengths_table(seen))
+        parts.append(lengths_table(seen))
     else:
         parts.append("<p class='muted'>No trial recorded its sequence lengths.</p>")
     return parts
@@ -410,13 +282,13 @@ def _importances_section(data: ReportData, img: dict[str, str]) -> list[str]:
     parts = ["<h2>Which knobs matter</h2>"]
     imp = data.importances
     parts.append(
-        f"<p class='sub'>{_e(imp.message)}. Importance is computed on feasible trials only, separately "
+        f"<p class='sub'>{esc(imp.message)}. Importance is computed on feasible trials only, separately "
         "for throughput and for peak memory.</p>"
     )
     parts.append(f"<img alt='importances' src='{img['importances']}'>")
     if imp.throughput:
         rows = "".join(
-            f"<tr><th class='knob' title='{_e(k)}'>{_e(short_knob(k))}</th><td>{imp.throughput.get(k, 0):.2f}</td>"
+            f"<tr><th class='knob' title='{esc(k)}'>{esc(short_knob(k))}</th><td>{imp.throughput.get(k, 0):.2f}</td>"
             f"<td>{imp.memory.get(k, 0):.2f}</td></tr>"
             for k in sorted(imp.throughput, key=lambda k: -imp.throughput[k])
         )
@@ -427,10 +299,10 @@ def _importances_section(data: ReportData, img: dict[str, str]) -> list[str]:
 def _no_effect_section(data: ReportData) -> list[str]:
     """Each knob's verdict: a knob with no measurable effect only costs trials."""
     eff_rows = "".join(
-        f"<tr><th class='knob' title='{_e(e.knob)}'>{_e(short_knob(e.knob))}</th>"
+        f"<tr><th class='knob' title='{esc(e.knob)}'>{esc(short_knob(e.knob))}</th>"
         f"<td class='small'>"
         f"<span class='{'noeffect' if e.verdict == 'no effect' else 'muted' if e.verdict == 'not isolated' else ''}'>"
-        f"{_e(e.verdict)}</span></td><td class='small'>{_e(e.evidence)}</td></tr>"
+        f"{esc(e.verdict)}</span></td><td class='small'>{esc(e.evidence)}</td></tr>"
         for e in data.effects
     )
     return [
@@ -447,18 +319,18 @@ def _cost_section(data: ReportData, counts: dict) -> list[str]:
     """Trial time by status, the wall clock and what OOM inference saved."""
     cost = data.cost
     cost_rows = "".join(
-        f"<tr><th class='knob'>{_e(STATUS_STYLE.get(s, (s,))[0])}</th><td>{counts.get(s, 0)}</td>"
-        f"<td>{_dur(v)}</td></tr>"
+        f"<tr><th class='knob'>{esc(STATUS_STYLE.get(s, (s,))[0])}</th><td>{counts.get(s, 0)}</td>"
+        f"<td>{dur_text(v)}</td></tr>"
         for s, v in sorted(cost.by_status.items(), key=lambda kv: -kv[1])
     )
     return [
         "<h2>What the search cost</h2>",
         f"<table class='t'><tr><th>status</th><th>trials</th><th>trial time</th></tr>{cost_rows}"
-        f"<tr><th class='knob'>total</th><td>{len(data.view.trials)}</td><td><b>{_dur(cost.trial_s)}</b></td></tr>"
+        f"<tr><th class='knob'>total</th><td>{len(data.view.trials)}</td><td><b>{dur_text(cost.trial_s)}</b></td></tr>"
         "</table>",
-        f"<p>Wall clock {_dur(cost.wall_s)}. OOM inference skipped {cost.inferred} trial(s) "
+        f"<p>Wall clock {dur_text(cost.wall_s)}. OOM inference skipped {cost.inferred} trial(s) "
         f"({cost.predicted} predicted by the memory model), saving "
-        f"≈{_dur(cost.saved_s)} ({_e(cost.saved_basis)} × {cost.inferred}).</p>",
+        f"≈{dur_text(cost.saved_s)} ({esc(cost.saved_basis)} × {cost.inferred}).</p>",
     ]
 
 
@@ -466,9 +338,9 @@ def trials_section(view: StudyView) -> list[str]:
     return [
         "<h2>All trials</h2>",
         "<p class='sub'>★ baseline · ◆ Pareto front. Knobs are shown where they differ from the baseline.</p>",
-        _all_trials_table(view),
-        f"<p class='sub'>Storage: <code>{_e(view.storage.display)}</code>. Open it live with "
-        f"<code>optuna-dashboard {_e(view.storage.display)}</code>.</p>",
+        all_trials_table(view),
+        f"<p class='sub'>Storage: <code>{esc(view.storage.display)}</code>. Open it live with "
+        f"<code>optuna-dashboard {esc(view.storage.display)}</code>.</p>",
     ]
 
 
@@ -493,7 +365,7 @@ def _memory_section(data: ReportData) -> list[str]:
         )
         rows = "".join(
             f"<tr><td>#{r['number']}</td><td>{r['measured_gb']:.3f}</td><td>{r['predicted_gb']:.3f}</td>"
-            f"<td>{_f(100 * r['error'], '.1f') if r['error'] is not None else '-'}%</td></tr>"
+            f"<td>{fmt(100 * r['error'], '.1f') if r['error'] is not None else '-'}%</td></tr>"
             for r in sorted(f.rows, key=lambda r: r["number"] if r["number"] is not None else -1)
         )
         out.append(
@@ -501,21 +373,21 @@ def _memory_section(data: ReportData) -> list[str]:
             f"<th>error</th></tr>{rows}</table>"
         )
     else:
-        out.append(f"<p class='muted'>No memory model: {_e(f.why_not)}.</p>")
+        out.append(f"<p class='muted'>No memory model: {esc(f.why_not)}.</p>")
     if f.pick is not None and f.pick["scaled"]:
-        out.append(f"<p>The pick, {_e(projection_text(f.pick))}.</p>")
+        out.append(f"<p>The pick, {esc(projection_text(f.pick))}.</p>")
     if f.worst_case:
         rows = []
         for w in f.worst_case:
             probe = w["worst"]
             if probe.status == Status.OOM:
-                worst = f"OOM in {_e(probe.oom_phase or '?')}"
+                worst = f"OOM in {esc(probe.oom_phase or '?')}"
             elif probe.fits:
                 worst = f"{probe.peak_memory_gb:.3f}"
             else:
-                worst = f"not measured ({_e(probe.status.value)})"
+                worst = f"not measured ({esc(probe.status.value)})"
             rows.append(
-                f"<tr><td>#{w['number']}</td><td>{_f(w['typical_gb'], '.3f')}</td><td>{worst}</td>"
+                f"<tr><td>#{w['number']}</td><td>{fmt(w['typical_gb'], '.3f')}</td><td>{worst}</td>"
                 f"<td>{probe.prompt_length} + {probe.response_length}</td></tr>"
             )
         out.append(
@@ -567,8 +439,9 @@ def summary_md(data: ReportData) -> str:
         out.append(f"- export: {data.pick_error}")
     c = data.cost
     out.append(
-        f"- cost: {_dur(c.trial_s)} of trials (OOM {_dur(c.by_status.get(Status.OOM, 0.0))}, "
-        f"hang {_dur(c.by_status.get(Status.HANG, 0.0))}); {c.inferred} inferred OOM(s) saved ≈{_dur(c.saved_s)}"
+        f"- cost: {dur_text(c.trial_s)} of trials (OOM {dur_text(c.by_status.get(Status.OOM, 0.0))}, "
+        f"hang {dur_text(c.by_status.get(Status.HANG, 0.0))}); {c.inferred} inferred OOM(s) saved "
+        f"≈{dur_text(c.saved_s)}"
     )
     if data.memory is not None:
         out += findings_md(data.memory, limit_gb=data.pick.limit_gb if data.pick is not None else None)
@@ -581,8 +454,8 @@ def summary_md(data: ReportData) -> str:
     ]
     for _, r in df.loc[df["pareto"]].sort_values("throughput", ascending=False).iterrows() if not df.empty else []:
         out.append(
-            f"| #{int(r['number'])}{' (baseline)' if r['baseline'] else ''} | {r['throughput']:.1f} | {_ci(r)} | "
-            f"{r['peak_memory_gb']:.2f} | {r['memory_source'] or '–'} | {_f(r['step_s'], '.3f')} |"
+            f"| #{int(r['number'])}{' (baseline)' if r['baseline'] else ''} | {r['throughput']:.1f} | {ci_text(r)} | "
+            f"{r['peak_memory_gb']:.2f} | {r['memory_source'] or '–'} | {fmt(r['step_s'], '.3f')} |"
         )
     imp = data.importances
     out += ["", "## Knob importances", "", imp.message + "."]

@@ -1,7 +1,8 @@
-"""``ppotune report``: what a study found, as one offline HTML page plus PNG, CSV and Markdown.
+"""What a study found, as one offline HTML page plus PNG, CSV and Markdown (``ppotune report``:
+:mod:`tuner.commands.report`).
 
 Reads the study read-only (docs/contracts.md section 3), so it can run while the search
-is still going. Writes into ``--out`` (default: ``report/`` in the study's search output dir):
+is still going. Writes into its out dir:
 
 - ``report.html``  self-contained (inline CSS, base64 PNG images, no links out)
 - ``pareto.png``   throughput vs peak memory, every trial, failures on a strip below
@@ -15,30 +16,22 @@ The findings are computed in :mod:`~tuner.results.analysis`, drawn by
 
 from __future__ import annotations
 
-import argparse
-import sys
 from pathlib import Path
 from typing import Optional
 
 from trainer.contracts import (
     DEFAULT_HEADROOM,
     OUT_DIR_FILES,
-    ExitCode,
-    StorageError,
     StorageSpec,
     parse_storage,
-    search_dir_of,
 )
-from trainer.launch.cliflags import command_error, deprecated
 from tuner.results.analysis import build
 from tuner.results.fit_files import fit_summary, write_fit_report
 from tuner.results.html import report_html, summary_md
 from tuner.results.plots import figure_png, plot_importances, plot_pareto, plot_phases
-from tuner.results.view import StudyView, add_study_arguments, load, pareto_front, view_from_args
-from tuner.study.schema import notes_summary
-from tuner.study.selection import selection_of
+from tuner.results.view import StudyView, load, pareto_front
 
-__all__ = ["REPORT_FILES", "write_report", "write_view_report", "add_arguments", "run"]
+__all__ = ["REPORT_FILES", "write_report", "write_view_report"]
 
 #: what :func:`write_view_report` writes, besides report.html
 REPORT_FILES = ("pareto.png", "importances.png", "phases.png", "trials.csv", "summary.md")
@@ -88,56 +81,3 @@ def write_view_report(view: StudyView, out_dir: str | Path, *, memory_headroom: 
     page = out / "report.html"
     page.write_text(report_html(data, images), encoding="utf-8")
     return page
-
-
-# --------------------------------------------------------------------------- CLI
-def add_arguments(parser) -> None:
-    add_study_arguments(parser)
-    parser.add_argument(
-        "--out",
-        metavar="DIR",
-        help="where to write (a search output dir gets DIR/report/; default: report/ in the study's search output "
-        "dir, else ./ppotune_report)",
-    )
-    parser.add_argument("--to", metavar="DIR", help=argparse.SUPPRESS)  # deprecated: --out
-    parser.add_argument(
-        "--memory-headroom",
-        type=float,
-        default=None,
-        metavar="F",
-        help="fraction of device memory to keep free, drawn on the plot (default: the search's --memory-headroom, "
-        f"else {DEFAULT_HEADROOM:.2f})",
-    )
-
-
-def out_dir_of(args, spec: StorageSpec) -> Path:
-    """Where the report goes: ``--out`` (a search output dir: its ``report/``), else the study's search dir's
-    ``report/``, else ``./ppotune_report``."""
-    if args.to:
-        deprecated("report", "--to DIR", "--out DIR")
-    out = args.to or args.out
-    if out:
-        return Path(out) / "report" if any((Path(out) / n).exists() for n in (*OUT_DIR_FILES, "trials")) else Path(out)
-    home = search_dir_of(spec)
-    return home / "report" if home is not None else Path("ppotune_report")
-
-
-def run(args) -> int:
-    try:
-        view = view_from_args(args)
-    except StorageError as e:
-        return command_error("report", str(e))
-    headroom = args.memory_headroom if args.memory_headroom is not None else selection_of(view.attrs).headroom
-    if not 0.0 <= headroom < 1.0:
-        return command_error("report", f"--memory-headroom must be in [0, 1), got {headroom}")
-    for note in notes_summary(view.notes):
-        print(f"ppotune report: note: {note}", file=sys.stderr)
-    if view.algorithm_warning:
-        print(f"ppotune report: warning: {view.algorithm_warning}", file=sys.stderr)
-    to = out_dir_of(args, view.storage)
-    page = write_view_report(view, to, memory_headroom=headroom)
-    print(f"{page}  ({len(view.trials)} trials)")
-    for name in REPORT_FILES:
-        if (to / name).is_file():
-            print(f"  {to / name}")
-    return ExitCode.OK

@@ -1,5 +1,5 @@
 """What every ``ppotune`` command spells the same way: ``-o KEY=VALUE`` overrides, the one error line, the
-one-line note on a deprecated spelling. (Torch-free: the trainer's commands and the tuner's use it.)"""
+one-line note on a deprecated spelling."""
 
 from __future__ import annotations
 
