@@ -19,7 +19,7 @@ spread across jobs instead of failing one run.
 
     python benchmarks/bench_warm_drift.py [--jobs 3] [--steps 6] [--json FILE]
 
-Run it alone on the machine (it measures wall time): ``flock /tmp/ppotune_heavy.lock python ...``.
+Run it alone on the machine (it measures wall time): ``flock /tmp/ppotune-heavy.lock python ...``.
 """
 
 from __future__ import annotations
