@@ -317,10 +317,18 @@ def _draw(rec: Recording, ident: tuple, rng: random.Random, number: int) -> tupl
 
 
 def confirm_after(
-    events: list, rec: Recording, rng: random.Random, *, rounds: int, finalists: int, noise: float = RUN_NOISE_FLOOR
+    events: list,
+    rec: Recording,
+    rng: random.Random,
+    *,
+    rounds: int,
+    finalists: int,
+    noise: float = RUN_NOISE_FLOOR,
+    repeats: bool = True,
 ) -> Confirmed:
     """The confirmation after ``events`` (the rounds of tuner.rules.race.race, each re-run a recorded repeat drawn
-    with ``rng``): its pick (tuner.rules.finalists.rank_confirmed), its cost in trial-seconds, its claim."""
+    with ``rng``): its pick (tuner.rules.finalists.rank_confirmed), its cost in trial-seconds, its claim
+    (``repeats`` False: the runs' own noise and the floor only, not the run-to-run noise the rounds measure)."""
     chosen = finalists_of(events, rec, finalists)
     if not chosen:
         return Confirmed(None, 0.0)
@@ -329,9 +337,13 @@ def confirm_after(
     nums = [members[i] for i in chosen]
     b = members[base]
     runs = {n: [] for n in members.values()}
+    searched = {}  # each member's search trial: with its re-runs, the run-to-run noise the race measures
+    for e in events:
+        if repeats and e.ident in members and e.throughput is not None and members[e.ident] not in searched:
+            searched[members[e.ident]] = Rerun(-1, Status.OK.value, e.throughput, e.peak, e.ci)
     cost, k = 0.0, 0
     while True:
-        state = race(runs, finalists=nums, baseline=b, rounds=rounds, noise_floor=noise)
+        state = race(runs, finalists=nums, baseline=b, rounds=rounds, noise_floor=noise, searched=searched)
         if state.done:
             break
         for n in state.members(b):
@@ -339,7 +351,9 @@ def confirm_after(
             runs[n].append(rerun)
             cost += seconds
             k += 1
-    conf = confirm.aggregate(baseline=b, finalists=nums, rounds=rounds, headroom=0.0, runs=runs, noise_floor=noise)
+    conf = confirm.aggregate(
+        baseline=b, finalists=nums, rounds=rounds, headroom=0.0, runs=runs, noise_floor=noise, searched=searched
+    )
     ranked, _ = confirm.rank_confirmed(conf, eligible=list(members.values()), limit_gb=None)
     if not ranked:
         return Confirmed(None, cost, finalists=chosen)
@@ -349,7 +363,7 @@ def confirm_after(
 
 
 def confirmed_curve(
-    run: Run, rec: Recording, seed: int, *, rounds: int, finalists: int, noise: float = RUN_NOISE_FLOOR
+    run: Run, rec: Recording, seed: int, *, rounds: int, finalists: int, noise: float = RUN_NOISE_FLOOR, **kw
 ) -> list:
     """``[(search seconds + confirmation seconds, Confirmed)]`` for every prefix of the search (the confirmation
     recomputed only when the finalists change: its draws are seeded by the prefix's finalists)."""
@@ -359,7 +373,7 @@ def confirmed_curve(
         key = tuple(finalists_of(events, rec, finalists))
         if key != last_key:
             rng = random.Random(f"{seed}-{key}")
-            last = confirm_after(events, rec, rng, rounds=rounds, finalists=finalists, noise=noise)
+            last = confirm_after(events, rec, rng, rounds=rounds, finalists=finalists, noise=noise, **kw)
             last_key = key
         out.append((events[-1].spent + last.cost_s, last))
     return out

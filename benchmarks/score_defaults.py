@@ -65,7 +65,8 @@ def score_grid(rec: replay.Recording, seeds: range, a: argparse.Namespace, out: 
     for seed in seeds:
         kw = dict(hint=hint, cap_s=a.cap * grid_s, startup=a.startup)
         run = replay.run_search("ours", seed, rec, local_every=a.local_every, **kw)
-        curve = replay.confirmed_curve(run, rec, seed, rounds=a.rounds, finalists=a.finalists, noise=a.noise)
+        how = dict(rounds=a.rounds, finalists=a.finalists, noise=a.noise, repeats=not a.own_noise_only)
+        curve = replay.confirmed_curve(run, rec, seed, **how)
         out.ours.append(replay.confirmed_seconds_to(curve, truth, replay.TARGET * best) / grid_s)
         out.alone.append(replay.seconds_to(run, truth, replay.TARGET * best) / grid_s)
         claim = next((c for total, c in reversed(curve) if total <= a.claim_at * grid_s), None)
@@ -124,6 +125,11 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS, help="the confirmation's cap (--confirm R)")
     ap.add_argument("--finalists", type=int, default=DEFAULT_FINALISTS)
     ap.add_argument("--noise", type=float, default=RUN_NOISE_FLOOR, help="a run's noise with no interval of its own")
+    ap.add_argument(
+        "--own-noise-only",
+        action="store_true",
+        help="the intervals without the run-to-run noise the confirmation measures (each run's own and the floor)",
+    )
     ap.add_argument("--startup", type=int, help="TPE's random start-up trials (default: the search's rule)")
     ap.add_argument("--local-every", type=int, default=2)
     ap.add_argument("--no-random", action="store_true", help="leave random search out (the family's choices)")
@@ -147,6 +153,7 @@ def main() -> int:
             if s.reruns:
                 print(f"  rounds at the claim: mean {statistics.mean(s.reruns):.2f}", flush=True)
     settings = f"--rounds {a.rounds} --finalists {a.finalists} --noise {a.noise} --local-every {a.local_every}"
+    settings += " --own-noise-only" if a.own_noise_only else ""
     print(f"({settings} --startup {a.startup} --cap {a.cap} --claim-at {a.claim_at}; {time.monotonic() - t0:.0f} s)")
     return 0
 

@@ -190,16 +190,20 @@ def aggregate(
     headroom: float,
     runs: Mapping[int, Sequence[Rerun]],
     noise_floor: float = RUN_NOISE_FLOOR,
+    searched: Optional[Mapping[int, Rerun]] = None,
 ) -> dict:
     """The study attribute ``confirmation`` (docs/contracts.md section 3) from the finished re-runs.
 
-    ``runs``: config number -> its re-runs in trial-number order (its k-th ran in round k); ``rounds``: the cap.
-    The race (:func:`tuner.rules.race.race`) says which rounds are claimed from (those measured without load), the
-    leader, its runner-up and whether they separated; ``complete``: the race is over (False after an interruption:
-    a resumed search runs the rest)."""
-    state = race(runs, finalists=finalists, baseline=baseline, rounds=rounds, noise_floor=noise_floor)
+    ``runs``: config number -> its re-runs in trial-number order (its k-th ran in round k); ``rounds``: the cap;
+    ``searched``: config number -> its search trial. The race (:func:`tuner.rules.race.race`) says which rounds are
+    claimed from (those measured without load), the leader, its runner-up, whether they separated and the floor on
+    a run's noise (``run_noise``: ``noise_floor`` or the run-to-run noise measured, if larger); ``complete``: the
+    race is over (False after an interruption: a resumed search runs the rest)."""
+    state = race(
+        runs, finalists=finalists, baseline=baseline, rounds=rounds, noise_floor=noise_floor, searched=searched
+    )
     base_runs = list(runs.get(baseline, ())) if baseline is not None else None
-    kw = dict(claimed=state.clean, noise_floor=noise_floor)
+    kw = dict(claimed=state.clean, noise_floor=state.noise)
     entries = [summarize(n, runs.get(n, ()), base_runs, **kw) for n in finalists]
     base_entry = None
     if baseline is not None:
@@ -225,6 +229,7 @@ def aggregate(
         "runner_up": state.runner_up,
         "separated": state.separated,
         "dropped": list(state.dropped),
+        "run_noise": _round(state.noise),
         "finalists": entries,
         "baseline_result": base_entry,
     }

@@ -13,8 +13,10 @@ Pure functions (no optuna, no process). The finalists and the baseline are re-ru
   not count toward the cap ``rounds`` and is not in any figure; at most ``rounds`` of them are run again.
 
 The interval (:func:`paired_interval`) is the mean of the log-ratios ± z(0.95) times the larger of two standard
-errors: the one the runs' own 90% intervals imply (each run's measured noise, at least :data:`RUN_NOISE_FLOOR`, so
-one round already has an interval) and the one the rounds' scatter shows (two rounds or more).
+errors: the one the runs' own 90% intervals imply (each run's measured noise, at least a floor, so one round already
+has an interval) and the one the rounds' scatter shows (two rounds or more). The floor is the larger of
+:data:`RUN_NOISE_FLOOR` and the run-to-run noise the study itself measured (:func:`repeat_noise`: each confirmed
+config's search trial and its re-runs, pooled): a run's steps do not show what differs from one run to the next.
 """
 
 from __future__ import annotations
@@ -22,11 +24,11 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass, field
-from typing import Mapping, Optional, Sequence
+from typing import Iterable, Mapping, Optional, Sequence
 
 from trainer.contracts import Status
 
-__all__ = ["Z90", "RUN_NOISE_FLOOR", "Rerun", "run_noise", "paired_interval", "Race", "race"]
+__all__ = ["Z90", "RUN_NOISE_FLOOR", "Rerun", "run_noise", "repeat_noise", "paired_interval", "Race", "race"]
 
 #: the standard normal's 95% point: a two-sided 90% interval
 Z90 = 1.6449
@@ -59,6 +61,20 @@ def run_noise(run: Rerun) -> Optional[float]:
     if not run.ok or not ci or ci[0] is None or ci[1] is None or not 0 < ci[0] <= ci[1]:
         return None
     return math.log(ci[1] / ci[0]) / 2.0 / Z90
+
+
+def repeat_noise(groups: Iterable[Sequence[Rerun]]) -> Optional[float]:
+    """The run-to-run noise measured: the pooled standard deviation of log-throughput within ``groups`` (each one
+    config's runs: its search trial and its re-runs), over the ok runs not measured under load; None when no config
+    has two. A search trial picked for being fast reads high, so the estimate errs wide (the safe side)."""
+    squares, dof = 0.0, 0
+    for runs in groups:
+        logs = [math.log(r.throughput) for r in runs if r.ok and not r.loaded]
+        if len(logs) >= 2:
+            mean = statistics.fmean(logs)
+            squares += sum((x - mean) ** 2 for x in logs)
+            dof += len(logs) - 1
+    return math.sqrt(squares / dof) if dof else None
 
 
 def paired_interval(
@@ -97,6 +113,7 @@ class Race:
     separated: bool = False
     done: bool = False
     why: str = ""  # separated / the cap / every round under load
+    noise: float = RUN_NOISE_FLOOR  # the floor on a run's noise the intervals took: the study's measured one or more
 
     def members(self, baseline: Optional[int]) -> list[int]:
         """Who runs in the next round, in its interleaved order (rotated by one each round)."""
@@ -128,11 +145,14 @@ def race(
     baseline: Optional[int],
     rounds: int,
     noise_floor: float = RUN_NOISE_FLOOR,
+    searched: Optional[Mapping[int, Rerun]] = None,
 ) -> Race:
     """The race after the finished re-runs ``runs`` (config number -> its re-runs in trial-number order: a config's
     k-th re-run ran in round k), for ``finalists`` against ``baseline`` (None: the finalists among themselves),
-    capped at ``rounds`` clean rounds (and as many loaded ones)."""
-    state = Race(active=list(finalists))
+    capped at ``rounds`` clean rounds (and as many loaded ones). ``searched``: config number -> its search trial;
+    a run's noise is at least ``noise_floor`` and the run-to-run noise they and the rounds so far show
+    (:func:`repeat_noise`)."""
+    state = Race(active=list(finalists), noise=noise_floor)
     if rounds <= 0 or not finalists:
         state.done, state.why = True, "nothing to confirm"
         return state
@@ -144,7 +164,8 @@ def race(
             break  # round k is not finished
         state.rounds += 1
         (state.loaded if any(r.loaded for r in got) else state.clean).append(k)
-        _update(state, runs, baseline, noise_floor)
+        state.noise = _floor(runs, searched or {}, [*finalists, baseline], state.rounds, noise_floor)
+        _update(state, runs, baseline, state.noise)
     if state.separated:
         state.done, state.why = True, "separated"
     elif len(state.clean) >= rounds:
@@ -152,6 +173,13 @@ def race(
     elif len(state.loaded) >= rounds:
         state.done, state.why = True, f"{len(state.loaded)} rounds under load"
     return state
+
+
+def _floor(runs: Mapping, searched: Mapping, who: Sequence, rounds: int, noise_floor: float) -> float:
+    """``noise_floor``, or the run-to-run noise of the search trials and the first ``rounds`` re-runs if larger."""
+    groups = [[*([searched[n]] if n in searched else []), *(runs.get(n) or ())[:rounds]] for n in who if n is not None]
+    measured = repeat_noise(groups)
+    return noise_floor if measured is None else max(noise_floor, measured)
 
 
 def _update(state: Race, runs: Mapping, baseline: Optional[int], noise_floor: float) -> None:

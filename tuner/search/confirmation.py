@@ -119,7 +119,9 @@ class ConfirmationStage:
         trials = s.study.get_trials(deepcopy=False)
         r, members = None, []
         if not any(t.state == TrialState.WAITING for t in trials):
-            state = race(_reruns(trials, {*finalists, baseline}), finalists=finalists, baseline=baseline, rounds=rounds)
+            who = {*finalists, baseline}
+            runs, searched = _reruns(trials, who), _searched(trials, who)
+            state = race(runs, finalists=finalists, baseline=baseline, rounds=rounds, searched=searched)
             if state.done:
                 return None
             r, members = state.rounds, state.members(baseline)
@@ -139,9 +141,14 @@ class ConfirmationStage:
     def _record(self, finalists: list[int], baseline: Optional[int], rounds: int) -> dict:
         """Aggregate every finished re-run of the plan's configs into the study attribute ``confirmation``."""
         study = self.session.study
-        runs = _reruns(study.get_trials(deepcopy=False), {*finalists, baseline})
+        trials, members = study.get_trials(deepcopy=False), {*finalists, baseline}
         conf = rules.aggregate(
-            baseline=baseline, finalists=finalists, rounds=rounds, headroom=self.selection.headroom, runs=runs
+            baseline=baseline,
+            finalists=finalists,
+            rounds=rounds,
+            headroom=self.selection.headroom,
+            runs=_reruns(trials, members),
+            searched=_searched(trials, members),
         )
         study.set_user_attr(rules.CONFIRMATION_ATTR, conf)
         return conf
@@ -153,11 +160,23 @@ def _reruns(trials: list, members: set) -> dict[int, list[Rerun]]:
     for t in sorted(trials, key=lambda t: t.number):
         rec = TrialRecord.from_user_attrs(t.user_attrs)
         if rec.confirm_of in runs and t.state.is_finished() and rec.status not in (None, Status.INTERRUPTED):
-            ci = tuple(rec.throughput_ci) if rec.throughput_ci else None
-            runs[rec.confirm_of].append(
-                Rerun(t.number, rec.status.value, rec.throughput, rec.peak_memory_gb, ci, loaded=rec.loaded)
-            )
+            runs[rec.confirm_of].append(_rerun(t.number, rec))
     return runs
+
+
+def _searched(trials: list, members: set) -> dict[int, Rerun]:
+    """The search trials of ``members`` that finished with a status (numbers are list positions)."""
+    out = {}
+    for n in members:
+        rec = TrialRecord.from_user_attrs(trials[n].user_attrs) if n is not None and n < len(trials) else None
+        if rec is not None and trials[n].state.is_finished() and rec.status not in (None, Status.INTERRUPTED):
+            out[n] = _rerun(n, rec)
+    return out
+
+
+def _rerun(number: int, rec: TrialRecord) -> Rerun:
+    ci = tuple(rec.throughput_ci) if rec.throughput_ci else None
+    return Rerun(number, rec.status.value, rec.throughput, rec.peak_memory_gb, ci, loaded=rec.loaded)
 
 
 def _taken(trials: list) -> dict[int, int]:

@@ -16,7 +16,7 @@ from support import search_over, tiny_setup
 from trainer.contracts import DIRECTIONS, Status, TrialRecord
 from tuner.rules import finalists as confirm
 from tuner.rules.finalists import Contender
-from tuner.rules.race import Rerun
+from tuner.rules.race import RUN_NOISE_FLOOR, Rerun, repeat_noise
 from tuner.search.policy import build_sampler
 from tuner.trials.runners import Recorded, ReplayRunner, TrialOutcome
 
@@ -394,6 +394,39 @@ def test_the_confirmation_stage_runs_on_its_own_over_a_finished_study(setup):
     assert conf["complete"] and [e["number"] for e in conf["finalists"]] == [1, 2]
     # the confirmed ranking: #1 (1.6x the baseline), the baseline (1.0x), #2 (0.5x)
     assert WorstCaseStage(search.session).plan(3) == [1, 0, 2]
+
+
+def test_the_stage_takes_the_run_to_run_noise_of_the_search_trials_and_their_re_runs(setup):
+    """Each config recorded twice, 30% apart: the stored ``run_noise`` is the pooled scatter of the finalists' and
+    the baseline's search trials with their re-runs (tuner.rules.race.repeat_noise), above the floor."""
+    from tuner.search.confirmation import ConfirmationStage
+
+    space, _, flat = setup
+    table = {
+        ident: [
+            rs[0],
+            Recorded(rs[0].status, rs[0].throughput and 1.3 * rs[0].throughput, rs[0].peak_memory_gb, 1.0, 99),
+        ]
+        for ident, rs in _table(space, flat).items()
+    }
+    study, storage = _study(space, flat, device_gb=10.0)
+    # seed 1: some re-runs draw the other repeat than their search trial did (seed 0 draws the same: the floor)
+    search = _search(setup, study, storage, ReplayRunner(table, rng=random.Random(1)), rounds=0)
+    search.run()
+    ConfirmationStage(search.session).run(1)
+    conf = study.user_attrs[confirm.CONFIRMATION_ATTR]
+    trials = study.get_trials()
+    members = [e["number"] for e in conf["finalists"]] + [conf["baseline"]]
+    groups = [
+        [
+            Rerun(t.number, "ok", t.user_attrs["throughput"])
+            for t in trials
+            if n in (t.number, t.user_attrs.get("confirm_of"))
+        ]
+        for n in members
+    ]
+    assert all(len(g) == 2 for g in groups)
+    assert conf["run_noise"] == pytest.approx(repeat_noise(groups), abs=1e-6) and conf["run_noise"] > RUN_NOISE_FLOOR
 
 
 def test_the_searchs_pick_and_headroom_decide_what_is_confirmed_and_probed(setup):

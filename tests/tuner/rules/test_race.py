@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tuner.rules import finalists as confirm
-from tuner.rules.race import Rerun, paired_interval, race, run_noise
+from tuner.rules.race import RUN_NOISE_FLOOR, Rerun, paired_interval, race, repeat_noise, run_noise
 
 
 def ok(number: int, thr: float, ci=None, *, loaded: bool = False) -> Rerun:
@@ -33,6 +33,33 @@ def test_more_rounds_take_the_larger_of_the_runs_noise_and_the_rounds_scatter():
     assert paired_interval(apart, noise_floor=0.05) == pytest.approx((1.224745, 0.877444, 1.709511), abs=1e-6)
     # a pair with a failed run is no pair; none at all: no interval
     assert paired_interval([(Rerun(1, "oom"), ok(2, 100.0))]) is None and paired_interval([]) is None
+
+
+def test_the_run_to_run_noise_is_pooled_over_the_configs_run_more_than_once():
+    # logs within a config around their mean: ln(110/100)^2 / 2 = 0.004542 and ln(200/180)^2 / 2 = 0.005550,
+    # one degree of freedom each: sqrt((0.004542 + 0.005550) / 2) = 0.071037
+    assert repeat_noise([[ok(0, 100.0), ok(1, 110.0)], [ok(2, 200.0), ok(3, 180.0)]]) == pytest.approx(0.071037, 1e-5)
+    # one run each, a failed run, a run under load (its scatter is the load's): nothing measured
+    assert repeat_noise([[ok(0, 100.0)], [Rerun(1, "oom"), ok(2, 100.0)]]) is None
+    assert repeat_noise([[ok(0, 100.0), ok(1, 150.0, loaded=True)]]) is None
+
+
+def test_the_interval_carries_the_run_to_run_noise_the_search_trials_and_rounds_show():
+    # each run's own interval is narrow (under the floor); the finalist's search trial read 180, its re-run 150,
+    # the baseline 100 both times: pooled sqrt((ln(1.2)^2 / 2 + 0) / 2) = 0.091161, above the floor
+    runs = {1: [ok(10, 150.0, (148.0, 152.0))], 0: [ok(11, 100.0, (99.0, 101.0))]}
+    searched = {1: ok(1, 180.0), 0: ok(0, 100.0)}
+    assert race(runs, finalists=[1], baseline=0, rounds=1).noise == RUN_NOISE_FLOOR  # no search trials: the floor
+    state = race(runs, finalists=[1], baseline=0, rounds=1, searched=searched)
+    assert state.noise == pytest.approx(0.091161, abs=1e-6) and state.done and state.separated
+    # the ratio's sd sqrt(2) x 0.091161 = 0.128921, half 1.6449 x 0.128921 = 0.212063 around ln 1.5
+    conf = confirm.aggregate(baseline=0, finalists=[1], rounds=1, headroom=0.1, runs=runs, searched=searched)
+    assert conf["run_noise"] == pytest.approx(0.091161, abs=1e-6)
+    assert conf["finalists"][0]["ratio_ci"] == pytest.approx([1.213372, 1.854336], abs=1e-6)
+    # without the search trials: the floor 0.045 for both runs, half 1.6449 x 0.063640 = 0.104682
+    conf = confirm.aggregate(baseline=0, finalists=[1], rounds=1, headroom=0.1, runs=runs)
+    assert conf["run_noise"] == RUN_NOISE_FLOOR
+    assert conf["finalists"][0]["ratio_ci"] == pytest.approx([1.350918, 1.665534], abs=1e-6)
 
 
 # --------------------------------------------------------------------------- the rounds
