@@ -108,9 +108,8 @@ def fit_inputs(
     if engine == "verl":
         from tuner.trials.verl import verl_search
 
-        device_kind = "cuda" if nvml_available() else "cpu"
         nested, verl, plan = verl_search(
-            base_path, python=engine_python, nproc=nproc, steps=1, warmup=0, memory_limit_gb=None, device=device_kind
+            base_path, python=engine_python, nproc=nproc, steps=1, warmup=0, memory_limit_gb=None
         )
     else:
         nested, plan = _ppotune_base(base_path, dict(overrides or {}), nproc)

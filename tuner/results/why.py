@@ -169,7 +169,9 @@ def _runner_up_section(view: StudyView, choice: Choice) -> list[str]:
     if choice.runner_up is None:
         out.append("None: no other feasible config fits the limit.")
         return out
-    if up_confirmed is not None:
+    # a confirmation whose rounds were all measured under load claims no figure: compare the single trials then
+    claimed = up_confirmed is not None and up_confirmed.get("throughput") and choice.confirmed.get("throughput")
+    if claimed:
         d = (up_confirmed["throughput"] / choice.confirmed["throughput"] - 1.0) * 100
         out.append(
             f"Trial #{choice.runner_up}, confirmed: {describe(up_confirmed)}; median "
