@@ -139,9 +139,10 @@ def _busy_s(times) -> float:
 
 
 class LoadMeter:
-    """What runs beside a trial: the host's busy CPU time less the trial's process tree's and the tuner's own
-    (each process's CPU time counted from when it was first seen), and the other processes on its GPUs (NVML: those
-    not in its tree; where NVML's PIDs are another namespace's, more than one process on a GPU)."""
+    """What runs beside a trial: the host's busy CPU time less the trial's process tree's and the tuner's own (the
+    tuner and every process it started; each process's CPU time counted from when it was first seen), and the other
+    processes on its GPUs (NVML: those not in its tree; where NVML's PIDs are another namespace's, more than one
+    process on a GPU)."""
 
     def __init__(self) -> None:
         self._t0: Optional[float] = None
@@ -157,7 +158,11 @@ class LoadMeter:
         if self._t0 is None:
             self._t0, self._busy0 = now, busy
         self._last = (now, busy)
-        for p in [*procs, self._me]:
+        try:  # the tuner's whole tree is ours: a warm job it started ahead for the next trial is not load
+            tuner = [self._me, *self._me.children(recursive=True)]
+        except psutil.Error:
+            tuner = [self._me]
+        for p in [*procs, *tuner]:
             try:
                 t = p.cpu_times()
             except psutil.Error:

@@ -397,15 +397,30 @@ def test_the_load_meter_counts_cpu_outside_the_trial_not_the_trials_own():
     proc.wait()
     own = sampler.stop().load
     assert own["cpu_trial"] > 0.4 and own["gpu_other_processes"] == 0
-    outside = subprocess.Popen([PY, "-c", SPIN])  # a trial that sleeps beside a process that spins
+    # a trial that sleeps beside a process that spins outside the tuner's tree (started detached, as another job)
+    outside = subprocess.Popen(
+        [PY, "-c", f"import subprocess, sys; subprocess.Popen([sys.executable, '-c', {SPIN!r}])"]
+    )
+    outside.wait()  # its spinning child is now an orphan: not ours
     proc = subprocess.Popen([PY, "-c", "import time; time.sleep(2)"])
     sampler = MemorySampler(proc.pid, use_nvml=False, hz=20)
     sampler.start()
     proc.wait()
     beside = sampler.stop().load
-    outside.wait()
     assert beside["cpu_others"] > 0.4 and beside["cpu_trial"] < 0.2
     assert beside["cpu_others_share"] == pytest.approx(beside["cpu_others"] / psutil.cpu_count(), abs=1e-3)
+
+
+def test_what_the_tuner_started_beside_a_trial_is_not_load():
+    """A process the tuner started (a warm job started ahead for the next trial) is the tuner's, not load."""
+    ahead = subprocess.Popen([PY, "-c", SPIN])  # a child of this process, as a warm job of the tuner's
+    proc = subprocess.Popen([PY, "-c", "import time; time.sleep(2)"])
+    sampler = MemorySampler(proc.pid, use_nvml=False, hz=20)
+    sampler.start()
+    proc.wait()
+    load = sampler.stop().load
+    ahead.wait()
+    assert load["cpu_others"] < 0.3 and not load["loaded"], load
 
 
 def test_a_trial_is_loaded_over_a_quarter_of_the_hosts_cpus_or_with_another_process_on_its_gpus():
