@@ -13,20 +13,13 @@ import sys
 from trainer.config import ConfigError, effective_config, load_config, world_size
 from trainer.contracts import ExitCode
 from trainer.launch.preflight import preflight
-from tuner.commands.flags import add_override_flag, overrides_of
+from tuner.commands.flags import add_config_arguments, overrides_of
 
 __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(p) -> None:
-    p.add_argument("config", help="training config YAML (verl key names)")
-    add_override_flag(p, positional=True)
-    p.add_argument(
-        "--nproc",
-        type=int,
-        default=None,
-        help="processes (GPUs) per node; sets trainer.n_gpus_per_node (default: the config's)",
-    )
+    add_config_arguments(p)
 
 
 def run(args) -> int:

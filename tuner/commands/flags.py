@@ -31,6 +31,24 @@ def add_override_flag(p: argparse.ArgumentParser, *, positional: bool = False, w
     )
 
 
+def add_config_arguments(p: argparse.ArgumentParser) -> None:
+    """A training config, its ``key=value`` overrides and ``--nproc``: how ``train`` and ``check`` take a job."""
+    p.add_argument("config", help="training config YAML (verl key names)")
+    add_override_flag(p, positional=True)
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="processes (GPUs) on this node; sets trainer.n_gpus_per_node (default: the config's)",
+    )
+
+
+def add_device_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--device", choices=["auto", "cpu", "cuda"], default=None, help="sets ppotune.device (default: the config's)"
+    )
+
+
 def overrides_of(args: argparse.Namespace) -> list[str]:
     """The command line's ``key=value`` overrides in order: positional ones first, then ``-o``."""
     return [*(getattr(args, "overrides", None) or []), *(getattr(args, "override", None) or [])]

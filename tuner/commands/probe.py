@@ -23,7 +23,7 @@ from trainer.config import (
     read_yaml_mapping,
 )
 from trainer.contracts import ExitCode, Status
-from tuner.commands.flags import add_override_flag
+from tuner.commands.flags import add_device_flag, add_override_flag
 from tuner.trials.launch import add_hang_flags, next_numbered_dir, stop_on_signals
 from tuner.trials.memory import nvml_available
 from tuner.trials.probe import PROBE_KEYS, probe
@@ -48,9 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="a real per-process memory cap (GPU: allocator fraction; CPU: RLIMIT_DATA); sets ppotune.memory_limit_gb "
         "(default: the config's)",
     )
-    p.add_argument(
-        "--device", choices=["auto", "cpu", "cuda"], default=None, help="sets ppotune.device (default: the config's)"
-    )
+    add_device_flag(p)
     p.add_argument(
         "--out",
         default=None,

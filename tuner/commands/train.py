@@ -33,7 +33,7 @@ from trainer.launch.preflight import preflight, preflight_verl
 from trainer.launch.proc import write_json_atomic
 from trainer.launch.ranks import RankGroup
 from trainer.launch.result import build_result, error_result, exit_code, outcome_lines, read_rank_files
-from tuner.commands.flags import add_override_flag, overrides_of
+from tuner.commands.flags import add_config_arguments, add_device_flag, overrides_of
 
 __all__ = ["add_arguments", "run", "serve"]
 
@@ -41,14 +41,7 @@ _TAIL_LINES = 60
 
 
 def add_arguments(p) -> None:
-    p.add_argument("config", help="training config YAML (verl key names)")
-    add_override_flag(p, positional=True)
-    p.add_argument(
-        "--nproc",
-        type=int,
-        default=None,
-        help="processes (GPUs) on this node; sets trainer.n_gpus_per_node (default: the config's)",
-    )
+    add_config_arguments(p)
     p.add_argument(
         "--steps",
         type=int,
@@ -88,9 +81,7 @@ def add_arguments(p) -> None:
         default=None,
         help="a real per-process memory cap (GPU: allocator fraction; CPU: rlimit; default: the config's)",
     )
-    p.add_argument(
-        "--device", choices=["auto", "cpu", "cuda"], default=None, help="sets ppotune.device (default: the config's)"
-    )
+    add_device_flag(p)
     p.add_argument(
         "--save",
         default=None,
