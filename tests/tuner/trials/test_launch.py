@@ -420,7 +420,9 @@ def test_what_the_tuner_started_beside_a_trial_is_not_load():
     proc.wait()
     load = sampler.stop().load
     ahead.wait()
-    assert load["cpu_others"] < 0.3 and not load["loaded"], load
+    # the trial sleeps: the spinning child's CPU is counted as the tuner's own (with the trial's), not as others'
+    # (what other jobs on the machine add to cpu_others is theirs: this holds on a busy machine too)
+    assert load["cpu_trial"] > 0.4, load
 
 
 def test_a_trial_is_loaded_over_a_quarter_of_the_hosts_cpus_or_with_another_process_on_its_gpus():
