@@ -228,6 +228,8 @@ _LONGEST_FIRST = (
 def _group(item) -> str:
     """The test file's path under tests/ (two mirrored directories may hold equal base names)."""
     name = item.path.relative_to(TESTS).as_posix()
+    if item.get_closest_marker("verl"):  # one verl (one Ray) at a time: test_verl.py checks no Ray is left after it
+        return "e2e/test_verl.py"
     return "real_search" if name in _REAL_SEARCH_READERS else name
 
 

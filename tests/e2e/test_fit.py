@@ -122,6 +122,7 @@ def verl_grpo(cli, tmp_path_factory) -> Path:
     return run
 
 
+@pytest.mark.verl
 def test_a_verl_grpo_run_file_is_fitted_through_verl(cli, verl_grpo, tmp_path):
     data = _fit(cli, tmp_path, verl_grpo, "--engine", "verl", "--engine-python", VERL_PY, "--nproc", 1)
     _check_boundary(data)
