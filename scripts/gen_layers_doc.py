@@ -13,9 +13,13 @@ says to describe it, so tests/test_docs.py fails until someone does.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the generators' shared part beside them
+
+import generated_docs  # noqa: E402
+from generated_docs import replace_marked  # noqa: E402
 
 try:
     import tomllib
@@ -121,22 +125,18 @@ def generated(text: str, all_contracts: list[dict]) -> str:
 
 def updated(text: str, pyproject: Path = PYPROJECT) -> str:
     """``text`` (docs/architecture.md) with its generated part replaced by what the contracts say now."""
-    start, end = text.find(BEGIN), text.find(END)
-    if start < 0 or end < start:
-        raise SystemExit(f"{ARCHITECTURE_MD}: the markers {BEGIN!r} ... {END!r} are missing")
-    return text[:start] + generated(text, contracts(pyproject)) + text[end + len(END) :]
+    return replace_marked(text, BEGIN, END, generated(text, contracts(pyproject)), page=ARCHITECTURE_MD)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Write docs/architecture.md's layers from the import contracts.")
-    parser.add_argument("--check", action="store_true", help="exit 1 with a diff if the page is out of date")
-    args = parser.parse_args(argv)
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from generated_docs import rewrite
-
-    text = ARCHITECTURE_MD.read_text()
-    command = "python scripts/gen_layers_doc.py"
-    return rewrite(ARCHITECTURE_MD, text, updated(text), check=args.check, source="the contracts", command=command)
+    return generated_docs.main(
+        argv,
+        page=ARCHITECTURE_MD,
+        updated=updated,
+        description="Write docs/architecture.md's layers from the import contracts.",
+        source="the contracts",
+        command="python scripts/gen_layers_doc.py",
+    )
 
 
 if __name__ == "__main__":

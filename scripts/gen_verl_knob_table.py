@@ -11,10 +11,14 @@ tests/trainer/verl_engine/test_knob_reads.py runs the check.
 
 from __future__ import annotations
 
-import difflib
 import json
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the generators' shared part beside them
+
+import generated_docs  # noqa: E402
+from generated_docs import replace_marked  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -63,23 +67,18 @@ def table() -> str:
 
 
 def updated(text: str) -> str:
-    start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
-    return text[:start] + "\n" + table() + "\n" + text[end:]
+    return replace_marked(text, BEGIN, END, f"{BEGIN}\n{table()}\n{END}", page=PAGE)
 
 
-def main(argv: list[str]) -> int:
-    text = PAGE.read_text()
-    new = updated(text)
-    if "--check" in argv:
-        if new != text:
-            sys.stdout.writelines(
-                difflib.unified_diff(text.splitlines(True), new.splitlines(True), "page", "generated")
-            )
-            return 1
-        return 0
-    PAGE.write_text(new)
-    print(f"{PAGE.relative_to(REPO)}: knob table rewritten")
-    return 0
+def main(argv: list[str] | None = None) -> int:
+    return generated_docs.main(
+        argv,
+        page=PAGE,
+        updated=updated,
+        description="Write docs/verl_parity.md's knob table from where verl 0.9.1 reads each key.",
+        source="the knob reads",
+        command="python scripts/gen_verl_knob_table.py",
+    )
 
 
 if __name__ == "__main__":
