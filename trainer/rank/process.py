@@ -121,7 +121,9 @@ def on_sigterm_write(current: dict) -> None:
 
     def handler(signum, _frame):
         state = current["state"]
-        state["error"] = f"stopped by signal {signum} (the launcher ends the other ranks when one fails)"
+        # A rank that already recorded its own failure keeps it (fail_rank blocks SIGTERM; this is the backstop)
+        if state.get("status") == "error" and state.get("error") is None:
+            state["error"] = f"stopped by signal {signum} (the launcher ends the other ranks when one fails)"
         try:
             write_json_atomic(current["rank_file"], state)
         finally:
@@ -132,6 +134,9 @@ def on_sigterm_write(current: dict) -> None:
 
 def fail_rank(exc: BaseException, rank: int, rank_file: Path, state: dict) -> NoReturn:
     """Record a failure in the rank's status file and leave at once (3 for an OOM, 1 else)."""
+    # When two ranks fail together the launcher SIGTERMs this one while it records its own failure: the
+    # handler would replace this rank's error with "stopped by signal". Block the signal; we exit below anyway.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     oom = is_oom_error(exc)
     state["status"] = "oom" if oom else "error"
     state["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"[:500]
