@@ -368,6 +368,12 @@ def test_an_in_run_sweep_measures_each_setting_as_its_own_trial(sweep_study):
     # rising memory: the settings ran in the order of their micro-batches
     micro = [s["knobs"][MICRO] for s in res["settings"]]
     assert micro == sorted(micro), micro
+    # each setting ran on the batches a run of its own gets: the dataloader replayed its order (same prompts)
+    prompts = [
+        [{k: v for k, v in row.items() if k.startswith("ppotune/lengths/prompt/")} for row in s["steps"]]
+        for s in res["settings"]
+    ]
+    assert prompts[0] and all(prompts[0]) and prompts == [prompts[0]] * 3, prompts
 
 
 def test_each_per_step_knob_acts_in_verl(sweep_study):

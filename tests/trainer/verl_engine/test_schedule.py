@@ -41,6 +41,44 @@ def test_a_schedule_runs_each_setting_after_its_warm_up_step():
     assert Schedule.from_json(sched.to_json()) == sched
 
 
+def test_each_setting_replays_the_batches_a_run_of_its_own_gets():
+    """A later setting measured on later batches reads another throughput (the data sets a step's tokens): each
+    setting's steps get the sampler's first batches, then the order goes on past the schedule."""
+    sched = Schedule([Setting({MICRO: 1}, steps=2, warmup=1), Setting({MICRO: 4}, steps=1, warmup=1)])
+    assert sched.replay(20, 2) == [0, 1, 2, 3, 4, 5, 0, 1, 2, 3, *range(10, 20)]
+    assert sched.replay(4, 2) == [0, 1, 2, 3, 0, 1, 0, 1, 2, 3]  # a small dataset: cycled, as more epochs would
+
+
+def test_the_driver_hands_verls_dataloader_the_replayed_order(monkeypatch, tmp_path):
+    """verl's create_rl_sampler wrapped: a seeded sampler's batches for each setting equal a run alone's."""
+    import types
+
+    import torch
+    from torch.utils.data import DataLoader, RandomSampler
+
+    from trainer.verl_engine.plugin import driver
+    from trainer.verl_engine.schedule import LOG_ENV, SWEEP_ENV
+
+    sched = Schedule([Setting({MICRO: 1}, steps=2), Setting({MICRO: 4}, steps=2)])
+    (tmp_path / "sweep.json").write_text(sched.to_json())
+    monkeypatch.setenv(SWEEP_ENV, str(tmp_path / "sweep.json"))
+    monkeypatch.setenv(LOG_ENV, str(tmp_path / "phases.jsonl"))
+    monkeypatch.setattr(driver, "_STATE", None)
+
+    def create_rl_sampler(data_config, dataset):  # verl's, with data.shuffle and data.seed
+        return RandomSampler(dataset, generator=torch.Generator().manual_seed(1))
+
+    utils = types.SimpleNamespace(create_rl_sampler=create_rl_sampler)
+    driver._patch_sampler(utils)
+    driver._patch_sampler(utils)  # idempotent: wrapped once
+    data = list(range(40))
+    config = {"train_batch_size": 4}
+    batches = lambda sampler: [b.tolist() for b in DataLoader(data, batch_size=4, sampler=sampler, drop_last=True)]  # noqa: E731
+    swept, alone = batches(utils.create_rl_sampler(config, data)), batches(create_rl_sampler(config, data))
+    assert swept[:3] == swept[3:6] == alone[:3] and len(swept) == len(alone) == 10
+    assert sorted(x for b in alone for x in b) == data
+
+
 def test_a_run_file_sweeps_only_per_step_knobs(tmp_path):
     run = tmp_path / "run.yaml"
     run.write_text(f"overrides: []\nppotune: {{steps: 3, warmup: 1, sweep: [{{{MICRO}: 1}}, {{{MICRO}: 2}}]}}\n")

@@ -1,5 +1,6 @@
 """The driver side of :mod:`trainer.verl_engine.plugin`: each worker-group call of a pass carries its step and pass
-(and an in-run sweep's current setting) in its batch; each step's metrics row gets what the workers measured."""
+(and an in-run sweep's current setting) in its batch; each step's metrics row gets what the workers measured; in a
+sweep the train dataloader replays its order at each setting."""
 
 from __future__ import annotations
 
@@ -82,8 +83,57 @@ def _patch_tracking(tracking) -> None:
         tracking.Tracking.log = _logging(tracking.Tracking.log)
 
 
+class _Replay:
+    """A sampler that hands out ``base``'s order so that each setting of the sweep starts from its beginning
+    (:meth:`Schedule.replay`); ``base`` draws its order afresh per pass as before (a seeded one draws the same)."""
+
+    def __init__(self, base, schedule: Schedule, batch_size: int) -> None:
+        self.base, self.schedule, self.batch_size = base, schedule, batch_size
+
+    def __iter__(self):
+        order = list(iter(self.base))
+        return iter([order[p] for p in self.schedule.replay(len(order), self.batch_size)])
+
+    def __len__(self) -> int:
+        return len(self.schedule.replay(len(self.base), self.batch_size))
+
+
+def _replaying(original):
+    @functools.wraps(original)
+    def create_rl_sampler(data_config, dataset):
+        sampler = original(data_config, dataset)
+        schedule = _state().schedule
+        if schedule is None or len(schedule.settings) < 2:
+            return sampler
+        batch_size = int(data_config.get("gen_batch_size", None) or data_config.get("train_batch_size"))
+        return _Replay(sampler, schedule, batch_size)
+
+    create_rl_sampler._ppotune = True
+    return create_rl_sampler
+
+
+def _patch_sampler(module) -> None:
+    """verl 0.9.1's ``create_rl_sampler`` (``trainer/ppo/utils.py``), where it is defined and where it is imported
+    by name (the v0 and v1 trainers, v0's entry point): the train dataloader's sampler replays its order per setting."""
+    fn = getattr(module, "create_rl_sampler", None)
+    if fn is not None and not getattr(fn, "_ppotune", False):
+        module.create_rl_sampler = _replaying(fn)
+
+
 #: what :mod:`trainer.verl_engine.plugin` patches in the trainer's process, once each module is imported
-PATCHES = {"verl.single_controller.ray.base": _patch_binding, "verl.utils.tracking": _patch_tracking}
+PATCHES = {
+    "verl.single_controller.ray.base": _patch_binding,
+    "verl.utils.tracking": _patch_tracking,
+    **{
+        name: _patch_sampler
+        for name in (
+            "verl.trainer.ppo.utils",
+            "verl.trainer.ppo.ray_trainer",
+            "verl.trainer.ppo.v1.trainer_base",
+            "verl.trainer.main_ppo_v0",
+        )
+    },
+}
 
 
 def _pass_of(method_name: str) -> Optional[str]:
