@@ -12,11 +12,12 @@ Pure functions (no optuna, no process). The finalists and the baseline are re-ru
 * a round in which a run was measured under load (:attr:`Rerun.loaded`) is marked and not claimed from: it does
   not count toward the cap ``rounds`` and is not in any figure; at most ``rounds`` of them are run again.
 
-The interval (:func:`paired_interval`) is the mean of the log-ratios ± z(0.95) times the larger of two standard
-errors: the one the runs' own 90% intervals imply (each run's measured noise, at least a floor, so one round already
-has an interval) and the one the rounds' scatter shows (two rounds or more). The floor is the larger of
-:data:`RUN_NOISE_FLOOR` and the run-to-run noise the study itself measured (:func:`repeat_noise`: each confirmed
-config's search trial and its re-runs, pooled): a run's steps do not show what differs from one run to the next.
+The interval (:func:`paired_interval`) is the mean of the log-ratios ± the wider of two half-widths: z(0.95) times
+the standard error the runs' own 90% intervals imply (each run's measured noise, at least a floor, so one round
+already has an interval), and Student's t(0.95) on n-1 degrees of freedom times the one the n rounds' scatter shows
+(two rounds or more). The floor is the larger of :data:`RUN_NOISE_FLOOR` and the run-to-run noise the study itself
+measured (:func:`repeat_noise`: each confirmed config's search trial and its re-runs, pooled, widened by t for its
+few degrees of freedom): a run's steps do not show what differs from one run to the next.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Iterable, Mapping, Optional, Sequence
 
 from trainer.contracts import Status
 
-__all__ = ["Z90", "RUN_NOISE_FLOOR", "Rerun", "run_noise", "repeat_noise", "paired_interval", "Race", "race"]
+__all__ = ["Z90", "t90", "RUN_NOISE_FLOOR", "Rerun", "run_noise", "repeat_noise", "paired_interval", "Race", "race"]
 
 #: the standard normal's 95% point: a two-sided 90% interval
 Z90 = 1.6449
@@ -63,10 +64,25 @@ def run_noise(run: Rerun) -> Optional[float]:
     return math.log(ci[1] / ci[0]) / 2.0 / Z90
 
 
-def repeat_noise(groups: Iterable[Sequence[Rerun]]) -> Optional[float]:
-    """The run-to-run noise measured: the pooled standard deviation of log-throughput within ``groups`` (each one
-    config's runs: its search trial and its re-runs), over the ok runs not measured under load; None when no config
-    has two. A search trial picked for being fast reads high, so the estimate errs wide (the safe side)."""
+def t90(dof: int) -> float:
+    """Student's t 95% point on ``dof`` degrees of freedom (a two-sided 90% interval from an estimated noise)."""
+    if dof < 1:
+        raise ValueError("dof must be >= 1")
+    if dof <= len(_T90):
+        return _T90[dof - 1]
+    return Z90 + (Z90**3 + Z90) / (4 * dof)  # Cornish-Fisher's first term: within 0.002 of the table from 30 on
+
+
+#: Student's t 95% point for 1..30 degrees of freedom (the standard table)
+_T90 = (
+    6.3138, 2.9200, 2.3534, 2.1318, 2.0150, 1.9432, 1.8946, 1.8595, 1.8331, 1.8125,
+    1.7959, 1.7823, 1.7709, 1.7613, 1.7531, 1.7459, 1.7396, 1.7341, 1.7291, 1.7247,
+    1.7207, 1.7171, 1.7139, 1.7109, 1.7081, 1.7056, 1.7033, 1.7011, 1.6991, 1.6973,
+)  # fmt: skip
+
+
+def _pooled(groups: Iterable[Sequence[Rerun]]) -> tuple[float, int]:
+    """(sum of squares around each group's mean, degrees of freedom) of the ok, unloaded runs' log-throughput."""
     squares, dof = 0.0, 0
     for runs in groups:
         logs = [math.log(r.throughput) for r in runs if r.ok and not r.loaded]
@@ -74,7 +90,19 @@ def repeat_noise(groups: Iterable[Sequence[Rerun]]) -> Optional[float]:
             mean = statistics.fmean(logs)
             squares += sum((x - mean) ** 2 for x in logs)
             dof += len(logs) - 1
-    return math.sqrt(squares / dof) if dof else None
+    return squares, dof
+
+
+def repeat_noise(groups: Iterable[Sequence[Rerun]], *, widened: bool = False) -> Optional[float]:
+    """The run-to-run noise measured: the pooled standard deviation of log-throughput within ``groups`` (each one
+    config's runs: its search trial and its re-runs), over the ok runs not measured under load; None when no config
+    has two. A search trial picked for being fast reads high, so the estimate errs wide (the safe side).
+    ``widened``: times ``t90(dof) / Z90``, so that a z interval on it is Student's t interval: after one round the
+    estimate rests on a few degrees of freedom and too often reads low."""
+    squares, dof = _pooled(groups)
+    if not dof:
+        return None
+    return math.sqrt(squares / dof) * (t90(dof) / Z90 if widened else 1.0)
 
 
 def paired_interval(
@@ -94,8 +122,8 @@ def paired_interval(
         return max(noise_floor, 0.0 if s is None else s) ** 2
 
     measured = sum(var(a) + var(b) for a, b in pairs) / n / n  # the variance of the mean the runs' noise implies
-    scatter = statistics.variance(logs) / n if n >= 2 else 0.0
-    mean, half = statistics.fmean(logs), Z90 * math.sqrt(max(measured, scatter))
+    scatter = t90(n - 1) * math.sqrt(statistics.variance(logs) / n) if n >= 2 else 0.0
+    mean, half = statistics.fmean(logs), max(Z90 * math.sqrt(measured), scatter)
     return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
 
 
@@ -176,9 +204,10 @@ def race(
 
 
 def _floor(runs: Mapping, searched: Mapping, who: Sequence, rounds: int, noise_floor: float) -> float:
-    """``noise_floor``, or the run-to-run noise of the search trials and the first ``rounds`` re-runs if larger."""
+    """``noise_floor``, or the run-to-run noise of the search trials and the first ``rounds`` re-runs if larger
+    (widened for its degrees of freedom: :func:`repeat_noise`)."""
     groups = [[*([searched[n]] if n in searched else []), *(runs.get(n) or ())[:rounds]] for n in who if n is not None]
-    measured = repeat_noise(groups)
+    measured = repeat_noise(groups, widened=True)
     return noise_floor if measured is None else max(noise_floor, measured)
 
 

@@ -398,7 +398,8 @@ def test_the_confirmation_stage_runs_on_its_own_over_a_finished_study(setup):
 
 def test_the_stage_takes_the_run_to_run_noise_of_the_search_trials_and_their_re_runs(setup):
     """Each config recorded twice, 30% apart: the stored ``run_noise`` is the pooled scatter of the finalists' and
-    the baseline's search trials with their re-runs (tuner.rules.race.repeat_noise), above the floor."""
+    the baseline's search trials with their re-runs (tuner.rules.race.repeat_noise), widened by Student's t for its
+    degrees of freedom, above the floor."""
     from tuner.search.confirmation import ConfirmationStage
 
     space, _, flat = setup
@@ -426,7 +427,8 @@ def test_the_stage_takes_the_run_to_run_noise_of_the_search_trials_and_their_re_
         for n in members
     ]
     assert all(len(g) == 2 for g in groups)
-    assert conf["run_noise"] == pytest.approx(repeat_noise(groups), abs=1e-6) and conf["run_noise"] > RUN_NOISE_FLOOR
+    noise = repeat_noise(groups, widened=True)
+    assert conf["run_noise"] == pytest.approx(noise, abs=1e-6) and conf["run_noise"] > RUN_NOISE_FLOOR
 
 
 def test_the_searchs_pick_and_headroom_decide_what_is_confirmed_and_probed(setup):

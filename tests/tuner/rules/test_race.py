@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tuner.rules import finalists as confirm
-from tuner.rules.race import RUN_NOISE_FLOOR, Rerun, paired_interval, race, repeat_noise, run_noise
+from tuner.rules.race import RUN_NOISE_FLOOR, Rerun, paired_interval, race, repeat_noise, run_noise, t90
 
 
 def ok(number: int, thr: float, ci=None, *, loaded: bool = False) -> Rerun:
@@ -24,13 +24,15 @@ def test_one_round_has_an_interval_from_the_runs_own_noise():
 
 
 def test_more_rounds_take_the_larger_of_the_runs_noise_and_the_rounds_scatter():
-    # no interval of their own: the floor, 0.05 each, so sd of the mean sqrt(4 x 0.0025 / 4) = 0.05;
-    # the rounds' logs 0.18232 and 0.26236 scatter less (sd of the mean 0.0400): the runs' noise decides
-    close = [(ok(1, 120.0), ok(2, 100.0)), (ok(3, 130.0), ok(4, 100.0))]
-    assert paired_interval(close, noise_floor=0.05) == pytest.approx((1.248999, 1.150386, 1.356066), abs=1e-6)
-    # logs 0.405465 and 0: their scatter (sd of the mean 0.202733) is larger and decides
+    # no interval of their own: the floor, 0.05 each, so sd of the mean sqrt(8 x 0.0025 / 16) = 0.035355, half
+    # 1.6449 x 0.035355 = 0.058156; four rounds' logs (mean 0.202833) scatter less: sd of the mean 0.008498, half
+    # t90(3) x 0.008498 = 0.019999. The runs' noise decides
+    close = [(ok(2 * k + 1, thr), ok(2 * k + 2, 100.0)) for k, thr in enumerate((120.0, 125.0, 122.0, 123.0))]
+    assert paired_interval(close, noise_floor=0.05) == pytest.approx((1.224867, 1.155666, 1.298213), abs=1e-6)
+    # logs 0.405465 and 0: their scatter (sd of the mean 0.202733) is larger and decides, on Student's t for its one
+    # degree of freedom: half 6.3138 x 0.202733 = 1.280016 around 0.202733
     apart = [(ok(1, 150.0), ok(2, 100.0)), (ok(3, 100.0), ok(4, 100.0))]
-    assert paired_interval(apart, noise_floor=0.05) == pytest.approx((1.224745, 0.877444, 1.709511), abs=1e-6)
+    assert paired_interval(apart, noise_floor=0.05) == pytest.approx((1.224745, 0.340520, 4.405022), abs=1e-6)
     # a pair with a failed run is no pair; none at all: no interval
     assert paired_interval([(Rerun(1, "oom"), ok(2, 100.0))]) is None and paired_interval([]) is None
 
@@ -42,20 +44,32 @@ def test_the_run_to_run_noise_is_pooled_over_the_configs_run_more_than_once():
     # one run each, a failed run, a run under load (its scatter is the load's): nothing measured
     assert repeat_noise([[ok(0, 100.0)], [Rerun(1, "oom"), ok(2, 100.0)]]) is None
     assert repeat_noise([[ok(0, 100.0), ok(1, 150.0, loaded=True)]]) is None
+    # widened for its 2 degrees of freedom: times t90(2) / z = 2.9200 / 1.6449
+    widened = repeat_noise([[ok(0, 100.0), ok(1, 110.0)], [ok(2, 200.0), ok(3, 180.0)]], widened=True)
+    assert widened == pytest.approx(0.071037 * 2.9200 / 1.6449, 1e-4)
+
+
+def test_t90_is_students_t_95_percent_point():
+    assert [t90(d) for d in (1, 2, 3, 10, 30)] == [6.3138, 2.92, 2.3534, 1.8125, 1.6973]
+    assert t90(60) == pytest.approx(1.6706, abs=2e-3) and t90(10_000) == pytest.approx(1.6449, abs=1e-3)
+    assert all(t90(d) > t90(d + 1) for d in range(1, 100))
+    with pytest.raises(ValueError):
+        t90(0)
 
 
 def test_the_interval_carries_the_run_to_run_noise_the_search_trials_and_rounds_show():
     # each run's own interval is narrow (under the floor); the finalist's search trial read 180, its re-run 150,
-    # the baseline 100 both times: pooled sqrt((ln(1.2)^2 / 2 + 0) / 2) = 0.091161, above the floor
+    # the baseline 100 both times: pooled sqrt((ln(1.2)^2 / 2 + 0) / 2) = 0.091161 on 2 degrees of freedom, widened
+    # by t/z = 2.9200 / 1.6449 to 0.161827, above the floor
     runs = {1: [ok(10, 150.0, (148.0, 152.0))], 0: [ok(11, 100.0, (99.0, 101.0))]}
     searched = {1: ok(1, 180.0), 0: ok(0, 100.0)}
     assert race(runs, finalists=[1], baseline=0, rounds=1).noise == RUN_NOISE_FLOOR  # no search trials: the floor
     state = race(runs, finalists=[1], baseline=0, rounds=1, searched=searched)
-    assert state.noise == pytest.approx(0.091161, abs=1e-6) and state.done and state.separated
-    # the ratio's sd sqrt(2) x 0.091161 = 0.128921, half 1.6449 x 0.128921 = 0.212063 around ln 1.5
+    assert state.noise == pytest.approx(0.161827, abs=1e-6) and state.done and state.separated
+    # the ratio's sd sqrt(2) x 0.161827 = 0.228857, half 1.6449 x 0.228857 = 0.376447 around ln 1.5
     conf = confirm.aggregate(baseline=0, finalists=[1], rounds=1, headroom=0.1, runs=runs, searched=searched)
-    assert conf["run_noise"] == pytest.approx(0.091161, abs=1e-6)
-    assert conf["finalists"][0]["ratio_ci"] == pytest.approx([1.213372, 1.854336], abs=1e-6)
+    assert conf["run_noise"] == pytest.approx(0.161827, abs=1e-6)
+    assert conf["finalists"][0]["ratio_ci"] == pytest.approx([1.029441, 2.185651], abs=1e-6)
     # without the search trials: the floor 0.045 for both runs, half 1.6449 x 0.063640 = 0.104682
     conf = confirm.aggregate(baseline=0, finalists=[1], rounds=1, headroom=0.1, runs=runs)
     assert conf["run_noise"] == RUN_NOISE_FLOOR
