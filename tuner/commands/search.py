@@ -319,8 +319,9 @@ def _dry_run(args: argparse.Namespace, inputs: _Inputs, device: dict, spec) -> i
         trials, state = existing_trials(spec, name, _attrs(args, inputs, device))
     except (ValueError, StorageError) as e:
         return _fail(str(e))
+    sweep = inputs.verl.sweep_settings if inputs.verl is not None else 1
     lines = plan.plan_lines(
-        args, inputs.options, inputs.space, inputs.trial_flat, device["kind"], trials, state, name, spec
+        args, inputs.options, inputs.space, inputs.trial_flat, device["kind"], trials, state, name, spec, sweep=sweep
     )
     for line in lines:
         print(f"ppotune search: {line}", flush=True)

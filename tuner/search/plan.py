@@ -102,10 +102,19 @@ def measured_durations(trials: Iterable) -> list[float]:
 
 
 def estimate(
-    runs: Runs, *, parallel: int, device: str, steps: int, durations: Optional[list] = None, engine: str = "ppotune"
+    runs: Runs,
+    *,
+    parallel: int,
+    device: str,
+    steps: int,
+    durations: Optional[list] = None,
+    engine: str = "ppotune",
+    sweep: int = 1,
 ) -> Estimate:
     """The wall time of ``runs``: the search's trials ``parallel`` at a time, the re-runs and probes one at a time
-    (the confirmation interleaves them; a probe counted as one trial)."""
+    (the confirmation interleaves them; a probe counted as one trial). ``sweep``: the settings one verl run may
+    measure (in-run sweeps, :mod:`tuner.trials.sweep`): a swept trial's measured duration is its share of the run,
+    the guess says how low a trial may go (verl's start-up shared by ``sweep`` settings)."""
     if durations:
         per, measured = statistics.median(durations), True
         basis = f"median {per:.0f} s per run over {len(durations)} runs"
@@ -113,9 +122,18 @@ def estimate(
         starts = VERL_STARTUP_GUESS_S if engine == "verl" else STARTUP_GUESS_S
         start, step = starts.get(device, 60.0), STEP_GUESS_S.get(device, 5.0)
         per, measured = start + steps * step, False
+        if engine != "verl":
+            how = "; warm trials start faster"
+        elif sweep > 1:
+            low = start / sweep + steps * step
+            how = (
+                f" (verl: a run per trial; in-run sweeps of up to {sweep} settings share a start-up among configs "
+                f"that differ only in per-step knobs: as low as ~{low:.0f} s a trial)"
+            )
+        else:
+            how = " (verl: every trial starts verl)"
         basis = (
-            f"~{start:g} s start-up + {steps} steps x ~{step:g} s per run on {device}"
-            f"{' (verl: every trial starts verl)' if engine == 'verl' else '; warm trials start faster'}, "
+            f"~{start:g} s start-up + {steps} steps x ~{step:g} s per run on {device}{how}, "
             "real models step slower; --dry-run on the study after a few trials measures it"
         )
     seconds = per * (-(-runs.trials // max(1, parallel)) + runs.reruns + runs.probes)
@@ -127,13 +145,18 @@ def done_of(trials: Iterable) -> int:
     return count_progress(trials)
 
 
-def plan_lines(args, options, space, flat: dict, device: str, trials: list, state: str, name: str, spec) -> list[str]:
-    """``--dry-run``'s lines: the study, the space, the trials, the runs and the estimate."""
+def plan_lines(
+    args, options, space, flat: dict, device: str, trials: list, state: str, name: str, spec, *, sweep: int = 1
+) -> list[str]:
+    """``--dry-run``'s lines: the study, the space, the trials, the runs and the estimate (``sweep``: the settings
+    one verl run may measure)."""
     o = options
     runs = runs_of(trials=o.trials, done=done_of(trials), confirm=o.confirm, probe=o.probe, finalists=o.finalists)
     engine = getattr(args, "engine", "ppotune")
     durations = measured_durations(trials)
-    est = estimate(runs, parallel=o.parallel, device=device, steps=args.steps, durations=durations, engine=engine)
+    est = estimate(
+        runs, parallel=o.parallel, device=device, steps=args.steps, durations=durations, engine=engine, sweep=sweep
+    )
     size = space.size(flat)
     fixed = ", ".join(f"{k}={v!r}" for k, v in space.fixed.items()) or "none"
     lines = [
@@ -150,6 +173,12 @@ def plan_lines(args, options, space, flat: dict, device: str, trials: list, stat
         f"= {runs.total} runs at most",
         est.line(),
     ]
+    if sweep > 1:  # a verl run records every setting it measured, the last launch's too
+        lines.insert(
+            -1,
+            f"in-run sweeps: up to {sweep} settings a verl run (ppotune.sweep_settings), each its own trial; the "
+            f"last run may record up to {sweep - 1} trials past --trials {o.trials}",
+        )
     if args.timeout is not None:
         lines.append(f"--timeout {args.timeout:g} s caps it: no new run starts after that")
     return lines

@@ -46,6 +46,10 @@ def test_space_check_search_and_dry_run_read_the_preset_alike(cli, preset_run):
     )  # fmt: skip
     assert dry.returncode == 0, dry.stdout + dry.stderr
     assert not (preset_run.parent / "dry" / "study.db").exists()  # nothing launched or written
+    # in-run sweeps (the run file's default sweep_settings) share verl's start-up: the estimate and the runs say so
+    sweep = load_run(preset_run).sweep_settings
+    assert sweep > 1 and f"in-run sweeps: up to {sweep} settings a verl run" in dry.stdout
+    assert f"up to {sweep - 1} trials past --trials 2" in dry.stdout and "as low as ~" in dry.stdout
     # what a trial runs is the same base: the engine's overrides are the run file's (export writes them)
     assert list(engine.base_overrides) == load_run(preset_run).overrides
 
