@@ -10,8 +10,8 @@ worker-group call of its pass, and tags each step's metrics with the setting. A 
 (the step after a change is a warm-up, as the run's first).
 
 Each setting runs on the batches a run of its own would: the plugin replays the dataloader's order from its start at
-each setting (:meth:`Schedule.replay`). The data sets a step's tokens and so its throughput (the preset's prompt
-lengths are Pareto-skewed): a later setting measured on later batches read 0.90x its run alone.
+each setting (:meth:`Schedule.replay`): the data sets a step's tokens and so its throughput, and a later setting
+measured on later batches reads unlike its run alone (benchmarks/README.md, "verl in-run sweeps").
 """
 
 from __future__ import annotations
