@@ -25,6 +25,7 @@ __all__ = [
     "phase_table",
     "rss_gb",
     "rss_now_gb",
+    "reset_rss_peak",
     "vm_data_bytes",
 ]
 
@@ -141,7 +142,8 @@ def vm_data_bytes() -> int | None:
     return _read_status("VmData")
 
 
-def _reset_rss_peak() -> None:
+def reset_rss_peak() -> None:
+    """Reset this process's resident-memory high-water mark (VmHWM) to its resident memory now."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -315,7 +317,7 @@ class PhaseMeter:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         else:
-            _reset_rss_peak()
+            reset_rss_peak()
         t0 = time.perf_counter()
         with torch.profiler.record_function(_PHASE_MARK + name) if self.profiling else contextlib.nullcontext():
             yield
