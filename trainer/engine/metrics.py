@@ -25,7 +25,6 @@ __all__ = [
     "phase_table",
     "rss_gb",
     "rss_now_gb",
-    "reset_rss_peak",
     "vm_data_bytes",
 ]
 
@@ -142,8 +141,7 @@ def vm_data_bytes() -> int | None:
     return _read_status("VmData")
 
 
-def reset_rss_peak() -> None:
-    """Reset this process's resident-memory high-water mark (VmHWM) to its resident memory now."""
+def _reset_rss_peak() -> None:
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -317,7 +315,7 @@ class PhaseMeter:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         else:
-            reset_rss_peak()
+            _reset_rss_peak()
         t0 = time.perf_counter()
         with torch.profiler.record_function(_PHASE_MARK + name) if self.profiling else contextlib.nullcontext():
             yield

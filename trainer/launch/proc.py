@@ -22,7 +22,6 @@ __all__ = [
     "with_pythonpath",
     "usable_cpus",
     "quota_cpus",
-    "malloc_trim",
     "PR_SET_PDEATHSIG",
     "PR_SET_CHILD_SUBREAPER",
 ]
@@ -172,11 +171,3 @@ def leave_rank() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
-
-
-def malloc_trim() -> None:
-    """Hand the free memory glibc's malloc still holds back to the OS (``malloc_trim(0)``); no-op elsewhere."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass

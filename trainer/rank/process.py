@@ -5,7 +5,7 @@
 ran, :func:`on_sigterm_write` and :func:`fail_rank` what it says when the rank is stopped or fails. An OOM anywhere
 is caught, recorded, and the rank exits at once (code 3): its peers, blocked in a collective, are then ended
 by the launcher, which reads the files. The host-memory bookkeeping a trial counts from
-(:class:`MemoryLevel`; :func:`trainer.launch.proc.malloc_trim`) and its cap (:func:`apply_memory_limit`) live here too.
+(:class:`MemoryLevel`, :func:`malloc_trim`) and its cap (:func:`apply_memory_limit`) live here too.
 
 torch is imported inside the functions: a rank's entry (trainer/rank/run.py, trainer/rank/serve.py) sets its
 signal handling before the slow import, so a failure while importing is recorded like any other.
@@ -33,6 +33,7 @@ __all__ = [
     "start_rank",
     "RankProcess",
     "MemoryLevel",
+    "malloc_trim",
     "apply_memory_limit",
     "fail_rank",
     "new_state",
@@ -147,6 +148,16 @@ def fail_rank(exc: BaseException, rank: int, rank_file: Path, state: dict) -> No
     print(f"[rank {rank}] {state['status']} in phase {state['phase']}: {state['error']}", file=sys.stderr, flush=True)
     # Peers may be blocked in a collective: leave now, the launcher ends them.
     os._exit(ExitCode.OOM if oom else ExitCode.ERROR)
+
+
+def malloc_trim() -> None:
+    """Hand the free memory glibc's malloc still holds back to the OS (``malloc_trim(0)``); no-op elsewhere."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def _malloc_free_bytes() -> int:

@@ -40,8 +40,8 @@ import time
 from pathlib import Path
 
 from trainer.launch.jobdir import JobDir
-from trainer.launch.proc import die_with_parent, leave_rank, malloc_trim, write_json_atomic
-from trainer.rank.process import MemoryLevel, fail_rank, new_state, on_sigterm_write, start_rank
+from trainer.launch.proc import die_with_parent, leave_rank, write_json_atomic
+from trainer.rank.process import MemoryLevel, fail_rank, malloc_trim, new_state, on_sigterm_write, start_rank
 from trainer.rank.trial import run_trial
 
 __all__ = ["serve_main", "WeightCache"]
@@ -112,7 +112,7 @@ def release(device) -> float:
 
     import torch
 
-    from trainer.engine.metrics import reset_rss_peak
+    from trainer.engine.metrics import _reset_rss_peak
 
     gc.collect()  # FSDP's modules and hooks hold cycles
     # what outlives a trial (modules, caches, the kept weights) is not looked at again: the next trial's
@@ -130,7 +130,7 @@ def release(device) -> float:
         torch.cuda.reset_accumulated_memory_stats(device)
         left = torch.cuda.memory_allocated(device) / 2**30
     malloc_trim()
-    reset_rss_peak()
+    _reset_rss_peak()
     return left
 
 

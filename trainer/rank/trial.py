@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from trainer.contracts import PHASES
-from trainer.launch.proc import malloc_trim, write_json_atomic
-from trainer.rank.process import MemoryLevel, RankProcess, apply_memory_limit
+from trainer.launch.proc import write_json_atomic
+from trainer.rank.process import MemoryLevel, RankProcess, apply_memory_limit, malloc_trim
 
 __all__ = ["run_trial", "rows_of_rank", "MAX_LENGTHS_KEPT"]
 

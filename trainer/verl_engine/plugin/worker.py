@@ -10,8 +10,6 @@ from typing import Any, Optional
 
 import torch
 
-from trainer.engine.metrics import reset_rss_peak, rss_gb
-from trainer.launch.proc import malloc_trim
 from trainer.verl_engine.schedule import CALL_KEY, LOG_ENV
 
 GIB = float(1 << 30)
@@ -108,13 +106,21 @@ def _reset_peak() -> None:
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
         return
-    # the high-water mark resets to the resident memory, not below it: the free heap glibc still holds from an
-    # earlier call (a sweep's earlier setting) would be read as this call's, so it is handed back first
-    malloc_trim()
-    reset_rss_peak()
+    try:  # "5" resets the resident-memory high-water mark (VmHWM) to the current RSS
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
 
 
 def _peak_gb() -> Optional[float]:
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated() / GIB
-    return rss_gb()
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024 / GIB
+    except OSError:
+        pass
+    return None
