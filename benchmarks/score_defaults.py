@@ -18,17 +18,20 @@ shipped one (what the family chooses between).
 
     python benchmarks/score_defaults.py --data benchmarks/data/grid_tiny_cpu.jsonl ... --seed-sets 9100 9200
     python benchmarks/score_defaults.py --family 24 --seeds 3 --seed-sets 1000 [--fit-on DATA ...] [--rounds 2]
+    python benchmarks/score_defaults.py ... --json A.json; ... --json B.json; --compare A.json B.json  # paired
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -55,9 +58,10 @@ class Scores:
     unsettled: int = 0  # replays that stopped with budget left and a config neither measured nor ruled out
     early: int = 0  # replays that stopped on their own before the budget (every config measured or ruled out)
     reruns: list = field(default_factory=list)  # the confirmation's rounds at the claim
+    replays: list = field(default_factory=list)  # per replay: {"grid", "seed", "ours", "alone"} (--json)
 
 
-def score_grid(rec: replay.Recording, seeds: range, a: argparse.Namespace, out: Scores) -> None:
+def score_grid(rec: replay.Recording, seeds: range, a: argparse.Namespace, out: Scores, grid: str = "") -> None:
     """Replay the default and random over ``seeds`` on ``rec``; add to ``out``."""
     truth, grid_s = rec.truth(), rec.grid_s()
     best, n = max(truth.values()), len(rec.table)
@@ -69,6 +73,7 @@ def score_grid(rec: replay.Recording, seeds: range, a: argparse.Namespace, out: 
         curve = replay.confirmed_curve(run, rec, seed, **how)
         out.ours.append(replay.confirmed_seconds_to(curve, truth, replay.TARGET * best) / grid_s)
         out.alone.append(replay.seconds_to(run, truth, replay.TARGET * best) / grid_s)
+        out.replays.append({"grid": grid, "seed": seed, "ours": _finite(out.ours[-1]), "alone": _finite(out.alone[-1])})
         claim = next((c for total, c in reversed(curve) if total <= a.claim_at * grid_s), None)
         if claim is not None:
             got = replay.covers(claim, truth, rec)
@@ -83,6 +88,27 @@ def score_grid(rec: replay.Recording, seeds: range, a: argparse.Namespace, out: 
         if not a.no_random:
             rnd = replay.run_search("random", seed, rec, **kw)
             out.random.append(replay.seconds_to(rnd, truth, replay.TARGET * best) / grid_s)
+
+
+def _finite(x: float) -> Optional[float]:
+    """A share for JSON: None where the replay never got there."""
+    return x if math.isfinite(x) else None
+
+
+def paired(a: list, b: list, key: str = "ours") -> dict:
+    """Two settings' replays of the same (grid, seed), compared pair by pair: how often each reached 97% with fewer
+    of the grid's seconds, the median of the differences (b - a; a replay that never got there counts as the
+    worst), and a two-sided sign test's p-value. Medians over different seeds do not separate settings whose
+    replays scatter as these do; pairs share the grid and the seed."""
+    by = {(r["grid"], r["seed"]): r[key] for r in a}
+    pairs = [(by[(r["grid"], r["seed"])], r[key]) for r in b if (r["grid"], r["seed"]) in by]
+    worst = 1.0 + max([x for p in pairs for x in p if x is not None] or [0.0])
+    diffs = [(y if y is not None else worst) - (x if x is not None else worst) for x, y in pairs]
+    a_better, b_better = sum(d > 0 for d in diffs), sum(d < 0 for d in diffs)
+    n, k = a_better + b_better, min(a_better, b_better)
+    p = min(1.0, 2.0 * sum(math.comb(n, i) for i in range(k + 1)) / 2.0**n) if n else 1.0
+    return {"pairs": len(pairs), "a_better": a_better, "b_better": b_better, "ties": len(diffs) - n,
+            "median_diff": statistics.median(diffs) if diffs else math.nan, "p": p}  # fmt: skip
 
 
 def _share(x: float, cap: float) -> str:
@@ -133,25 +159,42 @@ def main() -> int:
     ap.add_argument("--startup", type=int, help="TPE's random start-up trials (default: the search's rule)")
     ap.add_argument("--local-every", type=int, default=2)
     ap.add_argument("--no-random", action="store_true", help="leave random search out (the family's choices)")
+    ap.add_argument("--json", type=Path, help="write every replay's shares here (for --compare)")
+    ap.add_argument("--compare", nargs=2, type=Path, metavar=("A", "B"), help="pair two --json files' replays and stop")
     a = ap.parse_args()
+    if a.compare:
+        first, second = (json.loads(f.read_text()) for f in a.compare)
+        for key in ("ours", "alone"):
+            c = paired(first, second, key)
+            print(
+                f"{key}: {c['pairs']} pairs; {a.compare[0].name} fewer seconds in {c['a_better']}, "
+                f"{a.compare[1].name} in {c['b_better']}, ties {c['ties']}; median difference (B - A) "
+                f"{c['median_diff']:+.1%} of the grid; sign test p = {c['p']:.3f}"
+            )
+        return 0
     t0 = time.monotonic()
+    replays: list = []
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     print(HEAD)
     for first in a.seed_sets:
         seeds = range(first, first + a.seeds)
         for data in a.data:
             s = Scores()
-            score_grid(replay.from_jsonl(Path(data)), seeds, a, s)
+            score_grid(replay.from_jsonl(Path(data)), seeds, a, s, grid=Path(data).stem)
+            replays += s.replays
             print(line(f"{Path(data).stem}, {first}-{first + a.seeds - 1}", s, a.cap), flush=True)
         if a.family:
             family = fit_family([replay.from_jsonl(Path(d)) for d in a.fit_on]) if a.fit_on else Family()
             s = Scores()
             for index in range(a.family_first, a.family_first + a.family):
-                score_grid(simulate(index, family), seeds, a, s)
+                score_grid(simulate(index, family), seeds, a, s, grid=f"family-{index}")
+            replays += s.replays
             label = f"family of {a.family} simulated grids, seeds {first}-{first + a.seeds - 1} each"
             print(line(label, s, a.cap), flush=True)
             if s.reruns:
                 print(f"  rounds at the claim: mean {statistics.mean(s.reruns):.2f}", flush=True)
+    if a.json:
+        a.json.write_text(json.dumps(replays))
     settings = f"--rounds {a.rounds} --finalists {a.finalists} --noise {a.noise} --local-every {a.local_every}"
     settings += " --own-noise-only" if a.own_noise_only else ""
     print(f"({settings} --startup {a.startup} --cap {a.cap} --claim-at {a.claim_at}; {time.monotonic() - t0:.0f} s)")
