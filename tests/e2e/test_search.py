@@ -1,5 +1,5 @@
 """``ppotune search`` end to end: REAL trials (``ppotune train`` on the tiny preset, 2 CPU
-processes, --steps 2 --warmup 1). Nothing stands in for the trainer or for Optuna.
+processes, --steps 2, the shared study 3, --warmup 1). Nothing stands in for the trainer or for Optuna.
 
 One study is shared by many assertions (module fixture): the baseline, a real distributed
 hang (``ppotune.fault=hang``), a real OOM (``--memory-limit-gb 0.25``: a 1024-wide model
@@ -43,6 +43,7 @@ knobs:
   {FAULT}: {{type: categorical, choices: [none, crash, hang], memory: none}}
 """
 BASELINE = {HIDDEN: 64, MICRO: 2, FAULT: "none"}
+SHARED_STEPS = 3  # the shared study's --steps (see the fixture)
 # for tests whose later trials the sampler picks: nothing slow (a fault, a wide model) to stumble on
 SAFE_SPACE = f"""
 knobs:
@@ -66,13 +67,13 @@ def values(t) -> dict:
     return from_params(t.params)
 
 
-def common(d: Path, space: Path, *extra) -> list:
+def common(d: Path, space: Path, *extra, steps: int = 2) -> list:
     return [
         TINY_BASE,
         "--space",
         space,
         "--steps",
-        2,
+        steps,
         "--warmup",
         1,
         "--out",
@@ -107,7 +108,9 @@ def shared(tmp_path_factory, cli):
     d = tmp_path_factory.mktemp("shared")
     space = d / "space.yaml"
     space.write_text(SPACE)
-    args = common(d, space, "--memory-limit-gb", 0.25)
+    # 3 steps: the baseline (its job's first trial, whose first step is a warm-up) measures 2, so it has an interval
+    # and a challenger within its noise is a finalist: the confirmation runs (tuner.rules.finalists.within_noise)
+    args = common(d, space, "--memory-limit-gb", 0.25, steps=SHARED_STEPS)
     storage = f"sqlite:///{d / 'out' / 'study.db'}"
     runs = []
     t0 = time.monotonic()
@@ -297,7 +300,7 @@ def test_trial_files_follow_the_contract(shared):
     assert Path(ok.user_attrs["result_path"]) == d / "result.json"
     cfg = load_config(d / "config.yaml")
     assert cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu == values(ok)[MICRO]
-    assert cfg.trainer.n_gpus_per_node == 2 and cfg.trainer.total_training_steps == 2
+    assert cfg.trainer.n_gpus_per_node == 2 and cfg.trainer.total_training_steps == SHARED_STEPS
     assert cfg.ppotune.memory_limit_gb == 0.25
     # the trial command carries only the (complete) config and the result path: parsed once
     first = (d / "train.log").read_text().splitlines()[0]
@@ -340,7 +343,7 @@ def test_trials_run_warm_and_a_fault_ends_their_job(shared):
 def test_study_attrs_follow_the_contract(shared):
     ua = shared.study.user_attrs
     assert ua["ppotune_schema"] == 1
-    assert ua["nproc"] == 2 and ua["steps"] == 2 and ua["warmup"] == 1
+    assert ua["nproc"] == 2 and ua["steps"] == SHARED_STEPS and ua["warmup"] == 1
     assert ua["memory_limit_gb"] == 0.25
     assert ua["device"]["kind"] == "cpu" and ua["device"]["memory_total_gb"] > 0
     assert ua["base_config"]["trainer"]["n_gpus_per_node"] == 2
@@ -359,7 +362,9 @@ def test_one_plain_line_per_finished_trial(shared):
 
 def test_resume_refuses_a_different_setup(shared, cli):
     r = cli(
-        "search", *common(shared.dir, shared.dir / "space.yaml", "--memory-limit-gb", 0.25), "--trials", 7, "--nproc", 1
+        "search",
+        *common(shared.dir, shared.dir / "space.yaml", "--memory-limit-gb", 0.25, steps=SHARED_STEPS),
+        *("--trials", 7, "--nproc", 1),
     )
     assert r.returncode == 2
     assert "nproc=2" in r.stderr and len(r.stderr.strip().splitlines()) == 1
