@@ -404,6 +404,11 @@ def median(xs: list) -> float:
     return statistics.median(xs) if xs else math.nan
 
 
+def fair_binomial_cdf(n: int, k: int) -> float:
+    """P(Binomial(n, 1/2) <= k): the median interval's order statistics and the paired sign test both rest on it."""
+    return sum(math.comb(n, i) for i in range(k + 1)) / 2.0**n
+
+
 def median_interval(xs: list, coverage: float = 0.90) -> tuple[float, float]:
     """A distribution-free interval for the median over seeds: the order statistics x_(k) and x_(n+1-k) for
     the largest k with P(Binomial(n, 1/2) < k) <= (1 - coverage) / 2 (inf values allowed: a seed that never
@@ -411,10 +416,7 @@ def median_interval(xs: list, coverage: float = 0.90) -> tuple[float, float]:
     v, n = sorted(xs), len(xs)
     if n == 0:
         return math.nan, math.nan
-    tail, k, cdf = (1.0 - coverage) / 2.0, 0, 0.0
-    while k < n // 2:
-        cdf += math.comb(n, k) / 2.0**n  # P(Binomial < k + 1)
-        if cdf > tail:
-            break
+    tail, k = (1.0 - coverage) / 2.0, 0
+    while k < n // 2 and fair_binomial_cdf(n, k) <= tail:  # P(Binomial < k + 1)
         k += 1
     return (v[0], v[-1]) if k == 0 else (v[k - 1], v[n - k])

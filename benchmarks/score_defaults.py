@@ -106,7 +106,7 @@ def paired(a: list, b: list, key: str = "ours") -> dict:
     diffs = [(y if y is not None else worst) - (x if x is not None else worst) for x, y in pairs]
     a_better, b_better = sum(d > 0 for d in diffs), sum(d < 0 for d in diffs)
     n, k = a_better + b_better, min(a_better, b_better)
-    p = min(1.0, 2.0 * sum(math.comb(n, i) for i in range(k + 1)) / 2.0**n) if n else 1.0
+    p = min(1.0, 2.0 * replay.fair_binomial_cdf(n, k)) if n else 1.0
     return {"pairs": len(pairs), "a_better": a_better, "b_better": b_better, "ties": len(diffs) - n,
             "median_diff": statistics.median(diffs) if diffs else math.nan, "p": p}  # fmt: skip
 
