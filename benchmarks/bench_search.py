@@ -21,8 +21,9 @@ The baseline trial is left out, so every trial is the sampler's own choice. Thre
   re-run a recorded repeat at random; the re-runs' seconds count in the budget (the search stops earlier to leave
   room).
 
-What the local steps and the speed hints add, on request: ``--samplers ours-nolocal`` (``--local-every 0``: TPE
-with the search's rejections, no local step) and ``--no-speed-hints`` (the space's ``speed`` hints left out).
+What the local steps and the speed hints add, on request: ``--samplers ours-nolocal`` (``--local-every 0
+--no-corner``: TPE with the search's rejections, no local step, no walk from the hints' corner) and
+``--no-speed-hints`` (the space's ``speed`` hints left out).
 
 For each, over ``--seeds`` seeds: the true quality of the config the search would pick (the best measured so far
 by the search's own rule, ``tuner.rules.candidates.measured_score``; its true value is the median of its recorded

@@ -42,6 +42,7 @@ from tuner.search.policy import build_sampler  # noqa: E402
 from tuner.search.session import TrialEvent, TrialSession  # noqa: E402
 from tuner.space import Space, base_flat_config, load_space, space_from_dict  # noqa: E402
 from tuner.study.lifecycle import StudyLock  # noqa: E402
+from tuner.study.opening import enqueue_first_trials  # noqa: E402
 from tuner.study.storage import open_storage  # noqa: E402
 from tuner.trials.runners import Recorded, ReplayRunner  # noqa: E402
 
@@ -70,6 +71,14 @@ class Recording:
     def grid_s(self) -> float:
         """What one launch of every config costs: the grid's trial-seconds."""
         return sum(statistics.mean(r.duration_s for r in rs) for rs in self.table.values())
+
+    def runner_table(self) -> dict:
+        """The replay runner's table: :attr:`table`, and the search's baseline trial (the base config as it is, no
+        override) answered by the grid's config with the base config's knob values where a grid holds no run of the
+        base config as it is (its derived keys may differ)."""
+        table = dict(self.table)
+        table.setdefault(self.space.identity(self.flat), self.table[self.baseline()])
+        return table
 
     def baseline(self) -> tuple:
         """The identity of the grid's config with the base config's knob values (every grid holds it: the
@@ -192,9 +201,11 @@ def run_search(
         directions=list(DIRECTIONS),
         sampler=build_sampler(name, seed=seed, n_trials=hint, startup=startup),
     )
-    runner = ReplayRunner(rec.table, rng=random.Random(seed))
+    enqueue_first_trials(study, rec.space, rec.flat)  # the baseline first, as a new study of ppotune search
+    runner = ReplayRunner(rec.runner_table(), rng=random.Random(seed))
     stop = _StopAt(cap_s)
     options.setdefault("local_every", 0 if sampler == "ours-nolocal" else 2)
+    options.setdefault("corner", sampler != "ours-nolocal")
     search = Search(
         options=SearchOptions(trials=10 * len(rec.table), sampler=name, seed=seed, **options),
         session=TrialSession(
@@ -217,6 +228,7 @@ def run_search(
         r = TrialRecord.from_user_attrs(t.user_attrs)
         spent += float(r.duration_s or 0.0)
         ident = rec.space.identity({**rec.flat, **(r.overrides or {})})
+        ident = ident if ident in rec.table else rec.baseline()  # the base config as-is: see Recording.runner_table
         ok = r.status == Status.OK
         ci = tuple(r.throughput_ci) if ok and r.throughput_ci else None
         events.append(

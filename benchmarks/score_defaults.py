@@ -13,8 +13,8 @@ local steps, its own proposals when the sampler stalls, then the adaptive confir
 * replays that stopped with budget left while a config was neither measured nor ruled out (checked independently of
   the search's own stop rule: ``replay.unsettled_configs``).
 
-``--rounds``, ``--finalists``, ``--noise``, ``--startup`` and ``--local-every`` score another setting than the
-shipped one (what the family chooses between).
+``--rounds``, ``--finalists``, ``--noise``, ``--startup``, ``--local-every`` and ``--no-corner`` score another
+setting than the shipped one (what the family chooses between).
 
     python benchmarks/score_defaults.py --data benchmarks/data/grid_tiny_cpu.jsonl ... --seed-sets 9100 9200
     python benchmarks/score_defaults.py --family 24 --seeds 3 --seed-sets 1000 [--fit-on DATA ...] [--rounds 2]
@@ -68,7 +68,7 @@ def score_grid(rec: replay.Recording, seeds: range, a: argparse.Namespace, out: 
     hint = max(1, round(0.25 * n))  # the --trials a user would give for a quarter of the grid
     for seed in seeds:
         kw = dict(hint=hint, cap_s=a.cap * grid_s, startup=a.startup)
-        run = replay.run_search("ours", seed, rec, local_every=a.local_every, **kw)
+        run = replay.run_search("ours", seed, rec, local_every=a.local_every, corner=not a.no_corner, **kw)
         how = dict(rounds=a.rounds, finalists=a.finalists, noise=a.noise, repeats=not a.own_noise_only)
         curve = replay.confirmed_curve(run, rec, seed, **how)
         out.ours.append(replay.confirmed_seconds_to(curve, truth, replay.TARGET * best) / grid_s)
@@ -158,6 +158,7 @@ def main() -> int:
     )
     ap.add_argument("--startup", type=int, help="TPE's random start-up trials (default: the search's rule)")
     ap.add_argument("--local-every", type=int, default=2)
+    ap.add_argument("--no-corner", action="store_true", help="no walk from the hints' corner (tuner.search.corner)")
     ap.add_argument("--no-random", action="store_true", help="leave random search out (the family's choices)")
     ap.add_argument("--json", type=Path, help="write every replay's shares here (for --compare)")
     ap.add_argument("--compare", nargs=2, type=Path, metavar=("A", "B"), help="pair two --json files' replays and stop")
@@ -197,6 +198,7 @@ def main() -> int:
         a.json.write_text(json.dumps(replays))
     settings = f"--rounds {a.rounds} --finalists {a.finalists} --noise {a.noise} --local-every {a.local_every}"
     settings += " --own-noise-only" if a.own_noise_only else ""
+    settings += " --no-corner" if a.no_corner else ""
     print(f"({settings} --startup {a.startup} --cap {a.cap} --claim-at {a.claim_at}; {time.monotonic() - t0:.0f} s)")
     return 0
 

@@ -101,6 +101,7 @@ def options_from_args(args: argparse.Namespace, *, seed: Optional[int] = None) -
         probe=getattr(args, "probe", 0),
         predict_oom=not getattr(args, "no_memory_model", False),
         local_every=getattr(args, "local_every", 2),
+        corner=not getattr(args, "no_corner", False),
         heartbeat_s=args.heartbeat,
         grace_s=args.grace,
         max_failures_in_a_row=getattr(args, "max_failures_in_a_row", MAX_FAILURES_IN_A_ROW),

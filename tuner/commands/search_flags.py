@@ -159,6 +159,14 @@ def _search_flags(p: argparse.ArgumentParser) -> None:
         "(the gRPC proxy, MySQL); 0: the sampler alone (default 2)",
     )
     p.add_argument(
+        "--no-corner",
+        action="store_true",
+        help="tpe: no walk from the speed hints' corner after the baseline (by default the search launches the "
+        "config every knob's speed hint calls fastest, then steps down its memory-hungry knobs while it runs out "
+        "of memory, before TPE's start-up; off for other samplers and where --local-every is off for want of a "
+        "cross-process lock)",
+    )
+    p.add_argument(
         "--seed",
         type=int,
         default=None,

@@ -62,6 +62,7 @@ class SearchOptions:
     probe: int = 0  # then the worst-case probe (tuner.trials.probe) of this many configs export would recommend
     predict_oom: bool = True  # skip candidates the study's memory model puts over the limit beyond its error
     local_every: int = 2  # after the sampler's start-up, every N-th proposal is the incumbent's nearest neighbour
+    corner: bool = True  # right after the baseline, the speed hints' corner and its walk down (tuner.search.corner)
     heartbeat_s: float = st.HEARTBEAT_S  # how often a RUNNING trial's heartbeat is written
     grace_s: float = st.STALE_AFTER_S  # another host's RUNNING trial with no heartbeat for this long is stale
     max_failures_in_a_row: int = MAX_FAILURES_IN_A_ROW  # launched trials failing alike before the search stops (0: off)
@@ -119,6 +120,7 @@ class Search:
             sampler=o.sampler,
             seed=o.seed,
             local_every=o.local_every,
+            corner=o.corner,
             serialized=self.session.lock.exact or isinstance(self.session.storage, optuna.storages.InMemoryStorage),
         )
         self.budget = Budget(

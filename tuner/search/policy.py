@@ -5,6 +5,8 @@ in the study's queue (Optuna then pops that one first):
 
 * ``--sampler grid``: the next unmeasured config of the space, in an order the seed fixes (Optuna's GridSampler
   cannot do conditional knobs);
+* the speed hints' corner (TPE, right after the baseline): the config every knob's hint calls fastest, then down
+  its memory-hungry knobs while it runs out of memory (:func:`tuner.search.corner.corner_step`);
 * a local step (TPE, every ``--local-every``-th launched trial after its random start-up): the unmeasured config
   one ordered step from the best measured one, the knobs' ``speed`` hints first;
 * a config it proposes itself once the sampler stalls (:data:`tuner.search.stall.STALL_AFTER` proposals in a row
@@ -25,6 +27,7 @@ import optuna
 
 from trainer.contracts import TrialRecord
 from tuner.rules import candidates as decide
+from tuner.search.corner import corner_of, corner_step
 from tuner.search.stall import STALL_AFTER, propose_itself
 from tuner.space import Candidate, Space
 
@@ -73,8 +76,9 @@ def startup_trials(sampler: optuna.samplers.BaseSampler) -> int:
 @dataclass(frozen=True)
 class Pick:
     """What to do before the sampler is asked: enqueue ``point``, or stop for ``stop``; neither: the sampler
-    proposes. ``rule``: which rule chose the point (local, neighbour, boundary, seeded, grid); ``launch_anyway``:
-    a boundary config the judge launches although one OOM rules it out (:func:`tuner.rules.candidates.ruling_oom`)."""
+    proposes. ``rule``: which rule chose the point (corner, local, neighbour, boundary, seeded, grid);
+    ``launch_anyway``: a boundary config the judge launches although one OOM rules it out
+    (:func:`tuner.rules.candidates.ruling_oom`)."""
 
     point: Optional[Candidate] = None
     stop: Optional[str] = None
@@ -94,12 +98,14 @@ class ProposalPolicy:
         seed: Optional[int],
         local_every: int,
         serialized: bool,
+        corner: bool = True,
     ):
         self.space = space
         self.trial_flat = trial_flat
         self.sampler = sampler
         self.seed = seed
         self.local_every = local_every
+        self.corner_first = corner
         # local steps need asks serialized across workers: without a cross-process lock (the gRPC proxy, MySQL)
         # two workers could enqueue the same neighbour at once and both run it
         self.serialized = serialized
@@ -107,6 +113,7 @@ class ProposalPolicy:
         self._grid: Optional[list] = None
         self._rank: Optional[dict] = None  # identity -> position in the shuffled grid (local steps break ties by it)
         self._size: Optional[int] = None
+        self._corner: Optional[list] = None  # [the corner] once computed (None inside: no hint, or no grid)
 
     def pick(self, trials: list, *, known: dict, startup: int, stalled: int) -> Pick:
         """The policy's move given the study's ``trials`` (none WAITING), ``known`` (:func:`decide.known_configs`),
@@ -117,6 +124,10 @@ class ProposalPolicy:
             if point is None:
                 return Pick(stop=f"every one of the {self.space_size()} configs of the space is in the study")
             return Pick(point=point, rule="grid")
+        if self.corner_first and self.steps_locally():
+            point = corner_step(self, trials, known)
+            if point is not None:
+                return Pick(point=point, rule="corner")
         if self.local_turn(trials, startup):
             # an inferred OOM one step from the incumbent is revisited: launched once (decide.ruling_oom)
             held = seen - decide.inferred_only(trials, self.space, self.trial_flat)
@@ -145,11 +156,24 @@ class ProposalPolicy:
         knob's order, so one notch from the fastest config is often faster still; alternating the two, the
         ``speed`` hints' steps first, reaches the best sooner (see docs/decisions.md#local-steps)."""
         every = self.local_every
-        if every <= 0 or self.sampler != "tpe" or not self.serialized:
+        if every <= 0 or not self.steps_locally():
             return False
         records = (TrialRecord.from_user_attrs(t.user_attrs) for t in trials)
         launched = sum(1 for r in records if r.status is not None and r.status.launched)
         return launched >= startup and (launched - startup) % every == every - 1
+
+    def steps_locally(self) -> bool:
+        """Do the search's own steps (the corner's walk, local steps) run here? TPE only, and only where asks are
+        serialized across workers: without a cross-process lock (the gRPC proxy, MySQL) two workers could enqueue
+        the same config at once and both run it."""
+        return self.sampler == "tpe" and self.serialized
+
+    def corner(self) -> Optional[Candidate]:
+        """The config the knobs' speed hints call fastest (:func:`tuner.search.corner.corner_of`; built once); None
+        when no knob has a hint or the space is too large to enumerate."""
+        if self._corner is None:
+            self._corner = [corner_of(self.space, self.shuffled_grid()) if self.enumerable() else None]
+        return self._corner[0]
 
     def unmeasured_neighbour(
         self, seen: set, near: Optional[dict], *, allowed: Optional[Callable[[Candidate], bool]] = None

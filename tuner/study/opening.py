@@ -119,6 +119,15 @@ class OpenedStudy:
     penalty_gb: float
 
 
+def enqueue_first_trials(study: optuna.Study, space: Space, trial_flat: dict, fitted: Optional[dict] = None) -> None:
+    """What a new study runs first: the baseline (the base config's knob values), then ``fitted`` (``--from-fit``'s
+    largest sizes that fit) when it differs. benchmarks/replay.py starts its replayed searches the same way."""
+    baseline = space.baseline_params(trial_flat)
+    study.enqueue_trial(baseline, user_attrs=TrialRecord(baseline=True).to_user_attrs(only={"baseline"}))
+    if fitted and fitted != baseline:
+        study.enqueue_trial(fitted)
+
+
 def open_for_search(
     spec,
     name: str,
@@ -142,10 +151,7 @@ def open_for_search(
     def setup(study: optuna.Study) -> None:
         for k, v in attrs.items():
             study.set_user_attr(k, v)
-        baseline = space.baseline_params(trial_flat)
-        study.enqueue_trial(baseline, user_attrs=TrialRecord(baseline=True).to_user_attrs(only={"baseline"}))
-        if fitted and fitted != baseline:  # --from-fit: the largest sizes that fit, tried next
-            study.enqueue_trial(fitted)
+        enqueue_first_trials(study, space, trial_flat, fitted)
         study.set_user_attr(st.SCHEMA_ATTR, STUDY_SCHEMA_VERSION)  # last: marks the study as set up
 
     try:
