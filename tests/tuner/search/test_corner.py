@@ -8,17 +8,16 @@ import optuna
 import pytest
 
 from support import REPO, search_over
+from tests.tuner.space.test_load import BUDGET as TOKENS
+from tests.tuner.space.test_load import CKPT as GC
+from tests.tuner.space.test_load import DYN, STRATEGY
 from trainer.contracts import DIRECTIONS, Status, TrialRecord
 from tuner.search.corner import CORNER_LAUNCHES, hint_position
 from tuner.search.policy import build_sampler
 from tuner.study.opening import enqueue_first_trials
 from tuner.trials.runners import Recorded, ReplayRunner
 
-DYN = "actor_rollout_ref.actor.use_dynamic_bsz"
-TOKENS = "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"
-GC = "actor_rollout_ref.model.enable_gradient_checkpointing"
 RMPAD = "actor_rollout_ref.model.use_remove_padding"
-STRATEGY = "actor_rollout_ref.actor.strategy"
 
 
 @pytest.fixture(scope="module")
