@@ -163,8 +163,8 @@ def _search_flags(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="tpe: no walk from the speed hints' corner after the baseline (by default the search launches the "
         "config every knob's speed hint calls fastest, then steps down its memory-hungry knobs while it runs out "
-        "of memory, before TPE's start-up; off for other samplers and where --local-every is off for want of a "
-        "cross-process lock)",
+        "of memory, at most 6 launches, before TPE's start-up; off for other samplers and where the storage has no "
+        "cross-process lock: the gRPC proxy, MySQL)",
     )
     p.add_argument(
         "--seed",
