@@ -5,8 +5,9 @@ The pieces bench_search.py (one grid, many samplers) and score_defaults.py (the 
 * :class:`Recording` -- a grid: its space, base and every config's measurements (:func:`from_jsonl`: a data file of
   ``benchmarks/record_grid.py``; :func:`from_studies`: ``ppotune search`` studies; ``grid_sim.simulate``: a grid of
   the simulated family);
-* :func:`run_search` -- the search's own loop (``tuner.search.loop.Search``) with each launch answered by
-  ``tuner.trials.runners.ReplayRunner`` (one of the config's recorded repeats at random: the noise is kept);
+* :func:`run_search` -- the search's own loop (``tuner.search.loop.Search``), its baseline trial first as a new
+  study's, with each launch answered by ``tuner.trials.runners.ReplayRunner`` (one of the config's recorded repeats
+  at random: the noise is kept);
 * :func:`confirm_after` -- the confirmation that would follow the first k trials, through the confirmation's own
   rules (``tuner.rules.finalists``: the finalists; ``tuner.rules.race``: the rounds until the leader separates),
   each re-run answered by a recorded repeat at random: what it picks, what it costs, what it claims.
