@@ -4,19 +4,18 @@ The per-GPU knobs' fastest config is, on every grid recorded so far, where the k
 batch size and remove-padding on, checkpointing off, the token budget high) as far as memory allows: the hints are
 physics (a recomputed forward is slower than none, padding is wasted work). So before TPE's start-up trials the
 search launches the **corner**, the config every hint calls fastest (:func:`hint_position` highest; ties in the
-seeded grid order). While it, or the walk's last config, runs out of memory (or an OOM rules it out, or the memory
-model refuses it), the next is one step **strictly less memory-hungry** (:meth:`tuner.space.Space.at_least_as_hungry`
-one way only: a knob without a memory order never moves), the step that gives up the least of the hints' speed
-first (a knob's position is normalized by its levels: one notch down a 7-level token budget costs less than turning
-checkpointing on). The walk ends at the first config besides the baseline that runs, after :data:`CORNER_LAUNCHES`
-launches, or where no step is left; then TPE and the local steps take over from an incumbent that is already near
-the hints' best.
+seeded grid order; a space too large to enumerate: :func:`built_corner`, knob by knob). While it, or the walk's
+last config, runs out of memory (or an OOM rules it out, or the memory model refuses it), the next is one step
+**strictly less memory-hungry** (:meth:`tuner.space.Space.at_least_as_hungry` one way only: a knob without a memory
+order never moves), the step that gives up the least of the hints' speed first (a knob's position is normalized by
+its levels: one notch down a 7-level token budget costs less than turning checkpointing on). The walk ends at the
+first config besides the baseline that runs, after :data:`CORNER_LAUNCHES` launches, or where no step is left; then
+TPE and the local steps take over from an incumbent that is already near the hints' best.
 
 Stateless: the walk is read back from the study (every trial after the baseline's, until one runs; a study with no
-baseline trial, from its first), so a resumed
-search or another process continues it rather than restarting it. Pure: reads the study's trials and the space,
-launches nothing (the policy enqueues the point). Measured against the search without it in benchmarks/README.md,
-"The search on grids it was never tuned on".
+baseline trial, from its first), so a resumed search or another process continues it rather than restarting it.
+Pure: reads the study's trials and the space, launches nothing (the policy enqueues the point). Measured against
+the search without it in benchmarks/README.md, "The search on grids it was never tuned on".
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from trainer.contracts import Status, TrialRecord
 from tuner.rules import candidates as decide
 from tuner.space import Candidate, Space
 
-__all__ = ["CORNER_LAUNCHES", "hint_position", "corner_of", "corner_step"]
+__all__ = ["CORNER_LAUNCHES", "hint_position", "corner_of", "built_corner", "corner_step"]
 
 #: launches after the baseline the walk may spend before TPE takes over (a token budget's levels down from the top)
 CORNER_LAUNCHES = 6
@@ -62,9 +61,40 @@ def corner_of(space: Space, grid: list) -> Optional[Candidate]:
     return best
 
 
+def built_corner(space: Space, trial_flat: dict) -> Optional[Candidate]:
+    """The corner of a space too large to enumerate, built knob by knob in the space's order: each active knob at the
+    fast end of its hint (an unhinted knob at the base config's value, else its first), the next value toward the
+    slow end where a constraint refuses it; None when no knob has a hint or no value of a knob passes."""
+    if all(k.speed == "none" for k in space.knobs):
+        return None
+    params: dict = {}
+    eff = dict(trial_flat)
+    for knob in space.knobs:
+        if not space.active(knob, eff):
+            continue
+        for value in _preference(knob, trial_flat):
+            cand = space.complete({**params, knob.key: value}, trial_flat)
+            if cand.violated is None and cand.error is None:
+                params, eff = cand.params, cand.effective
+                break
+        else:
+            return None
+    return space.complete(params, trial_flat)
+
+
+def _preference(knob: Any, trial_flat: dict) -> list:
+    """``knob``'s values, the fast end of its hint first (no hint: the base config's value first, then its order)."""
+    domain = knob.domain()
+    if knob.speed == "none":
+        base = [v for v in domain if type(v) is type(trial_flat.get(knob.key)) and v == trial_flat.get(knob.key)]
+        return base + [v for v in domain if v not in base]
+    ordered = sorted(domain, key=knob.rank)
+    return ordered[::-1] if knob.speed == "increasing" else ordered
+
+
 def corner_step(policy: Any, trials: list, known: dict) -> Optional[Candidate]:
     """The walk's next config given the study's ``trials`` and ``known`` (:func:`tuner.rules.candidates.known_configs`),
-    or None when the walk is over (or not yet: the baseline first; or never: no hint, a space too large to enumerate).
+    or None when the walk is over (or not yet: the baseline first; or never: no hint).
     ``policy``: the :class:`tuner.search.policy.ProposalPolicy` (its seeded grid order and cached corner)."""
     space, flat = policy.space, policy.trial_flat
     records = [TrialRecord.from_user_attrs(t.user_attrs) for t in sorted(trials, key=lambda t: t.number)]
@@ -81,8 +111,18 @@ def corner_step(policy: Any, trials: list, known: dict) -> Optional[Candidate]:
         return None
     seen = decide.seen_configs(trials, space, flat)
     evidence = decide.oom_evidence(known, space, flat)
-    rank = policy.grid_rank()
-    for _ in range(len(rank)):
+    if policy.enumerable():
+        rank = policy.grid_rank()
+
+        def order(c: Candidate) -> Any:
+            return -rank.get(space.identity(c.effective), 0)
+    else:  # no grid to rank by (it would be enumerated): a fixed order of the configs themselves
+
+        def order(c: Candidate) -> Any:
+            return tuple(reversed(space.identity(c.effective)))
+
+    # each step is strictly less hungry, so the walk is at most every knob's levels long
+    for _ in range(1 + sum(k.domain_size() for k in space.knobs)):
         ident = space.identity(here.effective)
         ran = known.get(ident)
         if ran is not None and TrialRecord.from_user_attrs(ran.user_attrs).status == Status.OK:
@@ -97,5 +137,5 @@ def corner_step(policy: Any, trials: list, known: dict) -> Optional[Candidate]:
         ]
         if not down:
             return None
-        here = max(down, key=lambda c: (hint_position(space, c.params), -rank.get(space.identity(c.effective), 0)))
+        here = max(down, key=lambda c: (hint_position(space, c.params), order(c)))
     return None

@@ -27,7 +27,7 @@ import optuna
 
 from trainer.contracts import TrialRecord
 from tuner.rules import candidates as decide
-from tuner.search.corner import corner_of, corner_step
+from tuner.search.corner import built_corner, corner_of, corner_step
 from tuner.search.stall import STALL_AFTER, propose_itself
 from tuner.space import Candidate, Space
 
@@ -169,10 +169,13 @@ class ProposalPolicy:
         return self.sampler == "tpe" and self.serialized
 
     def corner(self) -> Optional[Candidate]:
-        """The config the knobs' speed hints call fastest (:func:`tuner.search.corner.corner_of`; built once); None
-        when no knob has a hint or the space is too large to enumerate."""
+        """The config the knobs' speed hints call fastest (:func:`tuner.search.corner.corner_of` over the seeded grid;
+        a space too large to enumerate: :func:`tuner.search.corner.built_corner`; once); None when no knob has a
+        hint."""
         if self._corner is None:
-            self._corner = [corner_of(self.space, self.shuffled_grid()) if self.enumerable() else None]
+            grid = self.enumerable()
+            corner = corner_of(self.space, self.shuffled_grid()) if grid else built_corner(self.space, self.trial_flat)
+            self._corner = [corner]
         return self._corner[0]
 
     def unmeasured_neighbour(

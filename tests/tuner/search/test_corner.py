@@ -7,7 +7,7 @@ from __future__ import annotations
 import optuna
 import pytest
 
-from support import REPO, search_over
+from support import REPO, search_over, tiny_setup
 from tests.tuner.space.test_load import BUDGET as TOKENS
 from tests.tuner.space.test_load import CKPT as GC
 from tests.tuner.space.test_load import DYN, STRATEGY
@@ -140,3 +140,45 @@ def test_a_resumed_search_continues_the_walk_and_no_corner_turns_it_off(grid):
     off, _ = run(grid, fits, trials=3, corner=False, seed=3)
     corner = max(space.grid(flat), key=lambda c: hint_position(space, c.params))
     assert all(space.identity(eff) != space.identity(corner.effective) for eff, _ in launched(off, space, flat))
+
+
+def test_a_space_too_large_to_enumerate_builds_its_corner_and_walks_down_from_it():
+    """search_spaces/default.yaml (over a million configs, on the tiny demo's base): the corner is built knob by knob,
+    valid, at least as far toward every hint as any of 300 random configs; with the actor's and the critic's token
+    budgets together over 48k tokens running out of memory, the walk goes down from it one strictly less hungry notch
+    at a time until one fits."""
+    import random
+
+    from tuner.search.corner import built_corner
+
+    setup = tiny_setup((REPO / "search_spaces" / "default.yaml").read_text())
+    space, _, flat = setup
+    assert space.size(flat, limit=200_000) > 100_000
+    corner = built_corner(space, flat)
+    assert corner is not None and corner.violated is None and corner.error is None
+    rng = random.Random(0)
+    drawn = [c for c in (space.sample(flat, rng) for _ in range(300)) if c is not None]
+    assert hint_position(space, corner.params) >= max(hint_position(space, c.params) for c in drawn)
+
+    class Formula(ReplayRunner):
+        def run(self, request, stop):
+            ident = dict(request.identity)  # the tuner's values (the trainer's config may clamp a budget)
+            budgets = int(ident[TOKENS]) + int(ident["critic.ppo_max_token_len_per_gpu"])
+            fits = ident[DYN] != "True" or budgets <= 32768 + 16384  # the actor's and the critic's budgets add up
+            thr = 100.0
+            got = Recorded(Status.OK if fits else Status.OOM, thr if fits else None, 0.1 if fits else None, 5.0, 0)
+            self.table[request.identity] = [got]
+            return super().run(request, stop)
+
+    storage = optuna.storages.InMemoryStorage()
+    study = optuna.create_study(
+        storage=storage, directions=list(DIRECTIONS), sampler=build_sampler("tpe", seed=0, n_trials=8)
+    )
+    enqueue_first_trials(study, space, flat)
+    search_over(setup, study, storage, Formula({}), trials=8, sampler="tpe").run()
+    runs = launched(study, space, flat)
+    assert space.identity(runs[1][0]) == space.identity(corner.effective)
+    walk = runs[1 : [s for _, s in runs].index(Status.OK, 1) + 1]
+    assert len(walk) >= 2 and walk[-1][1] == Status.OK and all(s == Status.OOM for _, s in walk[:-1])
+    for (a, _), (b, _) in zip(walk, walk[1:]):
+        assert space.at_least_as_hungry(a, b) and not space.at_least_as_hungry(b, a)
