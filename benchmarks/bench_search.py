@@ -4,7 +4,8 @@ Replays ``ppotune search``'s own loop over a RECORDED grid: no trial is re-run; 
 answered by :class:`tuner.trials.runners.ReplayRunner` (the public runner seam) with one of the config's
 recorded repeats at random (status, throughput, memory, seconds: the noise is kept). A config the
 recording inferred as OOM is answered as an OOM costing the seconds of the OOM it was inferred from.
-The baseline trial is left out, so every trial is the sampler's own choice. Three samplers:
+The search's samplers start with the baseline trial, as a new study of ``ppotune search`` does
+(``replay.run_search``); ``tpe-plain`` leaves it out. Three samplers:
 
 * ``ours``: ``tuner.search.loop.Search`` with TPE as ``ppotune search`` runs it: power-of-two knobs as
   ordered exponents, rejections before launch (invalid, inferred OOM, duplicate) free and resampled,

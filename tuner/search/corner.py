@@ -39,8 +39,8 @@ def hint_position(space: Space, params: dict) -> float:
     for knob in space.knobs:
         if knob.speed == "none" or knob.key not in params:
             continue
-        ranks = [knob.rank(v) for v in knob.domain()]
-        lo, hi = min(ranks), max(ranks)
+        domain = knob.domain()  # ascending in the knob's order: its ends are the lowest and highest rank
+        lo, hi = knob.rank(domain[0]), knob.rank(domain[-1])
         if hi == lo:
             continue
         x = (knob.rank(params[knob.key]) - lo) / (hi - lo)
