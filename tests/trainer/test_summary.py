@@ -72,6 +72,15 @@ def test_summary_cpu_memory_is_above_the_post_start_level_with_the_absolute_besi
     assert s["lengths"] == {"prompt": {"p10": 3.0, "p50": 5.0, "p90": 9.0, "max": 9.0}}
 
 
+def test_summary_cuda_memory_is_the_allocators_reserved_peak_over_every_step():
+    """On CUDA the trial's own memory figure is torch's reserved peak (what the caching allocator holds of the device,
+    the figure ``--memory-limit-gb``'s fraction bounds), never the host's RSS, the warm-up step included."""
+    rows = [{**_row(1, 50.0, warmup=True), "perf/max_memory_reserved_gb": 7.5}]
+    rows += [{**_row(i, 100.0), "perf/max_memory_reserved_gb": 6.0} for i in (2, 3)]
+    s = summarize_steps(rows, device_type="cuda", lengths=None)
+    assert s["peak_memory_gb"] == 7.5 and s["memory_source"] == "torch_cuda"
+
+
 def test_a_later_warm_trials_first_step_is_a_warm_up_only_when_slower_than_the_next():
     assert first_step_outlier([5.0, 1.0]) is None  # two others needed
     assert first_step_outlier([1.4, 1.0, 1.0]) is False  # within CPU noise: measured
