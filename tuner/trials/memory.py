@@ -7,6 +7,11 @@ the trial's process tree) - that includes the CUDA context and NCCL buffers torc
 allocator never sees. Without NVML (``nvmlInit`` raises, e.g. no driver) it sums the RSS of
 the trial's process tree. ``source`` says which: ``"nvml"`` or ``"psutil"``.
 
+The trial's GPUs are CUDA_VISIBLE_DEVICES entries, which name devices in CUDA's terms (an ordinal in CUDA's
+device order, a UUID or a unique prefix of one, a MIG device); :func:`resolve_gpus` finds each in NVML as CUDA
+would, by UUID and PCI bus ID, never by NVML's index. An entry it cannot resolve, or whose device it can only
+guess (FASTEST_FIRST on a node of mixed models), is a line in ``MemoryPeaks.notes``.
+
 Like NVML's per-GPU figure, the psutil objective is per rank: the peak RSS of the largest single
 process of the tree (on CPU a rank stands for a GPU, and ``--memory-limit-gb`` caps each process).
 The summed RSS of the whole tree is kept beside it (``tree_rss_peak_gb``).
@@ -22,7 +27,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Optional, Sequence
 
 import psutil
@@ -35,6 +40,10 @@ __all__ = [
     "is_loaded",
     "nvml_available",
     "visible_gpus",
+    "cuda_order",
+    "resolve_gpus",
+    "resolve_visible",
+    "Resolved",
     "gpu_info",
     "process_tree",
 ]
@@ -65,10 +74,17 @@ def nvml_available() -> bool:
 
 
 def visible_gpus() -> list[str]:
-    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES entries (indices or UUIDs)."""
+    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES entries (indices or UUIDs) in CUDA's reading: a
+    negative index ends the list (the CUDA Programming Guide, "CUDA Environment Variables": ``0,2,-1,1`` makes
+    devices 0 and 2 visible)."""
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
     if env is not None:
-        return [d.strip() for d in env.split(",") if d.strip() and d.strip() != "-1"]
+        out = []
+        for d in (d.strip() for d in env.split(",")):
+            if not d or d.startswith("-"):
+                break
+            out.append(d)
+        return out
     if not nvml_available():
         return []
     import pynvml
@@ -76,12 +92,165 @@ def visible_gpus() -> list[str]:
     return [str(i) for i in range(pynvml.nvmlDeviceGetCount())]
 
 
-def _handle(ident: str):
+# ---------------------------------------------------------------------------- CUDA's devices in NVML's terms
+# What a CUDA_VISIBLE_DEVICES entry names, as CUDA reads it (the CUDA Programming Guide, "CUDA Environment
+# Variables": CUDA_VISIBLE_DEVICES, CUDA_DEVICE_ORDER; torch mirrors the driver's parser in
+# torch/cuda/__init__.py::_parse_visible_devices and ::_transform_uuid_to_ordinals):
+# * an index is a CUDA ordinal. With CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA orders the devices "by PCI bus ID in
+#   ascending order"; the default, FASTEST_FIRST, "in fastest to slowest order using a simple heuristic" that is
+#   documented no further (commonly: compute capability descending, ties by PCI bus ID). NVML numbers devices in
+#   its own order and promises neither, so each device is placed by its PCI bus ID here, never by NVML's index;
+# * a UUID may be cut to a prefix that names exactly one GPU; an ambiguous or unknown one, like a negative index,
+#   ends what CUDA makes visible;
+# * a MIG device is named by its own UUID ("MIG-...") or, in CUDA 11.0's form, "MIG-GPU-<uuid>/<gi>/<ci>"; an
+#   index names no MIG device for NVML.
+
+
+@dataclass(frozen=True)
+class _Gpu:
+    """One physical GPU as NVML sees it."""
+
+    handle: object
+    uuid: str
+    bus: tuple  # (domain, bus, device): PCI_BUS_ID's order
+    name: str
+    capability: tuple  # (major, minor)
+    mig: tuple = ()  # MIG mode on: ((uuid, handle, gpu instance id, compute instance id), ...) of its MIG devices
+
+
+def _text(x) -> str:
+    return x.decode() if isinstance(x, bytes) else str(x)
+
+
+def _mig_devices(pynvml, h) -> tuple:
+    try:
+        if pynvml.nvmlDeviceGetMigMode(h)[0] != pynvml.NVML_DEVICE_MIG_ENABLE:
+            return ()
+    except pynvml.NVMLError:  # NotSupported: a GPU without MIG
+        return ()
+    out = []
+    for i in range(pynvml.nvmlDeviceGetMaxMigDeviceCount(h)):
+        try:
+            m = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(h, i)
+        except pynvml.NVMLError:  # NotFound: an empty slot
+            continue
+        gi, ci = pynvml.nvmlDeviceGetGpuInstanceId(m), pynvml.nvmlDeviceGetComputeInstanceId(m)
+        out.append((_text(pynvml.nvmlDeviceGetUUID(m)), m, gi, ci))
+    return tuple(out)
+
+
+def _nvml_gpus() -> list[_Gpu]:
+    """Every GPU NVML sees (in NVML's order, which means nothing to CUDA)."""
     import pynvml
 
-    if ident.isdigit():
-        return pynvml.nvmlDeviceGetHandleByIndex(int(ident))
-    return pynvml.nvmlDeviceGetHandleByUUID(ident)
+    gpus = []
+    for i in range(pynvml.nvmlDeviceGetCount()):
+        h = pynvml.nvmlDeviceGetHandleByIndex(i)
+        pci = pynvml.nvmlDeviceGetPciInfo(h)
+        gpus.append(
+            _Gpu(
+                handle=h,
+                uuid=_text(pynvml.nvmlDeviceGetUUID(h)),
+                bus=(pci.domain, pci.bus, pci.device),
+                name=_text(pynvml.nvmlDeviceGetName(h)),
+                capability=tuple(pynvml.nvmlDeviceGetCudaComputeCapability(h)),
+                mig=_mig_devices(pynvml, h),
+            )
+        )
+    return gpus
+
+
+def cuda_order(gpus: Sequence[_Gpu], device_order: Optional[str]) -> tuple[list[_Gpu], Optional[str]]:
+    """``gpus`` in CUDA's ordinal order under ``CUDA_DEVICE_ORDER`` and, when that order is a guess, why."""
+    by_bus = sorted(gpus, key=lambda g: g.bus)
+    if (device_order or "").strip().upper() == "PCI_BUS_ID":
+        return by_bus, None
+    fastest = sorted(by_bus, key=lambda g: (-g.capability[0], -g.capability[1]))  # stable: ties by PCI bus ID
+    models = sorted({g.name for g in gpus})
+    if len(models) < 2:  # one model: the heuristic has nothing to tell apart
+        return fastest, None
+    return fastest, (
+        f"GPU indices read in CUDA's FASTEST_FIRST order (CUDA_DEVICE_ORDER unset) on a node of {' and '.join(models)}:"
+        " CUDA documents that order only as a heuristic, taken here as compute capability descending, then PCI bus"
+        " ID; set CUDA_DEVICE_ORDER=PCI_BUS_ID or name the GPUs by UUID for a certain mapping"
+    )
+
+
+def _uuid_candidates(entry: str, gpus: Sequence[_Gpu]) -> list[tuple[str, object]]:
+    """(UUID, NVML handle) of each device whose UUID starts with ``entry`` (a whole GPU or a MIG device)."""
+    if entry.startswith("MIG-GPU-") and "/" in entry:  # CUDA 11.0's form: MIG-GPU-<uuid>/<gi>/<ci>
+        parent, _, ids = entry[len("MIG-") :].partition("/")
+        return [(u, m) for g in gpus if g.uuid.startswith(parent) for u, m, gi, ci in g.mig if f"{gi}/{ci}" == ids]
+    if entry.startswith("MIG-"):
+        return [(u, m) for g in gpus for u, m, _, _ in g.mig if u.startswith(entry)]
+    # CUDA documents UUIDs with their "GPU-" prefix; one given without it is matched in its GPU- form
+    full = entry if entry.startswith("GPU-") else "GPU-" + entry
+    return [(g.uuid, g) for g in gpus if g.uuid.startswith(full)]
+
+
+def _by_uuid(entry: str, gpus: Sequence[_Gpu]) -> tuple[object, Optional[str]]:
+    """(NVML handle, None) of the one device whose UUID starts with ``entry``, or (None, why not)."""
+    cands = _uuid_candidates(entry, gpus)
+    if not cands:
+        return None, f"{entry}: no GPU or MIG device has a UUID that starts so"
+    if len(cands) > 1:
+        return None, f"{entry}: ambiguous, a prefix of {len(cands)} UUIDs ({', '.join(sorted(u for u, _ in cands))})"
+    found = cands[0][1]
+    if isinstance(found, _Gpu):
+        if found.mig:  # CUDA sees its MIG devices, not the GPU: which one the trial got is not in the entry
+            return None, f"{entry}: GPU {found.uuid} is in MIG mode; name one of its MIG devices (MIG-...)"
+        return found.handle, None
+    return found, None
+
+
+def _by_index(entry: str, ordered: Sequence[_Gpu]) -> tuple[object, Optional[str]]:
+    """(NVML handle, None) of the CUDA ordinal ``entry`` (read like strtoul, as CUDA does), or (None, why not)."""
+    digits = entry.lstrip("+")
+    k = int(digits[: len(digits) - len(digits.lstrip("0123456789"))] or -1)
+    if not 0 <= k < len(ordered):
+        return None, f"{entry}: no CUDA device {k} among {len(ordered)}"
+    if ordered[k].mig:
+        return None, f"{entry}: GPU {ordered[k].uuid} is in MIG mode; an index names none of its MIG devices"
+    return ordered[k].handle, None
+
+
+@dataclass
+class Resolved:
+    """What CUDA_VISIBLE_DEVICES entries name in NVML: a handle per entry resolved, and a note per doubt."""
+
+    handles: list
+    notes: list
+
+
+def resolve_gpus(entries: Sequence[str], *, gpus: Sequence[_Gpu], device_order: Optional[str]) -> Resolved:
+    """NVML handles of ``entries`` (CUDA_VISIBLE_DEVICES entries), resolved as CUDA resolves them; an entry that
+    cannot be, and any after it (CUDA makes none of them visible), is noted and left out."""
+    ordered, doubt = cuda_order(gpus, device_order)
+    handles: list = []
+    notes: list[str] = []
+    for n, entry in enumerate(entries):
+        by_index = entry[:1].isdigit() or entry[:1] in "+-"
+        handle, why = _by_index(entry, ordered) if by_index else _by_uuid(entry, gpus)
+        if handle is not None:
+            handles.append(handle)
+            if by_index and doubt and doubt not in notes:
+                notes.append(doubt)
+            continue
+        rest = entries[n + 1 :]
+        after = f" (and {', '.join(rest)} after it, which CUDA then does not make visible)" if rest else ""
+        notes.append(f"CUDA_VISIBLE_DEVICES entry {why}{after}: its memory is not read through NVML")
+        break
+    return Resolved(handles, notes)
+
+
+def resolve_visible(entries: Sequence[str]) -> Resolved:
+    """:func:`resolve_gpus` over the GPUs NVML sees, in this process's CUDA_DEVICE_ORDER (which the trials
+    inherit); no handles, and a note why, when NVML cannot list them."""
+    try:
+        gpus = _nvml_gpus()
+    except Exception as e:  # noqa: BLE001 - an NVML that cannot list its devices measures nothing
+        return Resolved([], [f"NVML could not list the GPUs ({type(e).__name__}: {e})"])
+    return resolve_gpus(list(entries), gpus=gpus, device_order=os.environ.get("CUDA_DEVICE_ORDER"))
 
 
 def gpu_info(ident: str = "0") -> tuple[Optional[str], Optional[float]]:
@@ -91,7 +260,10 @@ def gpu_info(ident: str = "0") -> tuple[Optional[str], Optional[float]]:
     import pynvml
 
     try:
-        h = _handle(ident)
+        resolved = resolve_visible([ident])
+        if not resolved.handles:
+            return None, None
+        h = resolved.handles[0]
         name = pynvml.nvmlDeviceGetName(h)
         name = name.decode() if isinstance(name, bytes) else name
         return name, pynvml.nvmlDeviceGetMemoryInfo(h).total / GIB
@@ -118,6 +290,9 @@ class MemoryPeaks:
     samples: int = 0
     pids_seen: tuple = ()
     load: Optional[dict] = None  # LoadMeter.figures(): what ran beside the trial (None: not metered)
+    # why the figures are not what they claim to be (a GPU NVML could not resolve, a device order guessed): one
+    # line each, for the trial's notes
+    notes: list = field(default_factory=list)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -211,14 +386,14 @@ class MemorySampler(threading.Thread):
         self.interval_s = 1.0 / hz
         self._stop_event = threading.Event()
         self._handles = []
+        notes: list[str] = []
         if use_nvml and nvml_available():
-            for ident in gpus if gpus is not None else visible_gpus():
-                try:
-                    self._handles.append(_handle(str(ident)))
-                except Exception:
-                    pass
+            resolved = resolve_visible([str(g) for g in (gpus if gpus is not None else visible_gpus())])
+            self._handles, notes = resolved.handles, resolved.notes
+            if not self._handles:
+                notes.append("no GPU of the trial resolved in NVML: its memory is the process tree's RSS (psutil)")
         self.source = "nvml" if self._handles else "psutil"
-        self.peaks = MemoryPeaks(external_source=self.source)
+        self.peaks = MemoryPeaks(external_source=self.source, notes=notes)
         self.load = LoadMeter()
         self._pids: set[int] = set()
 
