@@ -235,6 +235,11 @@ def resolve_gpus(entries: Sequence[str], *, gpus: Sequence[_Gpu], device_order: 
             handles.append(handle)
             if by_index and doubt and doubt not in notes:
                 notes.append(doubt)
+            if not by_index and not entry.startswith(("GPU-", "MIG-")):
+                notes.append(
+                    f"CUDA_VISIBLE_DEVICES entry {entry} read as GPU-{entry}: CUDA documents UUIDs with their GPU-"
+                    " prefix, and torch's parser stops at an entry without it"
+                )
             continue
         rest = entries[n + 1 :]
         after = f" (and {', '.join(rest)} after it, which CUDA then does not make visible)" if rest else ""
