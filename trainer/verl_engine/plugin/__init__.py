@@ -9,8 +9,11 @@
   in-run sweep, the current setting's keys: :mod:`trainer.verl_engine.schedule`) in its batch; each step's metrics
   row gets the setting it ran, the pass's peak (max over ranks), its micro-batches and the token lengths' percentiles.
 
-verl's files are never touched; another verl version than the one the passes are named after (0.9.1) measures
-nothing more than verl's own metrics (a hook that finds nothing to wrap says so once in the log).
+verl's files are never touched. Before anything is patched, :mod:`.entry_points` reads verl's source for every
+function the hooks wrap, with the parameters they pass; a verl that lacks one (another version than those the
+hooks are read from: ``entry_points.TESTED_VERSIONS``) is refused in one line that names its version and what it
+lacks, and the process exits: the trial records that line as its error (the adapter's ``classify_failure`` keeps
+the last line with ``error:``) instead of measuring less than it claims.
 """
 
 from __future__ import annotations
@@ -57,6 +60,13 @@ def _when_imported(name: str, patch: Callable) -> None:
 
 
 def _install() -> None:
+    from trainer.verl_engine.plugin.entry_points import refusal
+
+    # verl imports this module from its own __init__ (VERL_USE_EXTERNAL_MODULES): an exception there would print
+    # a traceback; SystemExit prints the one line and ends the process before Ray or any worker starts
+    why = refusal()
+    if why:
+        raise SystemExit(why)
     from trainer.verl_engine.plugin import driver, worker
 
     for name, patch in (*worker.PATCHES.items(), *driver.PATCHES.items()):
