@@ -11,6 +11,8 @@ be; the invariance suite runs every offload knob that way on a CPU).
 from __future__ import annotations
 
 import contextlib
+import functools
+import weakref
 from collections import Counter
 from typing import Callable, Optional
 
@@ -99,12 +101,13 @@ def activation_offload_context(
     enabled: bool, device: torch.device, sharded: Optional[Sharded] = None, *, on_cpu: bool = False
 ):
     """``enable_activation_offload``: what a training forward saves for backward inside the decoder blocks goes to
-    pinned host memory and comes back for backward, both copies ``non_blocking`` on the compute stream (no host
-    wait), the weights a layer saves excepted (verl's activation offload groups the decoder layers and skips FSDP
-    parameters too; what the root saves, the LM head's logits among it, stays on the device in both; torch's
-    ``save_on_cpu`` copies everything, weights too, with a blocking copy each). CUDA only: on a CPU the
-    activations are in host memory already, unless ``on_cpu`` asks for the same hooks there (each saved tensor
-    copied out and back)."""
+    pinned host memory and comes back for backward as verl's activation offload moves it (:class:`ActivationOffload`:
+    one group per block, copied out on a side stream while the next block computes, the last block's group kept on
+    the device, each group copied back on a second side stream while the block after it runs its backward; no host
+    wait), the weights a layer saves excepted. What the root saves, the LM head's logits among it, stays on the
+    device in both; torch's ``save_on_cpu`` (no ``sharded``) copies everything, weights too, with a blocking copy
+    each. CUDA only: on a CPU the activations are in host memory already, unless ``on_cpu`` asks for the same hooks
+    there (each saved tensor copied out and back at the same block boundaries, in program order)."""
     if not enabled or (device.type != "cuda" and not on_cpu):
         return contextlib.nullcontext()
     if sharded is None:
@@ -115,10 +118,23 @@ def activation_offload_context(
 
 
 class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
-    """What the ``blocks`` save to host memory and back (see :func:`activation_offload_context`), each distinct
-    tensor once per forward. A forward pre-hook on every block notes the storages of its gathered parameters while
-    the block's forward runs (a forward hook forgets them), so the weights its layers save stay where they are
-    (verl notes them the same way, per layer); outside a block nothing moves.
+    """What the ``blocks`` save, to host memory and back (see :func:`activation_offload_context`), each distinct
+    tensor once per forward and given back with its sizes and strides: a compiled backward reads its saved tensors as
+    the forward saved them (Inductor's ``assert_size_stride``), and HF hands attention its q/k/v transposed.
+
+    The window and the streams are verl 0.9.1's (``utils/activation_offload.py``,
+    ``AsyncDoubleBufferGroupOffloadHandler`` with ``num_offload_group`` = blocks - 1, one group per block). When
+    block g's forward ends (its ``synchronize_on_group_commit_forward``) the d2h stream waits for the compute, the
+    compute waits for group g-1's copies and lets its device tensors go, and group g starts copying out on the d2h
+    stream, held on the device while block g+1 runs; the last block's group is never copied. When block g's backward
+    starts (a hook on its output's gradient, where verl's ``GroupCommitFunction.backward`` runs
+    ``on_group_commit_backward``) the compute waits for group g's copies back and group g-1 starts coming back on the
+    h2d stream. On a CPU there are no streams: the same window, every copy in program order
+    (tests/trainer/engine/test_offload.py reads where each group is at every block boundary).
+
+    A forward pre-hook on every block notes the storages of its gathered parameters while the block's forward runs
+    (a forward hook forgets them), so the weights its layers save stay where they are (verl notes them the same way,
+    per layer); outside a block nothing moves.
 
     A host copy belongs to the tensor object it was made from (a weak reference: its entry goes when the tensor
     does), never to an address: the allocator hands a freed tensor's address to the next one of its size, which
@@ -130,54 +146,192 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         self.active = False
         self.weights: Counter[int] = Counter()  # storage address -> blocks now running that hold it
         self.noted: dict[nn.Module, list[int]] = {}  # the blocks now running -> the storages they noted
-        self.copies: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.copies: WeakIdKeyDictionary = WeakIdKeyDictionary()  # saved tensor -> its _Saved, this forward
+        self.offloaded = len(blocks) - 1  # verl's num_offload_group: the last block's group stays on the device
+        # the last forward's groups, one per block run (weak: autograd owns each entry and frees it as in a plain run)
+        self.groups: list[list[weakref.ref]] = []
+        self.streams = _Streams(None)  # verl's d2h and h2d streams, made at the first CUDA tensor saved
+        self._outgoing: Optional[list[weakref.ref]] = None  # the group copying out, still held on the device
         self.hooks = [block.register_forward_pre_hook(self._note_weights) for block in blocks]
         self.hooks += [block.register_forward_hook(self._forget_weights) for block in blocks]
 
     def __enter__(self):
         self.active, self.weights, self.noted, self.copies = True, Counter(), {}, WeakIdKeyDictionary()
+        self.groups, self._outgoing = [], None
         return super().__enter__()
 
     def __exit__(self, *exc):
+        self._let_go()  # a forward that stopped before its last block: its copies land before its tensors go
         self.active, self.weights, self.noted, self.copies = False, Counter(), {}, WeakIdKeyDictionary()
         return super().__exit__(*exc)
 
     def _note_weights(self, module: nn.Module, args) -> None:
         if self.active:
+            if not self.noted:  # an outermost block starts: its group
+                self.groups.append([])
             storages = [s for s in (_storage(p) for p in module.parameters()) if s is not None]
             self.noted[module] = storages
             self.weights.update(storages)
 
     def _forget_weights(self, module: nn.Module, args, output) -> None:
-        self.weights.subtract(self.noted.pop(module, []))
+        ran = self.noted.pop(module, None)
+        self.weights.subtract(ran or [])
         self.weights = +self.weights  # drop the storages no running block holds
+        if self.active and ran is not None and not self.noted:
+            self._commit_forward(output)
+
+    def _commit_forward(self, output) -> None:
+        """verl's ``synchronize_on_group_commit_forward`` as block g (the last group) ends."""
+        g, s = len(self.groups) - 1, self.streams
+        s.side_waits(s.d2h)
+        self._let_go()
+        if g < self.offloaded:
+            with s.on(s.d2h):
+                for entry in _alive(self.groups[g]):
+                    entry.copy_out()
+            self._outgoing = self.groups[g]
+        out = output[0] if isinstance(output, (tuple, list)) and output else output
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(functools.partial(self._commit_backward, self.groups, g))
+
+    def _let_go(self) -> None:
+        """The group copying out has landed (the compute waits for it): its device tensors go."""
+        if self._outgoing is not None:
+            self.streams.compute_waits(self.streams.d2h)
+            for entry in _alive(self._outgoing):
+                entry.device = None
+            self._outgoing = None
+
+    def _commit_backward(self, groups: list[list[weakref.ref]], g: int, grad: torch.Tensor) -> None:
+        """verl's ``on_group_commit_backward`` as block g's backward is about to run: its group's copies back (started
+        one block earlier) are waited for, and group g-1 starts coming back."""
+        s = self.streams
+        if g >= 1:
+            s.side_waits(s.h2d)
+        s.compute_waits(s.h2d)
+        for entry in _alive(groups[g]):
+            entry.pending = False
+        if g >= 1:
+            compute = s.compute()
+            with s.on(s.h2d):
+                for entry in _alive(groups[g - 1]):
+                    entry.copy_in(compute)
 
     def offloads(self, t: torch.Tensor) -> bool:
-        """Whether ``t`` goes to the host: saved inside a block, a dense tensor that is no parameter and shares no
-        parameter's storage."""
+        """Whether ``t`` goes to the host: saved inside a block, a strided tensor with elements that is no parameter
+        and shares no parameter's storage."""
         if not self.noted or t.layout != torch.strided or isinstance(t, nn.Parameter) or type(t) is not torch.Tensor:
             return False
         storage = _storage(t)
-        return storage is not None and storage not in self.weights
+        return storage is not None and storage not in self.weights and t.numel() > 0
 
     def _pack(self, t: torch.Tensor):
         if not self.offloads(t):
             return t
-        host = self.copies.get(t)
-        if host is None:
-            pin = t.device.type == "cuda"
-            host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
-            host.copy_(t, non_blocking=pin)
-            self.copies[t] = host
-        return (t.device, host)
+        entry = self.copies.get(t)
+        if entry is None:
+            if t.is_cuda and self.streams.d2h is None:
+                self.streams = _Streams(t.device)
+            entry = self.copies[t] = _Saved(t)
+            self.groups[-1].append(weakref.ref(entry))
+        return entry
 
-    @staticmethod
-    def _unpack(packed):
-        if isinstance(packed, tuple):
-            device, host = packed
-            # a fresh tensor per unpack, also on a CPU: a backward may write into what it unpacked
-            return host.to(device, non_blocking=host.is_pinned(), copy=True)
-        return packed
+    def _unpack(self, packed):
+        return packed.get(self.streams) if isinstance(packed, _Saved) else packed
+
+
+class _Saved:
+    """One saved activation: ``device`` is the tensor itself until its group's copy out has landed, then None, then
+    its copy back; ``host`` its host copy once copied out. ``span``: None for a non-overlapping and dense tensor (it
+    moves as itself, into ``empty_strided``: the same strides both ways); else (a slice with gaps, an expanded mask)
+    the stretch of storage its elements cover, which moves whole and comes back viewed with the same sizes and
+    strides."""
+
+    __slots__ = ("device", "host", "home", "size", "stride", "span", "pending", "__weakref__")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.device: Optional[torch.Tensor] = t
+        self.host: Optional[torch.Tensor] = None
+        self.home, self.size, self.stride, self.pending = t.device, t.size(), t.stride(), False
+        self.span = None if _dense(t) else 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+
+    def copy_out(self) -> None:
+        t, pin = self.device, self.home.type == "cuda"
+        assert t is not None
+        if self.span is None:
+            self.host = torch.empty_strided(self.size, self.stride, dtype=t.dtype, device="cpu", pin_memory=pin)
+            self.host.copy_(t, non_blocking=pin)
+        else:
+            self.host = torch.empty(self.span, dtype=t.dtype, device="cpu", pin_memory=pin)
+            self.host.copy_(t.as_strided((self.span,), (1,), t.storage_offset()), non_blocking=pin)
+
+    def copy_in(self, compute=None) -> None:
+        """Back to the device, on the current stream; ``compute``: the stream that will read it, when the current one
+        is a side stream (the allocator then keeps the memory until the compute's reads are done, and the first read
+        waits for the copy)."""
+        if self.device is not None or self.host is None:
+            return
+        pin = self.home.type == "cuda"
+        shape = (self.span,) if self.span is not None else self.size
+        strides = (1,) if self.span is not None else self.stride
+        dev = torch.empty_strided(shape, strides, dtype=self.host.dtype, device=self.home)
+        dev.copy_(self.host, non_blocking=pin)
+        if compute is not None:
+            dev.record_stream(compute)
+            self.pending = True
+        self.device = dev if self.span is None else dev.as_strided(self.size, self.stride)
+
+    def get(self, streams: "_Streams") -> torch.Tensor:
+        """What backward reads. One copy back per entry, shared by every node that saved the tensor (as the plain run
+        shares the tensor itself); an entry its group's prefetch did not bring (saved again by a later block) comes
+        back here, in stream order."""
+        if self.device is None:
+            self.copy_in()
+        elif self.pending:
+            streams.compute_waits(streams.h2d)
+            self.pending = False
+        assert self.device is not None
+        return self.device
+
+
+class _Streams:
+    """verl's ``d2h_stream`` and ``h2d_stream`` on ``device``; with none (a CPU run) every copy runs in program order
+    and there is nothing to wait for."""
+
+    def __init__(self, device: Optional[torch.device]) -> None:
+        self.d2h = torch.cuda.Stream(device) if device is not None else None
+        self.h2d = torch.cuda.Stream(device) if device is not None else None
+
+    def compute(self):
+        return torch.cuda.current_stream(self.d2h.device) if self.d2h is not None else None
+
+    def on(self, side):
+        return torch.cuda.stream(side) if side is not None else contextlib.nullcontext()
+
+    def side_waits(self, side) -> None:
+        """``side`` starts after everything the compute stream has queued so far."""
+        if side is not None:
+            side.wait_stream(self.compute())
+
+    def compute_waits(self, side) -> None:
+        """What the compute stream queues next starts after everything ``side`` has queued so far."""
+        if side is not None:
+            self.compute().wait_stream(side)
+
+
+def _alive(group: list[weakref.ref]) -> list["_Saved"]:
+    return [e for e in (r() for r in group) if e is not None]
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Non-overlapping and dense (torch._prims_common.is_non_overlapping_and_dense's rule): some order of the
+    dimensions of size > 1 has each stride the product of the sizes before it."""
+    expected = 1
+    for size, stride in sorted(((n, st) for n, st in zip(t.shape, t.stride()) if n != 1), key=lambda p: p[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _storage(t: torch.Tensor) -> Optional[int]:

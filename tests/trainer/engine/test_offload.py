@@ -1,6 +1,7 @@
 """The offload knobs' own logic on a CPU (trainer/engine/offload.py): activation offload's choice of what to move
 (never a weight a layer saves, each distinct activation once) and its round trip (the same gradients, bit for bit,
-also where the allocator hands a freed activation's address to the next one). The copies themselves are pinned and
+also where the allocator hands a freed activation's address to the next one; each saved tensor back with the sizes
+and strides it was saved with, which a compiled backward checks). The copies themselves are pinned and
 non-blocking only on a GPU (tests/trainer/engine/test_gpu.py runs them there)."""
 
 import contextlib
@@ -103,3 +104,81 @@ def test_activation_offload_moves_nothing_saved_outside_the_blocks():
         inside = list(moved)
         model[1](hidden).sum().backward()
     assert inside and moved == inside, "only what the block saved went to the host"
+
+
+# A compiled function of an attention-shaped activation handed over transposed, as HF attention hands q/k/v to its
+# kernel (compiled flex attention on CUDA): AOTAutograd saves q as the forward had it, and the compiled backward
+# checks the sizes and strides of what it reads back (torch Inductor's ``assert_size_stride``, emitted at the top of
+# every compiled graph for its inputs).
+_compiled = torch.compile(lambda q: q.sin() * q)
+
+
+class _Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 24)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.proj(x).view(b, s, 4, 6).transpose(1, 2)  # (batch, heads, seq, head_dim), not contiguous
+        return _compiled(q).transpose(1, 2).reshape(b, s, 24)[..., :8] + x
+
+
+def test_a_compiled_backward_reads_back_the_layout_its_forward_saved():
+    torch.manual_seed(0)
+    model = nn.Sequential(_Attention(), _Attention(), _Attention())
+    x = torch.randn(2, 3, 8, requires_grad=True)
+    base = _gradients(model, x, contextlib.nullcontext())
+    got = _gradients(model, x, ActivationOffload(list(model)))
+    for (name, _), a, b in zip(model.named_parameters(), got, base):
+        assert torch.equal(a, b), f"{name}'s gradient differs from the plain run's"
+
+
+class _Keep(torch.autograd.Function):
+    """Saves ``view`` for backward and records what backward reads back (sizes, strides, values)."""
+
+    @staticmethod
+    def forward(ctx, x, view, seen):
+        ctx.save_for_backward(view)
+        ctx.seen = seen
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (view,) = ctx.saved_tensors
+        ctx.seen.append((view.shape, view.stride(), view.clone()))
+        return grad, None, None
+
+
+_VIEWS = {
+    "transposed": lambda h: h.transpose(0, 1),
+    "a slice with an offset and gaps": lambda h: h[1:, 2:5],
+    "expanded (stride 0)": lambda h: h[:1].expand(6, 8),
+    "strided with an offset": lambda h: h[1::2, ::3],
+    "contiguous": lambda h: h,
+}
+
+
+@pytest.mark.parametrize("view", list(_VIEWS))
+def test_a_saved_view_comes_back_with_its_sizes_strides_and_values(view):
+    """Every layout a block may save, non-overlapping and dense or not, comes back as it was saved, after its device
+    tensor went (the first of two blocks: the last block's group stays on the device, as in verl)."""
+    lin = nn.Linear(8, 8)
+    x = torch.randn(6, 8, requires_grad=True)
+    seen: list = []
+
+    class Block(nn.Module):
+        def forward(self, x):
+            return _Keep.apply(x, _VIEWS[view](torch.tanh(lin(x))), seen)
+
+    first, last = Block(), nn.Tanh()
+    offload = ActivationOffload([first, last])
+    with offload:
+        out = last(first(x))
+        h = _VIEWS[view](torch.tanh(lin(x)))  # the same values, to compare with
+    entries = [r() for r in offload.groups[0]]
+    assert any(e.device is None and e.host is not None for e in entries), "the view did not go to the host"
+    out.sum().backward()
+    (shape, stride, values) = seen[0]
+    assert (shape, stride) == (h.shape, h.stride())
+    assert torch.equal(values, h)
