@@ -229,7 +229,7 @@ def resolve_gpus(entries: Sequence[str], *, gpus: Sequence[_Gpu], device_order: 
     handles: list = []
     notes: list[str] = []
     for n, entry in enumerate(entries):
-        by_index = entry[:1].isdigit() or entry[:1] in "+-"
+        by_index = entry[:1].isdigit() or entry[:1] in ("+", "-")
         handle, why = _by_index(entry, ordered) if by_index else _by_uuid(entry, gpus)
         if handle is not None:
             handles.append(handle)
