@@ -8,12 +8,17 @@ learning rate). A :class:`Check` says which variant must reproduce which referen
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torchrun import torchrun
+from torchrun import ROOT, torchrun
 
 from trainer.config import FSDP_SECTIONS
 
@@ -291,6 +296,121 @@ def run_variants(nproc: int, out: Path, variants: dict, env: dict | None = None)
     elapsed = time.perf_counter() - t0
     print(f"invariance: {len(variants)} variants on {nproc} process(es) in {elapsed:.1f} s")
     return {name: torch.load(out / f"{name}.pt") for name in variants}
+
+
+#: How many launches in a row may save nothing before the rest of the variants are given up: a launch that fails
+#: before its first variant is saved is a start-up failure as likely as a first variant's, and each retry costs a
+#: start of torch and the process group.
+BARREN_LAUNCHES = 3
+# the line of a traceback that names the exception (not torchrun's own summary of a failed rank)
+_EXCEPTION_LINE = re.compile(r"^[\w.]*(Error|Exception|Interrupt)\b.*$", re.MULTILINE)
+
+
+def _why(log: Path, returncode: int | str) -> str:
+    """One line on a failed launch: its last exception line (or last line) and where the whole log is."""
+    text = log.read_text(errors="replace") if log.is_file() else ""
+    lines = [m.group(0) for m in _EXCEPTION_LINE.finditer(text) if "ChildFailedError" not in m.group(0)]
+    last = (lines or [ln for ln in text.splitlines() if ln.strip()] or ["(no output)"])[-1]
+    return f"launch exit {returncode}: {last.strip()[:300]} (log: {log})"
+
+
+def torchrun_logged(nproc: int, env: dict | None = None, timeout: int = 900) -> Callable[[Path, Path], int | str]:
+    """A launch for :func:`run_variants_caught`: torchrun of the worker (as :func:`torchrun.torchrun` starts it),
+    its output streamed to ``log`` as it runs, so a launch cut short by a timeout or a signal leaves it."""
+
+    def launch(spec: Path, log: Path) -> int | str:
+        path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+        with log.open("w") as f:
+            try:
+                return subprocess.run(
+                    [*cmd, str(WORKER), str(spec.parent), str(spec)],
+                    cwd=ROOT,
+                    stdout=f,
+                    stderr=subprocess.STDOUT,
+                    timeout=timeout,
+                    env={**os.environ, "PYTHONPATH": path, **(env or {})},
+                ).returncode
+            except subprocess.TimeoutExpired:
+                return f"timeout after {timeout} s"
+
+    return launch
+
+
+def run_variants_caught(
+    nproc: int,
+    out: Path,
+    variants: dict,
+    env: dict | None = None,
+    *,
+    launch: Callable[[Path, Path], int | str] | None = None,
+) -> tuple[dict, dict[str, str]]:
+    """:func:`run_variants`, each variant caught alone; -> ({variant: saved}, {variant: why it has no result}).
+
+    The worker saves each variant as it finishes, in order, so when a launch fails the first variant it did not
+    save is the one that failed: it is recorded with the launch's last exception line, and the variants after it
+    run in a new launch. One variant's failure costs one more start-up instead of hiding every result after it.
+    ``launch(spec, log)`` runs the worker over ``spec`` (its output to ``log``) and returns its exit status (or why
+    it has none); by default :func:`torchrun_logged`.
+    """
+    launch = launch or torchrun_logged(nproc, env)
+    got: dict = {}
+    missing: dict[str, str] = {}
+    pending = list(variants)
+    barren = 0
+    for attempt in range(1, len(variants) + 1):
+        if not pending:
+            break
+        spec, log = out / f"variants{nproc}-{attempt}.json", out / f"variants{nproc}-{attempt}.log"
+        spec.write_text(json.dumps({name: variants[name] for name in pending}))
+        for name in pending:  # a result left by an earlier run in this folder is not this launch's
+            (out / f"{name}.pt").unlink(missing_ok=True)
+        t0 = time.perf_counter()
+        status = launch(spec, log)
+        saved = []
+        for name in pending:
+            if not (out / f"{name}.pt").is_file():
+                break
+            try:
+                got[name] = torch.load(out / f"{name}.pt")
+            except Exception as exc:  # noqa: BLE001 - one unreadable result is that variant's failure alone
+                missing[name] = f"its result does not load: {type(exc).__name__}: {exc}"
+            saved.append(name)
+        print(
+            f"invariance: launch {attempt}, {len(saved)} of {len(pending)} variants on {nproc} process(es) in "
+            f"{time.perf_counter() - t0:.1f} s, exit {status}",
+            flush=True,
+        )
+        pending = pending[len(saved) :]
+        if status == 0 and not pending:
+            break
+        barren = 0 if saved else barren + 1
+        if not pending:  # every variant saved, then the launch failed (its barrier or its teardown)
+            print(f"invariance: every variant saved, then {_why(log, status)}", flush=True)
+            break
+        failed, pending = pending[0], pending[1:]
+        missing[failed] = _why(log, status)
+        print(f"invariance: {failed} FAILED: {missing[failed]}", flush=True)
+        if barren >= BARREN_LAUNCHES:
+            for name in pending:
+                missing[name] = f"not run: {barren} launches in a row saved nothing ({missing[failed]})"
+            pending = []
+    return got, missing
+
+
+def caught_failures(got: dict, missing: dict[str, str], check: Check) -> list[str]:
+    """:func:`failures`, but a check whose variant or reference has no result says why, and a comparison that
+    raises is that check's failure alone."""
+    absent = [v for v in dict.fromkeys((check.variant, check.reference)) if v not in got]
+    if absent:
+        return [
+            f"{check.variant} vs {check.reference}: not compared, {v} has no result ({missing.get(v, 'not run')})"
+            for v in absent
+        ]
+    try:
+        return failures(got, check)
+    except Exception as exc:  # noqa: BLE001 - the other checks still report
+        return [f"{check.variant} vs {check.reference}: the comparison raised {type(exc).__name__}: {exc}"]
 
 
 # Softmax is shift-invariant, so the exact gradient of a key-projection bias is zero: what the
