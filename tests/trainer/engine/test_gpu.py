@@ -5,20 +5,27 @@ Skipped without a CUDA device; never needed in CI (its plan is: tests/test_gpu_c
 
 :data:`PLAN` is what ``scripts/gpu_check.sh`` runs, in order, within :data:`BUDGET_S` of GPU time: the profile at
 the realistic shape first (the question the next loan must answer), then correctness (the invariance suite on
-CUDA, activation offload included), then the rest; each group's estimate is printed before it starts and each
-test's outcome as it ends, so a timeout keeps what finished. The estimates come from the first H200 run
-(docs/gpu.md, its groups' times) and, for the realistic shape (not run yet), from its size.
+CUDA, activation offload included), then the rest; each group's estimate and limit are printed before it starts and
+each test's outcome as it ends, so a timeout keeps what finished. The estimates come from the first H200 run
+(docs/gpu.md, its groups' times) and, for the realistic shape (not run yet), from its size; each group's limit is its
+own share of the budget (:func:`group_limits`), so one group's overrun costs no other group its time.
+
+Under the script each test writes as it runs under the logs folder it is given (:data:`LOGS_ENV`): its temporary
+folder is made there and its subprocesses stream their output into log files in it (:func:`_logged`), so a test
+stopped by its group's limit leaves what it had printed, and the runner prints those logs' last lines.
 
 Run on a GPU machine with either of:
     python -m pytest tests/trainer/engine/test_gpu.py -v -s
     python tests/trainer/engine/test_gpu.py [NAME ...]  # no pytest plugins needed: every test (or those whose name
                                                  # holds a NAME), each outcome as it ends, a summary
-    python tests/trainer/engine/test_gpu.py --plan      # the groups, their estimates, checked against the budget
+    python tests/trainer/engine/test_gpu.py --plan      # the groups, their estimates and limits, against the budget
     python tests/trainer/engine/test_gpu.py --group NAME
 """
 
 import dataclasses
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -37,8 +44,8 @@ from invariance import (  # noqa: E402
     VARIANTS_BF16_2,
     VARIANTS_GRPO_2,
     bit_differences,
-    failures,
-    run_variants,
+    caught_failures,
+    run_variants_caught,
     table,
 )
 
@@ -67,6 +74,10 @@ PLAN = [
         ],
     ),
 ]
+#: The folder the runner makes each test's temporary folder in (scripts/gpu_check.sh sets it to a folder under its
+#: logs): a test's files, its subprocesses' streamed logs included, outlive a test stopped by its group's limit.
+#: Unset, the runner makes them under the system's temporary folder.
+LOGS_ENV = "PPOTUNE_GPU_LOGS"
 #: Not in the plan: run by name (``python tests/trainer/engine/test_gpu.py NAME``) when a loan has time left
 EXTRA = [
     "test_offload_cost_at_a_realistic_shape",
@@ -100,25 +111,23 @@ WIDE = {
 }
 
 
+def _logged(tmp_path: Path, stem: str, cmd: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run ``cmd`` with its output streamed, as it runs, to a new ``tmp_path/<stem>-<n>.log``; -> the finished
+    process, its output read back as ``stdout`` (``stderr`` is in it). Streamed rather than captured: a test stopped
+    by its group's limit leaves the log (the runner prints its last lines)."""
+    n = 1 + sum(1 for _ in tmp_path.glob(f"{stem}-*.log"))
+    log = tmp_path / f"{stem}-{n}.log"
+    with log.open("w") as f:
+        returncode = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
+    return subprocess.CompletedProcess(cmd, returncode, stdout=log.read_text(errors="replace"), stderr="")
+
+
 def _train(tmp_path, *args):
-    result = tmp_path / "r.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tuner.cli",
-            "train",
-            BASE,
-            "ppotune.device=cuda",
-            *map(str, args),
-            "--result",
-            str(result),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    result = tmp_path / f"r{1 + sum(1 for _ in tmp_path.glob('r*.json'))}.json"
+    cmd = [sys.executable, "-m", "tuner.cli", "train", BASE, "ppotune.device=cuda", *map(str, args)]
+    proc = _logged(tmp_path, "train", [*cmd, "--result", str(result)])
+    # a run that wrote no result (it crashed before) says what it printed, not a missing file's name
+    assert result.is_file(), f"no result (exit {proc.returncode}): {proc.stdout[-3000:]}"
     return proc, json.loads(result.read_text())
 
 
@@ -363,22 +372,34 @@ def test_invariance_on_cuda(tmp_path):
     fp32 within 10x the CPU tolerance: cuBLAS picks its kernels by shape, so another micro-batch split may
     sum in another order even with TF32 off; bf16 within the same tolerances as on CPU."""
     n, env = torch.cuda.device_count(), {"PPOTUNE_TEST_DEVICE": "cuda"}
-    got = {
-        **run_variants(n, tmp_path, {**VARIANTS_2, **VARIANTS_BF16_2, **VARIANTS_GRPO_2}, env=env),
-        **run_variants(1, tmp_path, VARIANTS_1, env=env),
-    }
-    print(table(got, CHECKS_FP32 + CHECKS_BF16))
+    # each variant caught alone: one that fails is reported and the launch goes on from the next
+    got, missing = run_variants_caught(n, tmp_path, {**VARIANTS_2, **VARIANTS_BF16_2, **VARIANTS_GRPO_2}, env=env)
+    got1, missing1 = run_variants_caught(1, tmp_path, VARIANTS_1, env=env)
+    got, missing = {**got, **got1}, {**missing, **missing1}
+    print(f"invariance: {len(got)} of {len(got) + len(missing)} variants ran", flush=True)
+    found = [f"{variant} FAILED: {why}" for variant, why in missing.items()]
+    checks = CHECKS_FP32 + CHECKS_BF16
+    try:
+        print(table(got, [c for c in checks if c.variant in got and c.reference in got]), flush=True)
+    except Exception as exc:  # noqa: BLE001 - the checks below still report one by one
+        found.append(f"the table of differences raised {type(exc).__name__}: {exc}")
     gpu_exact = dataclasses.replace(CHECKS_FP32[0].tol, params=10 * TOL, grads=10 * TOL)
-    found = [f for c in CHECKS_FP32 for f in failures(got, dataclasses.replace(c, tol=gpu_exact))]
-    found += [f for c in CHECKS_BF16 for f in failures(got, c)]
+    found += [f for c in CHECKS_FP32 for f in caught_failures(got, missing, dataclasses.replace(c, tol=gpu_exact))]
+    found += [f for c in CHECKS_BF16 for f in caught_failures(got, missing, c)]
     # offload moves tensors and changes no arithmetic: the same bits (but offload_policy, whose optimizer step runs
     # on the CPU, rounds otherwise)
     for variant, reference in BIT_FOR_BIT:
-        if "offload_policy" not in variant:
-            differing = bit_differences(got, variant, reference)
-            print(f"bit for bit {variant} vs {reference}: {len(differing)} tensors differ", flush=True)
-            found += [f"{variant} vs {reference}: {d} differs" for d in differing[:3]]
-    assert all(got[v]["activation_offload_ran"] for v in ("activation_offload", "fsdp2_activation_offload"))
+        if "offload_policy" in variant:
+            continue
+        if variant not in got or reference not in got:
+            found.append(f"bit for bit {variant} vs {reference}: not compared (a variant has no result)")
+            continue
+        differing = bit_differences(got, variant, reference)
+        print(f"bit for bit {variant} vs {reference}: {len(differing)} tensors differ", flush=True)
+        found += [f"{variant} vs {reference}: {d} differs" for d in differing[:3]]
+    for variant in ("activation_offload", "fsdp2_activation_offload"):
+        if variant in got and not got[variant]["activation_offload_ran"]:
+            found.append(f"{variant}: the activation offload hooks did not run")
     assert not found, "\n".join(found)
 
 
@@ -484,6 +505,24 @@ def _tests(wanted: list[str]) -> list[tuple[str, object]]:
     return [(k, v) for k, v in tests if not wanted or any(w in k for w in wanted)]
 
 
+def group_limits(plan=PLAN, budget_s: int = BUDGET_S) -> list[tuple[str, int, int, int]]:
+    """(group, estimate_s, limit_s, deadline_s) of each group of ``plan``, from the plan alone.
+
+    A group's limit is its reserved share of the budget: its estimate scaled by ``budget_s / (sum of estimates)``,
+    rounded down, so the limits never sum past the budget. Its deadline (seconds from the first group's start) is
+    the sum of its limit and every earlier group's. scripts/gpu_check.sh stops each group at its deadline: a group
+    that overruns spends its own limit and is stopped there, so no later group's share is touched, while the time
+    an earlier group left over passes on to the next.
+    """
+    total = sum(est for _, est, _ in plan)
+    out, deadline = [], 0
+    for group, est, _ in plan:
+        limit = est * budget_s // total if total else 0
+        deadline += limit
+        out.append((group, est, limit, deadline))
+    return out
+
+
 def plan_problems() -> list[str]:
     """What is wrong with :data:`PLAN`: over :data:`BUDGET_S`, a name that is no test here, a test in two groups."""
     problems = []
@@ -505,10 +544,15 @@ def plan_problems() -> list[str]:
 
 
 def print_plan() -> int:
-    """The groups as scripts/gpu_check.sh reads them (``group NAME ESTIMATE_S TEST...``), then what is left out."""
-    for group, est, names in PLAN:
-        print(f"group {group} {est} {' '.join(names)}")
-    print(f"total {sum(est for _, est, _ in PLAN)} s of a {BUDGET_S} s budget")
+    """The groups as scripts/gpu_check.sh reads them (``group NAME ESTIMATE_S LIMIT_S DEADLINE_S TEST...``), the
+    totals, then what is left out."""
+    print("# group NAME ESTIMATE_S LIMIT_S DEADLINE_S TESTS: the limit is the group's share of the budget (its")
+    print("# estimate scaled to it), the deadline is from the first group's start; a group gets until its deadline")
+    limits = group_limits()
+    for (group, est, limit, deadline), (_, _, names) in zip(limits, PLAN, strict=True):
+        print(f"group {group} {est} {limit} {deadline} {' '.join(names)}")
+    total, reserved = sum(est for _, est, _ in PLAN), sum(limit for _, _, limit, _ in limits)
+    print(f"total {total} s estimated, {reserved} s of limits, of a {BUDGET_S} s budget")
     print("not in the plan (run by name when a loan has time left):", " ".join(EXTRA))
     problems = plan_problems()
     for p in problems:
@@ -516,10 +560,28 @@ def print_plan() -> int:
     return 2 if problems else 0
 
 
+def _test_folder(label: str) -> Path:
+    """A new temporary folder for the test ``label``: under :data:`LOGS_ENV`'s folder when it is set."""
+    import tempfile
+
+    base = os.environ.get(LOGS_ENV)
+    if base:  # absolute: the test's subprocesses may run from another folder
+        base = str(Path(base).resolve())
+        Path(base).mkdir(parents=True, exist_ok=True)
+    # only letters, digits, '.', '_' and '-' in the name: a parametrized test's brackets would not travel back
+    return Path(tempfile.mkdtemp(prefix=re.sub(r"[^A-Za-z0-9._-]", "_", label) + "-", dir=base or None))
+
+
+def _print_log_tails(folder: Path, lines: int = 25) -> None:
+    """The last ``lines`` lines of every log under ``folder``: what a test stopped by its limit had got to."""
+    for log in sorted(folder.rglob("*.log"), key=lambda p: p.stat().st_mtime):
+        tail = log.read_text(errors="replace").splitlines()[-lines:]
+        print(f"----- the last {len(tail)} lines of {log}:", *tail, sep="\n", flush=True)
+
+
 def run_tests(tests) -> int:
     """Run ``tests`` (name, function), each outcome printed as it ends; an interrupt (a timeout's SIGINT) stops
-    the run and the summary still says what finished."""
-    import tempfile
+    the run, the interrupted test's logs' last lines are printed and the summary still says what finished."""
     import time
     import traceback
 
@@ -532,14 +594,20 @@ def run_tests(tests) -> int:
                 label = f"{name}[{value}]" if argname else name
                 print(f"===== {label}", flush=True)
                 kwargs = {argname: value} if argname else {}
+                folder = None
                 if "tmp_path" in fn.__code__.co_varnames[: fn.__code__.co_argcount]:
-                    kwargs["tmp_path"] = Path(tempfile.mkdtemp(prefix="ppotune-gpu-"))
+                    kwargs["tmp_path"] = folder = _test_folder(label)
+                    print(f"----- {label} writes under {folder}", flush=True)
                 start = time.monotonic()
                 try:
                     fn(**kwargs)
                     results[label] = f"PASS ({time.monotonic() - start:.0f} s)"
                 except KeyboardInterrupt:
-                    results[label] = f"INTERRUPTED ({time.monotonic() - start:.0f} s)"
+                    results[label] = f"INTERRUPTED ({time.monotonic() - start:.0f} s)" + (
+                        f" its files: {folder}" if folder else ""
+                    )
+                    if folder:
+                        _print_log_tails(folder)
                     raise
                 except BaseException as exc:  # noqa: BLE001 - report every test, then the summary
                     if type(exc).__name__ == "Skipped":
