@@ -93,6 +93,7 @@ def trial_record(run: TrialRun, *, config_path: Path, gpus: Optional[list[str]],
     external = None if above_start or absolute_only else mem.external_peak_gb
     peaks = [p for p in (external, inner_peak) if p is not None]
     notes = list(res.get("notes") or [])
+    notes += [n for n in mem.notes if n not in notes]  # how the GPUs were read (an NVML fallback says so)
     stopped = summary.get("stopped_early") or ""
     if stopped:
         notes.append(f"measured {summary.get('num_measured_steps')} steps: {stopped}")
