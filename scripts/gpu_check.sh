@@ -13,13 +13,14 @@
 #
 # Order (PLAN): the profile at the realistic shape first, then correctness (the invariance suite on CUDA, activation
 # offload included), then the rest. Each group's estimate and limit are printed before it starts, its output streams
-# as it runs, and its summary is printed as soon as it ends.
+# as it runs, and its summary is printed as soon as it ends; every group's summary again at the end.
 #
 # Limits: each group's limit is its own share of the budget, computed from the plan alone (test_gpu.py's
 # group_limits: the estimates scaled to the budget, so the limits never sum past it), and the group runs until its
 # deadline, the sum of its and the earlier groups' limits. A group that overruns is interrupted at its own deadline
 # (SIGINT: the runner prints what finished and the interrupted test's last log lines; SIGKILL GRACE s later, still
-# inside its limit), so it never takes a later group's share; a group that ends early hands its time on.
+# inside its limit; then whatever of the group is left), so it never takes a later group's share; a group that ends
+# early hands its time on.
 #
 # Files: each test writes under DIR/work/GROUP/ as it runs (test_gpu.py's LOGS_ENV), so a test stopped by its
 # limit leaves its output; after each group the text of work/ is packed into tests.tar.gz, because a device loan
