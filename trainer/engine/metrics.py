@@ -1,20 +1,22 @@
 """Timers, throughput, MFU and memory: measured like a benchmark.
 
 CUDA: allocator peaks (allocated/reserved) reset at each phase (with a colocated vLLM engine, also
-the device's used memory at the phase's end). CPU: peak RSS (VmHWM), reset at each phase by writing
-"5" to /proc/self/clear_refs.
+the device's used memory at the phase's end), less what the allocator counts for a sleeping engine
+(:class:`Unmapped`). CPU: peak RSS (VmHWM), reset at each phase by writing "5" to /proc/self/clear_refs.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from typing import Optional
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 
 __all__ = [
     "PhaseMeter",
+    "Unmapped",
     "actor_mfu",
     "phase_flops",
     "peak_flops",
@@ -276,16 +278,35 @@ def phase_table(profile: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class Unmapped:
+    """Bytes torch's caching allocator counts on a device whose physical memory is unmapped: a sleeping vLLM
+    engine's pool (trainer.engine.vllm_rollout.unmapped_pool_bytes). ``allocated``: its share of the allocated
+    counter (live tensors); ``reserved``: of the reserved counter and the per-process fraction (segments)."""
+
+    allocated: int = 0
+    reserved: int = 0
+
+
 class PhaseMeter:
-    """Times each PPO phase and records its memory peak on this rank."""
+    """Times each PPO phase and records its memory peak on this rank.
+
+    CUDA: a phase's peak is what the device held for it: torch's allocated peak less what the allocator counted
+    for a sleeping engine while the peak could occur (``unmapped``, read again at each :meth:`engine_changed`),
+    plus, with ``device_wide``, what the device held outside the allocator (:meth:`sample`)."""
 
     def __init__(self, device: torch.device, on_phase=None, *, device_wide: bool = False):
         self.device = device
-        # CUDA: also count what the device holds beyond torch's allocator (a colocated vLLM engine's
-        # KV cache and weights can live in vLLM's own memory pool)
+        # CUDA: also count what the device holds beyond torch's allocator (the CUDA context, NCCL's buffers and
+        # the cuBLAS workspace a colocated vLLM engine creates)
         self.device_wide = device_wide
         self._outside_peak = 0.0
         self.on_phase = on_phase  # told each phase's name as it starts (so an OOM report can name it)
+        #: what torch counts that the device does not hold now (set by the trial for a sleeping engine)
+        self.unmapped: Callable[[], Unmapped] = Unmapped
+        self._window = Unmapped()  # what was unmapped since the peak counters were last reset
+        self._in_phase = False
+        self._phase_peaks = (0, 0)  # (allocated, reserved) bytes the device held for the phase so far
         self.timing: dict[str, float] = {}
         self.memory: dict[str, float] = {}
         self.allocated_peak = 0.0
@@ -296,15 +317,29 @@ class PhaseMeter:
 
     def sample(self) -> None:
         """CUDA with ``device_wide``: count the device memory held outside torch's allocator now in the
-        current phase's peak (call it where that memory is at its height, e.g. before an engine sleeps)."""
+        current phase's peak (call it where that memory is at its height, e.g. before an engine sleeps).
+        A sleeping engine's segments are in torch's reserved count but not on the device: they come off it."""
         if self.device_wide and self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            outside = (total - free - torch.cuda.memory_reserved(self.device)) / GB
-            self._outside_peak = max(self._outside_peak, outside)
+            held = torch.cuda.memory_reserved(self.device) - self.unmapped().reserved
+            self._outside_peak = max(self._outside_peak, (total - free - held) / GB)
+
+    def engine_changed(self) -> None:
+        """Call right after a colocated engine slept or woke: torch's counters did not move, what the device
+        holds did. The peak so far is taken with what was unmapped until now, and the counters start again."""
+        if self.device.type == "cuda" and self._in_phase:
+            self._fold()
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._window = self.unmapped()
+
+    def _fold(self) -> None:
+        allocated = torch.cuda.max_memory_allocated(self.device) - self._window.allocated
+        reserved = torch.cuda.max_memory_reserved(self.device) - self._window.reserved
+        self._phase_peaks = (max(self._phase_peaks[0], allocated), max(self._phase_peaks[1], reserved))
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(self.device)
 
     @contextlib.contextmanager
     def phase(self, name: str):
@@ -313,17 +348,22 @@ class PhaseMeter:
         self._sync()
         self._outside_peak = 0.0
         if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._window, self._phase_peaks = self.unmapped(), (0, 0)
         else:
             _reset_rss_peak()
         t0 = time.perf_counter()
-        with torch.profiler.record_function(_PHASE_MARK + name) if self.profiling else contextlib.nullcontext():
-            yield
-            self._sync()
+        self._in_phase = True
+        try:
+            with torch.profiler.record_function(_PHASE_MARK + name) if self.profiling else contextlib.nullcontext():
+                yield
+                self._sync()
+        finally:
+            self._in_phase = False
         self.timing[name] = self.timing.get(name, 0.0) + time.perf_counter() - t0
         if self.device.type == "cuda":
-            alloc = torch.cuda.max_memory_allocated() / GB
-            reserved = torch.cuda.max_memory_reserved() / GB
+            self._fold()
+            alloc, reserved = (b / GB for b in self._phase_peaks)
             self.allocated_peak = max(self.allocated_peak, alloc)
             self.reserved_peak = max(self.reserved_peak, reserved)
             self.sample()
