@@ -35,6 +35,7 @@ __all__ = [
     "MemoryLevel",
     "malloc_trim",
     "apply_memory_limit",
+    "cap_device_memory",
     "fail_rank",
     "new_state",
     "on_sigterm_write",
@@ -71,11 +72,8 @@ def apply_memory_limit(limit_gb: float | None, device, notes: list[str], *, base
     """
     if limit_gb is None:
         return
-    import torch
-
     if device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, limit_gb * 1024**3 / total), device)
+        cap_device_memory(limit_gb, device)
         return
     base = base_bytes  # in use: a run first reuses what malloc holds free, then grows VmData up to the cap
     cap = int(base + limit_gb * 1024**3)
@@ -86,6 +84,17 @@ def apply_memory_limit(limit_gb: float | None, device, notes: list[str], *, base
         f"ppotune.memory_limit_gb: CPU cap is RLIMIT_DATA = {base / 1024**3:.2f} GiB in use at the start "
         f"+ {limit_gb} GiB"
     )
+
+
+def cap_device_memory(limit_gb: float, device, *, unmapped_bytes: int = 0) -> None:
+    """The CUDA cap: torch's per-process fraction, so that what the allocator holds on the device stays under
+    ``limit_gb``. The fraction counts every segment the allocator reserved (c10/cuda/CUDACachingAllocator.cpp
+    alloc_block: ``total_allocated_memory + size > allowed_memory_maximum``), a sleeping vLLM engine's unmapped
+    pool segments included: ``unmapped_bytes`` of them are allowed on top, so the cap is on what the device holds."""
+    import torch
+
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, (limit_gb * 1024**3 + unmapped_bytes) / total), device)
 
 
 def _environment(device, world: int) -> dict:
