@@ -1,14 +1,21 @@
 """Rollout with vLLM, colocated with the FSDP actor as verl runs it (``actor_rollout_ref.rollout.name=vllm``).
 
-One engine per rank, tensor parallel 1, in the rank's own process (vLLM's in-process engine,
-``VLLM_ENABLE_V1_MULTIPROCESSING=0``), built once per run from the actor's HF config with dummy
-weights. Each step, as verl's hybrid engine does it:
+One engine per rank, tensor parallel 1, in the rank's own process and on the rank's own device, built as
+verl builds its in-process engine: vLLM's external-launcher executor (``distributed_executor_backend=
+"external_launcher"``, which reads the launcher's ``RANK``/``LOCAL_RANK``; the plain in-process executor puts
+every rank's engine on device 0), once per run from the actor's HF config with dummy weights. Each step, as
+verl's hybrid engine does it:
 
 1. ``update_weights``: wake the engine's weights (CUDA, ``free_cache_engine``), push the actor's
    weights one gathered tensor at a time (:func:`trainer.engine.parallel.iter_full_params`), reset the
    prefix cache (a cached prompt block holds KV computed with the old weights), wake the KV cache;
 2. ``gen``: generate from token ids, then sleep (level 2: weights and KV cache released; the next
    push refills the weights) so training gets the memory back.
+
+A sleeping engine's memory is unmapped from the device but still counted by torch's caching allocator
+(vLLM's sleep-mode pool is a torch ``MemPool``): :meth:`VLLMRollout.unmapped` says how much, and
+``on_change`` tells the trial after each sleep and wake, so the phase peaks and the memory cap count only
+what the device holds (docs/vllm.md).
 
 On a CPU vLLM has no sleep mode (the engine keeps its KV cache through training) and reads
 ``gpu_memory_utilization`` as a fraction of the whole machine's memory: the ppotune engine sizes
@@ -25,10 +32,19 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
+from trainer.engine.metrics import Unmapped
 from trainer.engine.offload import empty_device_cache
 from trainer.engine.rollout import Sampling
 
-__all__ = ["EnginePlan", "engine_plan", "cpu_kv_cache_bytes", "VLLMRollout", "DTYPE_BYTES"]
+__all__ = [
+    "EnginePlan",
+    "engine_plan",
+    "engine_device",
+    "cpu_kv_cache_bytes",
+    "unmapped_pool_bytes",
+    "VLLMRollout",
+    "DTYPE_BYTES",
+]
 
 GiB = 1024**3
 MiB = 1024**2
@@ -36,6 +52,10 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 KEY = "actor_rollout_ref.rollout."
 #: verl's hybrid engine sleeps at level 2 (weights and KV cache discarded): every wake is followed by a push.
 SLEEP_LEVEL = 2
+#: vLLM's executor for an engine inside a process a launcher started (verl's in-process rollout): it takes the
+#: worker's rank and device from ``RANK``/``LOCAL_RANK`` (v1/executor/uniproc_executor.py
+#: ExecutorWithExternalLauncher._distributed_args), where the plain in-process executor takes rank 0 and device 0
+EXECUTOR = "external_launcher"
 
 
 def cpu_kv_cache_bytes(utilization: float, budget_gb: float, weight_bytes: int) -> int:
@@ -52,14 +72,28 @@ class EnginePlan:
     llm_kwargs: dict
     sleep_level: Optional[int]
     notes: tuple[str, ...]
+    device_type: str = "cpu"
+    #: the rank's device index (CUDA), when the caller names it: the launcher's LOCAL_RANK must agree
+    local_rank: Optional[int] = None
 
 
 def engine_plan(
-    ro, *, device_type: str, max_model_len: int, weight_bytes: int, cpu_memory_gb: float, rank: int
+    ro,
+    *,
+    device_type: str,
+    max_model_len: int,
+    weight_bytes: int,
+    cpu_memory_gb: float,
+    rank: int,
+    local_rank: Optional[int] = None,
 ) -> EnginePlan:
-    """The engine for rollout config ``ro`` on this device (pure: no vLLM import)."""
+    """The engine for rollout config ``ro`` on this device (pure: no vLLM import). ``local_rank``: the index of
+    the rank's device, which the engine must land on (vLLM reads it from the launcher's ``LOCAL_RANK``)."""
     notes: list[str] = []
     kwargs = dict(
+        # one engine per rank on the rank's device; it joins the trainer's process group, where each rank is
+        # its own TP=1 group (vllm/distributed/parallel_state.py initialize_model_parallel)
+        distributed_executor_backend=EXECUTOR,
         skip_tokenizer_init=True,  # prompts go in as token ids, responses come out as token ids
         load_format="dummy",  # the first push fills the weights (verl's load_format: dummy)
         generation_config="vllm",  # sampling is exactly what the config says, not the checkpoint's defaults
@@ -83,7 +117,7 @@ def engine_plan(
             notes.append(
                 f"{KEY}free_cache_engine: no effect without enable_sleep_mode (the engine cannot release its memory)"
             )
-        return EnginePlan(kwargs, sleep_level, tuple(notes))
+        return EnginePlan(kwargs, sleep_level, tuple(notes), device_type, local_rank)
     kv = cpu_kv_cache_bytes(ro.gpu_memory_utilization, cpu_memory_gb, weight_bytes)
     kwargs.update(kv_cache_memory_bytes=max(kv, 0), enable_sleep_mode=False)
     no_sleep = "vLLM's CPU backend has no sleep mode: the KV cache and weights stay allocated through training"
@@ -94,7 +128,57 @@ def engine_plan(
     )
     if not ro.enforce_eager:
         notes.append(f"{KEY}enforce_eager=false: on CPU vLLM compiles with torch.compile (no CUDA graphs)")
-    return EnginePlan(kwargs, sleep_level, tuple(notes))
+    return EnginePlan(kwargs, sleep_level, tuple(notes), device_type)
+
+
+def engine_device(plan: EnginePlan, environ=os.environ) -> torch.device:
+    """The device the engine of ``plan`` lands on: vLLM's external launcher takes the worker's rank and local
+    rank from ``RANK``/``LOCAL_RANK`` (v1/executor/uniproc_executor.py ExecutorWithExternalLauncher.
+    _distributed_args) and its GPU worker makes ``cuda:<local rank>`` current (v1/worker/gpu_worker.py
+    Worker.init_device). Refused where the launcher did not set them, or where they name another device than
+    the rank's."""
+    missing = [k for k in ("RANK", "LOCAL_RANK") if k not in environ]
+    if missing:
+        raise RuntimeError(
+            f"{KEY}name=vllm: vLLM's {EXECUTOR} executor reads {'/'.join(missing)} from the environment: start the "
+            "ranks with `ppotune train --nproc N` or torchrun"
+        )
+    if plan.device_type != "cuda":
+        return torch.device(plan.device_type)
+    local = int(environ["LOCAL_RANK"])
+    if plan.local_rank is not None and local != plan.local_rank:
+        raise RuntimeError(
+            f"{KEY}name=vllm: the engine would land on cuda:{local} (LOCAL_RANK) but this rank trains on "
+            f"cuda:{plan.local_rank}"
+        )
+    return torch.device("cuda", local)
+
+
+def unmapped_pool_bytes(device: torch.device) -> Unmapped:
+    """What torch's caching allocator counts on ``device`` for the sleeping part of vLLM's sleep-mode pool.
+
+    vLLM allocates the engine's weights and KV cache through a torch ``MemPool`` whose pluggable allocator maps
+    physical memory itself (vllm/device_allocator/cumem.py use_memory_pool_with_allocator); ``sleep`` unmaps it
+    (``unmap_and_release``) and marks each allocation ``is_asleep`` (CuMemAllocator.sleep), but the tensors and
+    the pool's segments live on, so torch's allocated/reserved counters and the per-process fraction keep them
+    (c10/cuda/CUDACachingAllocator.cpp alloc_block/release_block). The pool's segments start at the addresses
+    vLLM's bookkeeping keys by (``pointer_to_data``, as CuMemAllocator._trim reads a pool's snapshot)."""
+    if device.type != "cuda":
+        return Unmapped()
+    from vllm.device_allocator.cumem import CuMemAllocator
+
+    allocator = CuMemAllocator.instance
+    if allocator is None:  # no engine with sleep mode was built in this process
+        return Unmapped()
+    asleep = {ptr for ptr, data in allocator.pointer_to_data.items() if data.is_asleep}
+    if not asleep:
+        return Unmapped()
+    allocated = reserved = 0
+    for segment in torch.cuda.memory_snapshot(include_traces=False):  # every device's: filtered to ours
+        if segment["device"] == device.index and segment["address"] in asleep:
+            allocated += segment["allocated_size"]
+            reserved += segment["total_size"]
+    return Unmapped(allocated, reserved)
 
 
 def _import_vllm():
@@ -118,16 +202,22 @@ _LIVE_ENGINES: list = []
 
 
 class VLLMRollout:
-    """One rank's colocated vLLM engine: push weights, generate, sleep."""
+    """One rank's colocated vLLM engine: push weights, generate, sleep.
 
-    def __init__(self, llm, *, sleep_level: Optional[int], vocab_size: int):
+    ``on_change`` (set by the trial) is called after each sleep and wake: torch's memory counters do not move
+    then, only what the device holds does (:meth:`unmapped`)."""
+
+    def __init__(self, llm, *, sleep_level: Optional[int], vocab_size: int, device: torch.device = torch.device("cpu")):
         self.llm = llm
         self.sleep_level = sleep_level
         self.vocab_size = vocab_size
+        self.device = device
         self.asleep = False
+        self.on_change: Optional[Callable[[], None]] = None
 
     @classmethod
     def build(cls, hf_config, plan: EnginePlan) -> "VLLMRollout":
+        device = engine_device(plan)
         vllm = _import_vllm()
         with tempfile.TemporaryDirectory(prefix="ppotune-vllm-") as model_dir:
             hf_config.save_pretrained(model_dir)  # the architecture only: dummy weights until the first push
@@ -141,7 +231,7 @@ class VLLMRollout:
                     ) from exc
                 raise
         _LIVE_ENGINES.append(llm)
-        engine = cls(llm, sleep_level=plan.sleep_level, vocab_size=hf_config.vocab_size)
+        engine = cls(llm, sleep_level=plan.sleep_level, vocab_size=hf_config.vocab_size, device=device)
         engine.sleep()  # until the first push: training memory is free (verl's hybrid engine starts asleep)
         return engine
 
@@ -151,11 +241,24 @@ class VLLMRollout:
             self.llm.wake_up(tags=tags)
             if "kv_cache" in tags:
                 self.asleep = False
+            self._changed()
 
     def sleep(self) -> None:
         if self.sleep_level is not None and not self.asleep:
             self.llm.sleep(level=self.sleep_level)
             self.asleep = True
+            self._changed()
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
+
+    def unmapped(self) -> Unmapped:
+        """What torch's allocator counts for this engine that the device does not hold now (its pool's
+        sleeping part: :func:`unmapped_pool_bytes`); nothing for an engine that never sleeps."""
+        if self.sleep_level is None:
+            return Unmapped()
+        return unmapped_pool_bytes(self.device)
 
     def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load the actor's weights (HF names, consumed one at a time) into the engine, then drop

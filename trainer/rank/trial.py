@@ -25,9 +25,9 @@ from typing import Any, Optional
 
 from trainer.contracts import PHASES
 from trainer.launch.proc import write_json_atomic
-from trainer.rank.process import MemoryLevel, RankProcess, apply_memory_limit, malloc_trim
+from trainer.rank.process import MemoryLevel, RankProcess, apply_memory_limit, cap_device_memory, malloc_trim
 
-__all__ = ["run_trial", "rows_of_rank", "MAX_LENGTHS_KEPT"]
+__all__ = ["run_trial", "rows_of_rank", "follow_sleeping_engine", "MAX_LENGTHS_KEPT"]
 
 #: sequences whose lengths a run keeps for its summary (the first steps' worth)
 MAX_LENGTHS_KEPT = 100_000
@@ -88,6 +88,8 @@ def run_trial(
     # step 3. actor, reference model and critic, sharded and equipped with the config's knobs
     roles, shape_info = build_roles(cfg, tokenizer, device, world, notes, weights=weights)
     state["model"] = shape_info.pop("model")  # what tuner.memory_model computes its analytic terms from
+    if roles.rollout is not None:
+        follow_sleeping_engine(roles.rollout, meter, cfg.ppotune.memory_limit_gb)
     # Sampling starts from the same state however the models came to be (loaded, or copied in a warm job;
     # FSDP1 or FSDP2): the responses, so the tokens each step processes, never depend on the build path.
     torch.manual_seed(cfg.trainer.seed + rank)
@@ -129,6 +131,23 @@ def _count_memory_from_start(
         )
     apply_memory_limit(cfg.ppotune.memory_limit_gb, device, notes, base_bytes=counted_from.data_bytes)
     return start, counted_from
+
+
+def follow_sleeping_engine(rollout, meter, limit_gb: Optional[float]) -> None:
+    """A colocated vLLM engine's sleeps and wakes reach the memory figures and the cap.
+
+    A sleeping engine's pool is unmapped from the device but still counted by torch's allocator (docs/vllm.md):
+    the meter takes it off each phase's peak, and the cap (``--memory-limit-gb``) allows it on top of the limit,
+    so both are about what the device holds. The engine was built asleep, before this hook existed."""
+    meter.unmapped = rollout.unmapped
+
+    def changed() -> None:
+        meter.engine_changed()
+        if limit_gb is not None and rollout.device.type == "cuda":
+            cap_device_memory(limit_gb, rollout.device, unmapped_bytes=rollout.unmapped().reserved)
+
+    rollout.on_change = changed
+    changed()
 
 
 def _note_world_size(cfg, world: int, notes: list[str]) -> None:
