@@ -65,6 +65,8 @@ class Sharded:
     activation_offload: Any = None
     # the entropy head, (logits (M, V), rows (N,)) -> (N,): parallelize's compile step makes it from the knobs
     entropy_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = token_entropy
+    # the device the model computes on (the rank's): where its offload copies run, what free_memory waits for
+    device: Optional[torch.device] = None
 
 
 def layer_classes(model: nn.Module) -> set[type]:
@@ -169,7 +171,7 @@ def _shard_fsdp1(model, blocks, knobs: ShardKnobs, *, device, mesh, offload: boo
     wrapped = FSDP(
         model,
         auto_wrap_policy=policy,
-        device_id=device if device.type == "cpu" else torch.cuda.current_device(),
+        device_id=device,  # the rank's device, named (start_rank makes it current, but FSDP is told, not left to guess)
         device_mesh=mesh,
         sharding_strategy=strategy,
         cpu_offload=CPUOffload(offload_params=True) if offload else None,
@@ -181,7 +183,7 @@ def _shard_fsdp1(model, blocks, knobs: ShardKnobs, *, device, mesh, offload: boo
         use_orig_params=False,
         param_init_fn=init_fn,
     )
-    return Sharded(wrapped, "fsdp", blocks, knobs.reshard_after_forward, knobs.param_dtype)
+    return Sharded(wrapped, "fsdp", blocks, knobs.reshard_after_forward, knobs.param_dtype, device=device)
 
 
 def _shard_fsdp2(model, blocks, knobs: ShardKnobs, *, device, mesh, offload: bool, name: str, notes) -> Sharded:
@@ -215,7 +217,7 @@ def _shard_fsdp2(model, blocks, knobs: ShardKnobs, *, device, mesh, offload: boo
     elif not offload:
         model.to(device)
     _fill_from_rank0(model, full, device)
-    return Sharded(model, "fsdp2", blocks, knobs.reshard_after_forward, knobs.param_dtype)
+    return Sharded(model, "fsdp2", blocks, knobs.reshard_after_forward, knobs.param_dtype, device=device)
 
 
 def _rank0_broadcast_init(model: nn.Module, device: torch.device):
@@ -432,8 +434,9 @@ def free_memory(sharded: Sharded, optimizer: Optional[torch.optim.Optimizer] = N
     """
     from torch.distributed.tensor import DTensor
 
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()  # non-blocking offload copies into host memory land before their storage goes
+    if sharded.device is not None and sharded.device.type == "cuda":
+        # non-blocking offload copies into host memory land before their storage goes
+        torch.cuda.synchronize(sharded.device)
     tensors: list[torch.Tensor] = []
 
     def add(t) -> None:
