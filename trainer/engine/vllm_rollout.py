@@ -26,6 +26,7 @@ the run's notes say which knobs could not act.
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
@@ -163,13 +164,12 @@ def unmapped_pool_bytes(device: torch.device) -> Unmapped:
     the pool's segments live on, so torch's allocated/reserved counters and the per-process fraction keep them
     (c10/cuda/CUDACachingAllocator.cpp alloc_block/release_block). The pool's segments start at the addresses
     vLLM's bookkeeping keys by (``pointer_to_data``, as CuMemAllocator._trim reads a pool's snapshot)."""
-    if device.type != "cuda":
+    # an engine with sleep mode imports vLLM's allocator as it builds: without it, nothing here sleeps (and a
+    # caller with no engine, a warm job between trials, does not import vLLM for nothing)
+    cumem = sys.modules.get("vllm.device_allocator.cumem")
+    if device.type != "cuda" or cumem is None or cumem.CuMemAllocator.instance is None:
         return Unmapped()
-    from vllm.device_allocator.cumem import CuMemAllocator
-
-    allocator = CuMemAllocator.instance
-    if allocator is None:  # no engine with sleep mode was built in this process
-        return Unmapped()
+    allocator = cumem.CuMemAllocator.instance
     asleep = {ptr for ptr, data in allocator.pointer_to_data.items() if data.is_asleep}
     if not asleep:
         return Unmapped()

@@ -113,6 +113,7 @@ def release(device) -> float:
     import torch
 
     from trainer.engine.metrics import _reset_rss_peak
+    from trainer.engine.vllm_rollout import unmapped_pool_bytes
 
     gc.collect()  # FSDP's modules and hooks hold cycles
     # what outlives a trial (modules, caches, the kept weights) is not looked at again: the next trial's
@@ -128,7 +129,8 @@ def release(device) -> float:
         torch.cuda.set_per_process_memory_fraction(1.0, device)
         torch.cuda.reset_peak_memory_stats(device)
         torch.cuda.reset_accumulated_memory_stats(device)
-        left = torch.cuda.memory_allocated(device) / 2**30
+        # an earlier trial's vLLM engine, kept asleep, is counted by the allocator but not on the device
+        left = (torch.cuda.memory_allocated(device) - unmapped_pool_bytes(device).allocated) / 2**30
     malloc_trim()
     _reset_rss_peak()
     return left
