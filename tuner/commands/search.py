@@ -32,20 +32,33 @@ from typing import Optional
 import optuna
 import psutil
 
-from trainer.config import ConfigError, apply_overrides, config_from_dict, config_to_dict, flatten, parse_override
+from trainer.config import (
+    ConfigError,
+    apply_overrides,
+    config_from_dict,
+    config_to_dict,
+    flatten,
+    parse_override,
+    read_yaml_mapping,
+)
 from trainer.config.io import COMMAND_LINE, blame_command_line, check_override_keys
 from trainer.contracts import ExitCode, StorageError, parse_storage
 from trainer.launch.preflight import preflight
+from trainer.verl_engine.result import actor_shape
 from tuner.commands.flags import command_error, overrides_of
 from tuner.commands.search_flags import add_search_arguments as add_arguments
+from tuner.commands.search_flags import trial_length
 from tuner.fit.bounds import bounded_space, fitted_params, read_fit
+from tuner.memory_model.shape import ModelShape, param_counts
 from tuner.rules.budget import MAX_FAILURES_IN_A_ROW, count_progress
 from tuner.rules.finalists import DEFAULT_FINALISTS
 from tuner.rules.world import WorldPlan, plan_world, trial_overrides
+from tuner.search import plan
 from tuner.search.loop import Search, SearchOptions
 from tuner.search.policy import build_sampler
 from tuner.search.progress import ConsoleObserver, Display, seed_display, summary
 from tuner.search.session import TrialSession
+from tuner.search.trial_time import HangLimits, TrialTime, gpu_named, hang_limits, job_of, trial_time
 from tuner.space import Space, base_flat_config, load_space
 from tuner.study import lifecycle as st
 from tuner.study.opening import OpenedStudy, existing_trials, open_for_search, study_attrs
@@ -69,12 +82,15 @@ def _process_seed(seed: Optional[int], created: bool) -> Optional[int]:
     return int(h[:8], 16)
 
 
-def _device(base_flat: dict) -> dict:
-    want = base_flat.get("ppotune.device", "auto")
+def _device(want: str, *, assume_gpu: Optional[str] = None) -> dict:
+    """The device a trial runs on (``want``: the config's ``ppotune.device``, or a verl run file's). A GPU job read
+    where NVML sees none (a ``--dry-run`` on a laptop) is still a GPU job: its GPU is ``--assume-gpu``'s."""
     if want != "cpu" and nvml_available():
         gpus = visible_gpus()
         name, total = gpu_info(gpus[0]) if gpus else (None, None)
         return {"kind": "cuda", "name": name, "memory_total_gb": total}
+    if want == "cuda":
+        return {"kind": "cuda", "name": assume_gpu, "memory_total_gb": None}
     name = None
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -84,6 +100,53 @@ def _device(base_flat: dict) -> dict:
     except OSError:
         pass
     return {"kind": "cpu", "name": name, "memory_total_gb": psutil.virtual_memory().total / float(1 << 30)}
+
+
+def _run_options(args: argparse.Namespace) -> dict:
+    """``--engine verl``: the run file's ``ppotune:`` section as written (its trial length and device), read ahead of
+    :func:`tuner.trials.verl.verl_search`, which checks it; empty for ppotune's engine."""
+    if args.engine != "verl":
+        return {}
+    said = read_yaml_mapping(args.base_config, what="a run file (overrides: [...], ppotune: {...})").get("ppotune")
+    return said if isinstance(said, dict) else {}
+
+
+def _with_trial_length(args: argparse.Namespace, run_options: dict) -> argparse.Namespace:
+    """``args`` with ``--steps``/``--warmup`` resolved (:func:`tuner.commands.search_flags.trial_length`): what the
+    trials, the study's attributes and the plan all read."""
+    steps, warmup = trial_length(args, run_options)
+    return argparse.Namespace(**{**vars(args), "steps": steps, "warmup": warmup})
+
+
+def _trial_time(args: argparse.Namespace, inputs: "_Inputs", device: dict) -> Optional[TrialTime]:
+    """A GPU trial's time reckoned from the job (:mod:`tuner.search.trial_time`): the model's shape from its
+    ``config.json``, the lengths, the batch and the world from the trial's config; None on a CPU, or where the
+    model's shape cannot be read here (the plan's per-device guesses then)."""
+    if device["kind"] != "cuda":
+        return None
+    cfg = config_from_dict(inputs.trial_base)
+    actor = actor_shape(cfg.actor_rollout_ref.model.path)
+    critic = actor_shape(cfg.critic.model.path) if cfg.critic.model.path else actor
+    try:
+        counts = param_counts(ModelShape.from_dict(actor)) if actor else None
+        critic_counts = param_counts(ModelShape.from_dict(critic)) if critic else None
+    except ValueError:  # a config.json without the fields of a decoder-only LM
+        return None
+    if counts is None:
+        return None
+    job = job_of(cfg, actor_params=counts.actor, critic_params=critic_counts.critic if critic_counts else None)
+    gpu = gpu_named(
+        device["name"] or args.assume_gpu, dtype=cfg.actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype
+    )
+    fixed = (plan.VERL_STARTUP_GUESS_S if args.engine == "verl" else plan.STARTUP_GUESS_S)["cuda"]
+    return trial_time(job, gpu, fixed_startup_s=fixed)
+
+
+def _hang_limits(args: argparse.Namespace, device: dict, timing: Optional[TrialTime]) -> HangLimits:
+    """The trials' hang limits: from the estimated start-up and step (:func:`tuner.search.trial_time.hang_limits`),
+    unless ``--startup-timeout``/``--step-timeout`` say."""
+    start, step, _ = plan.trial_guess(device["kind"], args.steps, args.engine, timing)
+    return hang_limits(start, step, startup_flag=args.startup_timeout, step_flag=args.step_timeout)
 
 
 def options_from_args(args: argparse.Namespace, *, seed: Optional[int] = None) -> SearchOptions:
@@ -223,7 +286,7 @@ def _warn_if_shared(spec) -> None:
         )
 
 
-def _runner(args: argparse.Namespace, inputs: _Inputs, device: dict, out_dir: Path):
+def _runner(args: argparse.Namespace, inputs: _Inputs, device: dict, out_dir: Path, limits: HangLimits):
     """The trial runner: a warm job per process layout (ppotune's engine, unless --cold), else one process group
     per trial. A warm job's processes start now, while the study opens and the first trial is asked."""
     runner = SubprocessRunner(
@@ -232,8 +295,8 @@ def _runner(args: argparse.Namespace, inputs: _Inputs, device: dict, out_dir: Pa
         timeout_s=args.trial_timeout,
         grace_s=args.kill_grace,
         verl=inputs.verl,
-        startup_timeout_s=args.startup_timeout,
-        step_timeout_s=args.step_timeout,
+        startup_timeout_s=limits.startup_s,
+        step_timeout_s=limits.step_s,
     )
     if inputs.verl is not None and inputs.verl.sweep_settings > 1:
         from tuner.trials.sweep import SweepRunner  # configs differing only in per-step knobs share a verl run
@@ -253,29 +316,35 @@ def run(args: argparse.Namespace) -> int:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     out_dir = Path(args.out).resolve()
     try:
+        run_options = _run_options(args)
+        args = _with_trial_length(args, run_options)
         inputs = _inputs(args)
         spec = parse_storage(args.storage, default_dir=out_dir)
         check_storage_file(spec)
     except ValueError as e:  # SpaceError / ConfigError / StorageError / bad option: one line naming file and key
         return _fail(str(e))
     _warn_if_shared(spec)
-    device = _device(inputs.trial_flat)
+    want = run_options.get("device", "auto") if inputs.verl is not None else inputs.trial_flat["ppotune.device"]
+    device = _device(want, assume_gpu=args.assume_gpu)
+    timing = _trial_time(args, inputs, device)
+    limits = _hang_limits(args, device, timing)
     nproc, parallel = inputs.trial_flat["trainer.n_gpus_per_node"], inputs.options.parallel
-    if device["kind"] == "cuda" and parallel * nproc > len(visible_gpus()):
+    short = device["kind"] == "cuda" and parallel * nproc > len(visible_gpus())
+    if short and not args.dry_run:
         return _fail(
             f"--parallel {parallel} x --nproc {nproc} needs {parallel * nproc} GPUs; {len(visible_gpus())} visible"
         )
     if args.dry_run:
-        return _dry_run(args, inputs, device, spec)
+        return _dry_run(args, inputs, device, spec, timing, limits)
     left = Leftovers(out_dir, out_dir / "jobs", out_dir / "trials", spec.path, spec.lock_path)
     out_dir.mkdir(parents=True, exist_ok=True)
-    runner = _runner(args, inputs, device, out_dir)
+    runner = _runner(args, inputs, device, out_dir, limits)
     opened: "OpenedStudy | str" = "not opened"
     try:
         opened = _open(args, inputs, device, spec)
         if isinstance(opened, str):
             return _fail(opened)
-        return _search(args, inputs, device, spec, out_dir, runner, opened)
+        return _search(args, inputs, device, spec, out_dir, runner, opened, limits)
     finally:
         if isinstance(runner, WarmRunner):
             runner.close()  # waits for the jobs asked to stop; ends one started ahead and never used
@@ -310,11 +379,11 @@ def _open(args: argparse.Namespace, inputs: _Inputs, device: dict, spec) -> "Ope
     )
 
 
-def _dry_run(args: argparse.Namespace, inputs: _Inputs, device: dict, spec) -> int:
+def _dry_run(
+    args: argparse.Namespace, inputs: _Inputs, device: dict, spec, timing: Optional[TrialTime], limits: HangLimits
+) -> int:
     """``--dry-run``: everything checked as a search checks it, then the plan and its cost; nothing launched,
     nothing written (the study, if there is one, is only read)."""
-    from tuner.search import plan
-
     try:
         name = args.study or st.default_study_name(args.base_config, args.space)
         trials, state = existing_trials(spec, name, _attrs(args, inputs, device))
@@ -322,15 +391,36 @@ def _dry_run(args: argparse.Namespace, inputs: _Inputs, device: dict, spec) -> i
         return _fail(str(e))
     sweep = inputs.verl.sweep_settings if inputs.verl is not None else 1
     lines = plan.plan_lines(
-        args, inputs.options, inputs.space, inputs.trial_flat, device["kind"], trials, state, name, spec, sweep=sweep
+        args,
+        inputs.options,
+        inputs.space,
+        inputs.trial_flat,
+        device["kind"],
+        trials,
+        state,
+        name,
+        spec,
+        sweep=sweep,
+        timing=timing,
+        limits=limits,
     )
+    need = inputs.options.parallel * inputs.trial_flat["trainer.n_gpus_per_node"]
+    if device["kind"] == "cuda" and need > len(visible_gpus()):  # the plan of a GPU job, read on a smaller machine
+        lines.append(f"this machine shows {len(visible_gpus())} GPUs: the search itself needs {need}")
     for line in lines:
         print(f"ppotune search: {line}", flush=True)
     return ExitCode.OK
 
 
 def _search(
-    args: argparse.Namespace, inputs: _Inputs, device: dict, spec, out_dir: Path, runner, opened: OpenedStudy
+    args: argparse.Namespace,
+    inputs: _Inputs,
+    device: dict,
+    spec,
+    out_dir: Path,
+    runner,
+    opened: OpenedStudy,
+    limits: HangLimits,
 ) -> int:
     """Run the search on the opened study, then say what it found."""
     options, space = inputs.options, inputs.space
@@ -346,6 +436,7 @@ def _search(
         f"lock {lock.kind} | out {out_dir}",
         flush=True,
     )
+    print(f"ppotune search: {limits.line()}", flush=True)
     if inputs.plan.scaled:
         print(f"ppotune search: {inputs.plan.describe()}", flush=True)
     display = Display(options.trials, done=min(done, options.trials), parallel=options.parallel)
@@ -373,9 +464,7 @@ def _search(
     )
     code = _run_search(search, display, spec, name, out_dir, report=args.report)
     if code == ExitCode.OK:
-        from tuner.search.plan import next_steps
-
-        for line in next_steps(args, spec, out_dir):
+        for line in plan.next_steps(args, spec, out_dir):
             print(f"ppotune search: {line}", flush=True)
     return code
 

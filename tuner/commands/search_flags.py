@@ -16,7 +16,11 @@ from tuner.study import lifecycle as st
 from tuner.study.selection import DEFAULT_PICK, PICKS
 from tuner.trials.launch import add_hang_flags, positive_seconds
 
-__all__ = ["add_search_arguments"]
+__all__ = ["add_search_arguments", "trial_length", "DEFAULT_STEPS", "DEFAULT_WARMUP"]
+
+#: a trial's PPO steps (warm-up included) and warm-up steps when neither ``--steps``/``--warmup`` nor the verl run
+#: file's ``ppotune.steps``/``ppotune.warmup`` say
+DEFAULT_STEPS, DEFAULT_WARMUP = 8, 1
 
 
 def add_search_arguments(p: argparse.ArgumentParser) -> None:
@@ -110,10 +114,17 @@ def _trial_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--steps",
         type=int,
-        default=8,
-        help="PPO steps per trial at most, warm-up included (default 8; fewer when the measurement is tight)",
+        default=None,
+        help="PPO steps per trial at most, warm-up included (default: --engine verl: the run file's ppotune.steps, "
+        f"each setting's in an in-run sweep; else {DEFAULT_STEPS}; fewer when the measurement is tight)",
     )
-    p.add_argument("--warmup", type=int, default=1, help="leading steps left out of the measurement (default 1)")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="leading steps left out of the measurement (default: --engine verl: the run file's ppotune.warmup; else "
+        f"{DEFAULT_WARMUP}; at most --steps - 1)",
+    )
     p.add_argument(
         "--precision",
         type=float,
@@ -130,7 +141,15 @@ def _trial_flags(p: argparse.ArgumentParser) -> None:
         metavar="S",
         help="kill a trial after S seconds in all and record it as a hang (default: no cap on the whole trial)",
     )
-    add_hang_flags(p, subject="a trial")
+    add_hang_flags(p, subject="a trial", estimated=True)
+    p.add_argument(
+        "--assume-gpu",
+        default=None,
+        metavar="NAME",
+        help="the GPU a trial's time estimate (and the hang limits drawn from it) assumes where none is visible, "
+        "e.g. for a --dry-run on a laptop of a run file with ppotune.device: cuda (H100, H200, A100, ...; default: "
+        "the visible GPU, else H100)",
+    )
     p.add_argument(
         "--memory-limit-gb",
         type=float,
@@ -271,3 +290,17 @@ def _output_flags(p: argparse.ArgumentParser) -> None:
         metavar="PY",
         help="--engine verl: the interpreter of your verl environment (default: this one)",
     )
+
+
+def trial_length(args: argparse.Namespace, run_options: dict) -> tuple[int, int]:
+    """(steps, warm-up) of a trial: ``--steps``/``--warmup`` when given, else the verl run file's ``ppotune.steps``/
+    ``ppotune.warmup`` (``run_options``: that section; empty for ppotune's engine, whose base config's
+    ``trainer.total_training_steps`` is the production job's length, not a trial's), else the defaults. A warm-up
+    the flags do not give is cut to leave a measured step when ``--steps`` is shorter than it."""
+    steps = args.steps if args.steps is not None else run_options.get("steps", DEFAULT_STEPS)
+    if args.warmup is not None:
+        return steps, args.warmup
+    warmup = run_options.get("warmup", DEFAULT_WARMUP)
+    if args.steps is not None and isinstance(steps, int) and isinstance(warmup, int):
+        warmup = min(warmup, max(0, steps - 1))
+    return steps, warmup

@@ -3,8 +3,10 @@
 The runs: the trials still to run (``--trials`` less the study's counted ones when resuming), the confirmation's
 re-runs (``--confirm R`` rounds of at most ``--finalists F`` finalists and the
 baseline: an upper bound) and the worst-case probes (``--probe K``). The time: from the study's own measured
-trials when it has some (their median wall time each), else a stated guess (start-up plus the trial's steps at a
-per-step guess per device kind), labelled as such. Pure: the command gathers the inputs and prints the lines.
+trials when it has some (their median wall time each), else a stated guess, labelled as such: on a GPU reckoned
+from the job (the model's shape, the lengths, the batch, the world, the device: :mod:`tuner.search.trial_time`),
+its assumptions printed; on a CPU, or where the model's shape is not known, start-up plus the trial's steps at a
+per-step guess per device kind. Pure: the command gathers the inputs and prints the lines.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Iterable, Optional
 from trainer.contracts import DEFAULT_OUT_DIR, TrialRecord
 from tuner.rules.budget import count_progress
 from tuner.rules.finalists import DEFAULT_FINALISTS
+from tuner.search.trial_time import HangLimits, TrialTime
 from tuner.space.grid import GRID_LIMIT
 
 __all__ = [
@@ -29,6 +32,7 @@ __all__ = [
     "Estimate",
     "runs_of",
     "estimate",
+    "trial_guess",
     "measured_durations",
     "plan_lines",
     "next_steps",
@@ -110,17 +114,18 @@ def estimate(
     durations: Optional[list] = None,
     engine: str = "ppotune",
     sweep: int = 1,
+    timing: Optional[TrialTime] = None,
 ) -> Estimate:
     """The wall time of ``runs``: the search's trials ``parallel`` at a time, the re-runs and probes one at a time
     (the confirmation interleaves them; a probe counted as one trial). ``sweep``: the settings one verl run may
     measure (in-run sweeps, :mod:`tuner.trials.sweep`): a swept trial's measured duration is its share of the run,
-    the guess says how low a trial may go (verl's start-up shared by ``sweep`` settings)."""
+    the guess says how low a trial may go (verl's start-up shared by ``sweep`` settings). ``timing``: a GPU trial's
+    time reckoned from the job, used when the study has measured nothing yet (else the per-device guesses)."""
     if durations:
         per, measured = statistics.median(durations), True
         basis = f"median {per:.0f} s per run over {len(durations)} runs"
     else:
-        starts = VERL_STARTUP_GUESS_S if engine == "verl" else STARTUP_GUESS_S
-        start, step = starts.get(device, 60.0), STEP_GUESS_S.get(device, 5.0)
+        start, step, said = trial_guess(device, steps, engine, timing)
         per, measured = start + steps * step, False
         if engine != "verl":
             how = "; warm trials start faster"
@@ -133,11 +138,21 @@ def estimate(
         else:
             how = " (verl: every trial starts verl)"
         basis = (
-            f"~{start:g} s start-up + {steps} steps x ~{step:g} s per run on {device}{how}, "
-            "real models step slower; --dry-run on the study after a few trials measures it"
+            f"{said}{how}, {'' if timing else 'real models step slower; '}--dry-run on the study after a few "
+            "trials measures it"
         )
     seconds = per * (-(-runs.trials // max(1, parallel)) + runs.reruns + runs.probes)
     return Estimate(seconds=seconds, per_run_s=per, measured=measured, basis=basis)
+
+
+def trial_guess(device: str, steps: int, engine: str, timing: Optional[TrialTime]) -> tuple[float, float, str]:
+    """(start-up s, step s, what they are) of a trial the study has not measured: ``timing``'s (a GPU trial's,
+    reckoned from the job) when there is one, else the per-device guesses."""
+    if timing is not None:
+        return timing.startup_s, timing.step_s, f"{timing.basis(steps)} per run on {device}"
+    starts = VERL_STARTUP_GUESS_S if engine == "verl" else STARTUP_GUESS_S
+    start, step = starts.get(device, 60.0), STEP_GUESS_S.get(device, 5.0)
+    return start, step, f"~{start:g} s start-up + {steps} steps x ~{step:g} s per run on {device}"
 
 
 def done_of(trials: Iterable) -> int:
@@ -146,16 +161,36 @@ def done_of(trials: Iterable) -> int:
 
 
 def plan_lines(
-    args, options, space, flat: dict, device: str, trials: list, state: str, name: str, spec, *, sweep: int = 1
+    args,
+    options,
+    space,
+    flat: dict,
+    device: str,
+    trials: list,
+    state: str,
+    name: str,
+    spec,
+    *,
+    sweep: int = 1,
+    timing: Optional[TrialTime] = None,
+    limits: Optional[HangLimits] = None,
 ) -> list[str]:
     """``--dry-run``'s lines: the study, the space, the trials, the runs and the estimate (``sweep``: the settings
-    one verl run may measure)."""
+    one verl run may measure; ``timing``: a GPU trial's time reckoned from the job, its assumptions said;
+    ``limits``: the hang limits the trials would run under)."""
     o = options
     runs = runs_of(trials=o.trials, done=done_of(trials), confirm=o.confirm, probe=o.probe, finalists=o.finalists)
     engine = getattr(args, "engine", "ppotune")
     durations = measured_durations(trials)
     est = estimate(
-        runs, parallel=o.parallel, device=device, steps=args.steps, durations=durations, engine=engine, sweep=sweep
+        runs,
+        parallel=o.parallel,
+        device=device,
+        steps=args.steps,
+        durations=durations,
+        engine=engine,
+        sweep=sweep,
+        timing=timing,
     )
     size = space.size(flat)
     fixed = ", ".join(f"{k}={v!r}" for k, v in space.fixed.items()) or "none"
@@ -171,14 +206,17 @@ def plan_lines(
         f"up to {o.finalists} finalists and the baseline; the rounds stop once the leader separates) + "
         f"{runs.probes} worst-case probes "
         f"= {runs.total} runs at most",
-        est.line(),
     ]
     if sweep > 1:  # a verl run records every setting it measured, the last launch's too
-        lines.insert(
-            -1,
+        lines.append(
             f"in-run sweeps: up to {sweep} settings a verl run (ppotune.sweep_settings), each its own trial; the "
             f"last run may record up to {sweep - 1} trials past --trials {o.trials}",
         )
+    lines.append(est.line())
+    if timing is not None:
+        lines.append(timing.assumptions())
+    if limits is not None:
+        lines.append(limits.line())
     if args.timeout is not None:
         lines.append(f"--timeout {args.timeout:g} s caps it: no new run starts after that")
     return lines

@@ -46,6 +46,9 @@ from tuner.trials.watch import PollVerdict, StepWatch, poll_trial, timeout_reaso
 
 __all__ = [
     "add_hang_flags",
+    "STARTUP_TIMEOUT_S",
+    "STEP_TIMEOUT_S",
+    "HANG_MARGIN",
     "positive_seconds",
     "stop_on_signals",
     "next_numbered_dir",
@@ -214,25 +217,39 @@ def positive_seconds(text: str) -> float:
     return value
 
 
-def add_hang_flags(p: argparse.ArgumentParser, *, subject: str, step: bool = True) -> None:
+#: the hang limits of a command that launches runs (``--startup-timeout``, ``--step-timeout``), in seconds; a search
+#: draws its own from a trial's estimated time and never goes below these (tuner.search.trial_time.hang_limits)
+STARTUP_TIMEOUT_S, STEP_TIMEOUT_S = 900.0, 300.0
+#: a search's hang limits are this many times a trial's estimated start-up and step: a slow setting (eager
+#: decoding, offload, micro-batch 1) is a slow trial, not a hang (docs/decisions.md#trial-time-from-the-job)
+HANG_MARGIN = 3.0
+
+
+def add_hang_flags(p: argparse.ArgumentParser, *, subject: str, step: bool = True, estimated: bool = False) -> None:
     """The hang timeouts of a command that launches ``subject`` (``"a trial"``, ``"a run"``, ``"a probe"``):
     ``--startup-timeout`` (to the first step), ``--step-timeout`` (between steps; with ``step``) and the
-    hidden ``--kill-grace`` (SIGTERM to SIGKILL); what :func:`tuner.trials.watch.timeout_reason` enforces."""
+    hidden ``--kill-grace`` (SIGTERM to SIGKILL); what :func:`tuner.trials.watch.timeout_reason` enforces.
+    ``estimated``: the defaults are None, for the command to draw them from its estimate of a run's time."""
+
+    def default(floor: float, what: str) -> str:
+        return f"{HANG_MARGIN:g} x the estimated {what}, at least {floor:g}" if estimated else f"{floor:g}"
+
     p.add_argument(
         "--startup-timeout",
         type=positive_seconds,
-        default=900.0,
+        default=None if estimated else STARTUP_TIMEOUT_S,
         metavar="S",
         help=f"a hang: {subject} logging no first step after S seconds (start-up, model and engine build, one step; "
-        "default 900)",
+        f"default {default(STARTUP_TIMEOUT_S, 'start-up and first step')})",
     )
     if step:
         p.add_argument(
             "--step-timeout",
             type=positive_seconds,
-            default=300.0,
+            default=None if estimated else STEP_TIMEOUT_S,
             metavar="S",
-            help=f"a hang: {subject} logging no next step for S seconds once it has stepped (default 300)",
+            help=f"a hang: {subject} logging no next step for S seconds once it has stepped "
+            f"(default {default(STEP_TIMEOUT_S, 'step')})",
         )
     p.add_argument("--kill-grace", type=positive_seconds, default=10.0, metavar="S", help=argparse.SUPPRESS)
 
