@@ -5,14 +5,15 @@ function per kind of note, in this order: offload on CPU, a shared section's key
 fp32 compute, packed attention that is not verl's kernel, ``pad_to_length`` without packing, the reference
 model's offload flags, vLLM-only keys on an HF-generate run, HF generate on a GPU (not production's rollout).
 Each reads an effective config (``trainer.config.effective_config``: the null follow-keys filled in; the rollout
-named, ``trainer.engine.rollout.with_rollout``).
+named, ``trainer.engine.rollout.with_rollout``). One note needs the built model and is added where it is built
+(``trainer.engine.parallelize.apply_offload``): :func:`few_layers_offload_note`.
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
-__all__ = ["knob_notes", "packed_attention_notes", "VLLM_ONLY_KEYS", "HF_ROLLOUT_ON_GPU"]
+__all__ = ["knob_notes", "packed_attention_notes", "few_layers_offload_note", "VLLM_ONLY_KEYS", "HF_ROLLOUT_ON_GPU"]
 
 #: The note of a GPU run whose rollout is HF generate (the report shows a trial's notes in its row)
 HF_ROLLOUT_ON_GPU = (
@@ -49,6 +50,17 @@ def knob_notes(cfg, device_type: str) -> list[str]:
         *_critic_batching_notes(cfg),
         *([HF_ROLLOUT_ON_GPU] if device_type == "cuda" and cfg.actor_rollout_ref.rollout.name == "hf" else []),
     ]
+
+
+def few_layers_offload_note(role: str, num_layers: int) -> str:
+    """The note of a role ("actor" | "critic") whose activation offload is off because its model has ``num_layers``
+    layers (trainer.engine.offload.offload_layers), fewer than verl turns it on for."""
+    key = f"{'critic' if role == 'critic' else 'actor_rollout_ref'}.model.enable_activation_offload"
+    return (
+        f"{key}: off; the model has {num_layers} layer(s) to offload, and verl 0.9.1 turns activation offload off "
+        "below 3 (utils/activation_offload.py::enable_activation_offloading): its activations stay on the device "
+        "(and gradient checkpointing, if on, stays HF's), as in verl"
+    )
 
 
 def _offload_on_cpu_notes(cfg, device_type: str) -> list[str]:

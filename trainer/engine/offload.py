@@ -28,6 +28,9 @@ __all__ = [
     "empty_device_cache",
     "activation_offload_context",
     "ActivationOffload",
+    "offload_layers",
+    "checkpoint_forward",
+    "MIN_OFFLOAD_LAYERS",
 ]
 
 
@@ -112,9 +115,73 @@ def activation_offload_context(
         return contextlib.nullcontext()
     if sharded is None:
         return torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda")
-    if sharded.activation_offload is None:
-        sharded.activation_offload = ActivationOffload(sharded.blocks)
-    return sharded.activation_offload
+    # trainer.engine.parallelize.apply_offload attaches the hooks, or not (verl's rule: fewer than 3 layers)
+    return sharded.activation_offload if sharded.activation_offload is not None else contextlib.nullcontext()
+
+
+#: verl's enable_activation_offloading turns the offload off for a model with fewer FSDP layers than this
+MIN_OFFLOAD_LAYERS = 3
+
+
+def offload_layers(sharded: Sharded) -> list[nn.Module]:
+    """The modules verl 0.9.1's ``enable_activation_offloading`` finds (its ``get_layers``), in order: each FSDP unit
+    below the root that is not an embedding, an FSDP1 unit by its wrapped module. verl's FSDP2 also shards an untied
+    ``lm_head`` apart (``utils/fsdp_utils.py::_select_fsdp2_wrap_targets``), which ours keeps in the root's unit: it
+    is one of the layers here too, so the count (verl turns the offload off below :data:`MIN_OFFLOAD_LAYERS`) and the
+    groups (each a layer's saves; the last layer's stays on the device) are verl's."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    layers: list[nn.Module] = []
+
+    def walk(module: nn.Module) -> None:
+        for child in module.children():
+            if not isinstance(child, (FSDP, FSDPModule)):
+                walk(child)
+            elif not isinstance(child._fsdp_wrapped_module if isinstance(child, FSDP) else child, nn.Embedding):
+                layers.append(child._fsdp_wrapped_module if isinstance(child, FSDP) else child)
+
+    walk(sharded.module)
+    model = sharded.module
+    if sharded.strategy == "fsdp2" and not getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        head = getattr(model, "lm_head", None)
+        if isinstance(head, nn.Module) and hasattr(head, "weight") and head not in layers:
+            layers.append(head)
+    return layers
+
+
+def checkpoint_forward(module: nn.Module) -> None:
+    """``module``'s forward recomputed in backward through a reentrant ``torch.utils.checkpoint``, as verl 0.9.1's
+    ``ActivationHandler._ckpt_forward`` wraps each layer when activation offload and gradient checkpointing are both
+    on (``enable_activation_offloading(enable_ckpt=True)``, after HF's own checkpointing is switched off): keyword
+    arguments packed after the positional ones (its ``_pack_kwargs``), since a reentrant checkpoint takes positional
+    tensors only. The checkpoint's ``save_for_backward`` of its tensor inputs runs inside :class:`ActivationOffload`'s
+    hooks, so each layer's input goes to host memory with its group (HF's non-reentrant checkpointing saves through
+    hooks of its own, which ours never see). A non-tensor argument (the rotary ``(cos, sin)`` tuple, ``None``, a flag)
+    is held by reference, in verl as here.
+
+    Only a training forward under autograd is checkpointed (verl: ``module.training``). Where no tensor input needs a
+    gradient, the forward runs as it is: a reentrant checkpoint would give the layer's weights no gradient (it warns
+    "None of the inputs have requires_grad=True"), and the plain forward's gradients are the checkpoint's bit for
+    bit. A decoder block's input is the embedding's output or an earlier block's, which need one whenever the model
+    trains."""
+    forward = module.forward
+
+    @functools.wraps(forward)
+    def checkpointed(*args, **kwargs):
+        flat = (*args, *kwargs.values())  # verl's _pack_kwargs
+        keys = tuple(kwargs)
+        needs_grad = any(isinstance(t, torch.Tensor) and t.requires_grad for t in flat)
+        if not (module.training and torch.is_grad_enabled() and needs_grad):
+            return forward(*args, **kwargs)
+
+        def run(*inputs):  # verl's _unpack_kwargs, then the original forward
+            cut = len(inputs) - len(keys)
+            return forward(*inputs[:cut], **dict(zip(keys, inputs[cut:])))
+
+        return torch.utils.checkpoint.checkpoint(run, *flat, use_reentrant=True)
+
+    module.forward = checkpointed
 
 
 class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):

@@ -9,7 +9,9 @@ The order is torchtitan's ``parallelize_*``, one named step each:
 3. :func:`apply_fsdp`: each transformer block sharded, then the root (trainer/engine/parallel.py holds the FSDP1 /
    FSDP2 mechanics, compute-time offload among them);
 4. :func:`apply_offload`: ``param_offload``'s shards to host memory from the start (as verl offloads them at
-   init), ``enable_activation_offload``'s hooks on the blocks (trainer/engine/offload.py).
+   init), ``enable_activation_offload``'s hooks on the layers (trainer/engine/offload.py), where verl's
+   ``enable_activation_offloading`` puts them: after the wrapping, off below three layers, and with gradient
+   checkpointing on, HF's checkpointing swapped for a reentrant checkpoint per layer inside the hooks.
 
 What acts around each pass afterwards (the moves between phases, the offload context) is
 trainer.engine.roles.resident's and trainer.engine.passes'.
@@ -24,8 +26,15 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from trainer.engine.knob_notes import few_layers_offload_note
 from trainer.engine.logits import entropy_stats, token_entropy
-from trainer.engine.offload import ActivationOffload, move_params
+from trainer.engine.offload import (
+    MIN_OFFLOAD_LAYERS,
+    ActivationOffload,
+    checkpoint_forward,
+    move_params,
+    offload_layers,
+)
 from trainer.engine.parallel import Sharded, ShardKnobs, shard_model
 
 __all__ = [
@@ -66,7 +75,7 @@ def parallelize(model: nn.Module, knobs: ModelKnobs, *, device: torch.device, na
     entropy_fn = apply_compile(knobs)
     sharded = apply_fsdp(model, knobs, device=device, name=name, notes=notes)
     sharded.entropy_fn = entropy_fn
-    apply_offload(sharded, knobs, device)
+    apply_offload(sharded, knobs, device, name=name, notes=notes)
     return sharded
 
 
@@ -88,14 +97,33 @@ def apply_fsdp(model: nn.Module, knobs: ModelKnobs, *, device: torch.device, nam
     return shard_model(model, knobs.shard, device=device, name=name, notes=notes, offload_on_cpu=knobs.offload_on_cpu)
 
 
-def apply_offload(sharded: Sharded, knobs: ModelKnobs, device: torch.device) -> None:
+def apply_offload(
+    sharded: Sharded, knobs: ModelKnobs, device: torch.device, *, name: str = "", notes: Optional[list[str]] = None
+) -> None:
     """``param_offload``: the shards wait in host memory from the start (a colocated vLLM engine, built after the
-    models, then sees the device without them). ``enable_activation_offload``: the hooks that note each block's
-    weights (the offload itself runs inside a training forward). On a CPU neither acts unless ``offload_on_cpu``."""
+    models, then sees the device without them). ``enable_activation_offload``: verl 0.9.1's
+    ``utils/activation_offload.py::enable_activation_offloading`` after the wrapping: the layers it finds
+    (trainer.engine.offload.offload_layers); fewer than three, and it turns the offload off (said in ``notes``);
+    else the hooks that make each layer's saves a group (the offload itself runs inside a training forward), and
+    with ``enable_gradient_checkpointing`` on, HF's checkpointing switched off and each layer's forward a reentrant
+    checkpoint inside them (``offload.checkpoint_forward``), so each layer's input goes to host memory too. On a CPU
+    neither acts unless ``offload_on_cpu``. ``name``: the FSDP knobs' config prefix, whose role the note names."""
     if knobs.param_offload and (device.type != "cpu" or knobs.offload_on_cpu):
         move_params(sharded, torch.device("cpu"), copy=knobs.offload_on_cpu)
-    if knobs.activation_offload and (device.type == "cuda" or knobs.offload_on_cpu):
-        sharded.activation_offload = ActivationOffload(sharded.blocks)
+    if not knobs.activation_offload or (device.type != "cuda" and not knobs.offload_on_cpu):
+        return
+    layers = offload_layers(sharded)
+    if len(layers) < MIN_OFFLOAD_LAYERS:
+        if notes is not None:
+            notes.append(few_layers_offload_note("critic" if name.startswith("critic") else "actor", len(layers)))
+        return
+    if knobs.gradient_checkpointing:
+        for module in sharded.module.modules():  # as verl: every module that has HF's switch
+            if hasattr(module, "gradient_checkpointing_disable"):
+                module.gradient_checkpointing_disable()
+        for layer in layers:
+            checkpoint_forward(layer)
+    sharded.activation_offload = ActivationOffload(layers)
 
 
 def make_entropy_fn(*, chunk_size: Optional[int], checkpointing: bool, compile: bool):

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from trainer.engine import parallelize as pz
 from trainer.engine.logits import token_entropy
-from trainer.engine.offload import ActivationOffload
+from trainer.engine.offload import ActivationOffload, offload_layers
 from trainer.engine.parallel import Sharded, ShardKnobs
 
 CPU = torch.device("cpu")
@@ -24,14 +24,14 @@ def one_rank():
     dist.destroy_process_group()
 
 
-def _tiny_model():
+def _tiny_model(layers: int = 2):
     from transformers import Qwen2ForCausalLM
 
     from trainer.config import TinyModelConfig
     from trainer.engine.models import build_tokenizer, tiny_qwen2_config
 
     torch.manual_seed(0)
-    return Qwen2ForCausalLM(tiny_qwen2_config(TinyModelConfig(), len(build_tokenizer()), 64))
+    return Qwen2ForCausalLM(tiny_qwen2_config(TinyModelConfig(num_hidden_layers=layers), len(build_tokenizer()), 64))
 
 
 def _storages(sharded: Sharded) -> set[int]:
@@ -44,7 +44,7 @@ def test_steps_run_in_order_each_on_what_the_one_before_made(one_rank, monkeypat
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    model = _tiny_model()
+    model = _tiny_model(3)  # verl's activation offload needs 3 layers or more
     seen: list[tuple[str, bool, bool]] = []  # (step, checkpointing on, the model wrapped) as each step began
     real = {step: getattr(pz, f"apply_{step}") for step in ("checkpointing", "compile", "fsdp", "offload")}
     moves: list[tuple] = []  # param_offload's moves: (device, copy)
@@ -86,7 +86,11 @@ def test_steps_run_in_order_each_on_what_the_one_before_made(one_rank, monkeypat
     assert strategy == "fsdp" or all(isinstance(b, FSDPModule) for b in sharded.blocks)
     assert moves == [(CPU, True)]  # param_offload: the shards to host memory, a real copy (offload_on_cpu)
     assert isinstance(sharded.activation_offload, ActivationOffload)
-    assert len(sharded.activation_offload.hooks) == 2 * len(sharded.blocks)  # a pre- and a post-hook per block
+    layers = offload_layers(sharded)  # the blocks, and under FSDP2 the untied lm_head (verl shards it apart)
+    assert layers[:3] == list(sharded.blocks) and len(layers) == 3 + (strategy == "fsdp2")
+    assert len(sharded.activation_offload.hooks) == 2 * len(layers)  # a pre- and a post-hook per layer
+    # both knobs: HF's checkpointing swapped for verl's reentrant checkpoint of each layer inside the offload hooks
+    assert not model.is_gradient_checkpointing and all("forward" in vars(layer) for layer in layers)
     assert sharded.entropy_fn.__name__ == "checkpointed"  # entropy_checkpointing: the compile step's head
     logits, rows = torch.randn(7, 11), torch.arange(7)
     torch.testing.assert_close(sharded.entropy_fn(logits, rows), token_entropy(logits, rows))
