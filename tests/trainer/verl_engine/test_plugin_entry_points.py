@@ -44,7 +44,7 @@ def _edit(path: Path, old: str, new: str) -> None:
 
 
 def test_verl_091_has_every_entry_point(verl_091):
-    assert entry_points.missing(verl_091) == []
+    assert entry_points.entry_point_gaps(verl_091) == []
     assert entry_points.refusal(verl_091) is None
 
 
@@ -75,7 +75,7 @@ def test_a_missing_method_is_refused_in_one_line_naming_it_and_the_version(verl_
 def test_a_function_imported_by_name_is_followed_to_its_definition(verl_copy):
     """transformer_impl binds prepare_micro_batches with ``from ..utils import``: gone from utils, it is missing."""
     _edit(verl_copy / "workers" / "engine" / "utils.py", "def prepare_micro_batches(", "def prepare_micro_batches_v2(")
-    assert entry_points.missing(verl_copy) == [
+    assert entry_points.entry_point_gaps(verl_copy) == [
         "verl.workers.engine.utils has no prepare_micro_batches "
         "(verl.workers.engine.fsdp.transformer_impl.prepare_micro_batches)"
     ]
@@ -89,7 +89,7 @@ def test_a_changed_signature_is_refused(verl_copy):
         "def create_rl_sampler(data_config, dataset):",
         "def create_rl_sampler(data_config, dataset, processor):",
     )
-    gaps = entry_points.missing(verl_copy)
+    gaps = entry_points.entry_point_gaps(verl_copy)
     assert len(gaps) == 4 and all("the plugin passes (data_config, dataset)" in g for g in gaps)
     assert gaps[0] == (
         "verl.trainer.ppo.utils.create_rl_sampler takes (data_config, dataset, processor), "
@@ -103,7 +103,7 @@ def test_a_verl_lacking_much_is_refused_in_a_line_the_trial_keeps_whole(verl_cop
         (verl_copy / "workers" / part).unlink()
     for part in ("utils/tracking.py", "single_controller/ray/base.py", "trainer/ppo/utils.py"):
         (verl_copy / part).unlink()
-    gaps = entry_points.missing(verl_copy)
+    gaps = entry_points.entry_point_gaps(verl_copy)
     line = entry_points.refusal(verl_copy)
     assert len(line) <= 300 and line.startswith("ppotune verl plugin error: verl 0.9.1 (") and gaps[0] in line
     shown = re.search(r"; and (\d+) more$", line)
@@ -112,7 +112,7 @@ def test_a_verl_lacking_much_is_refused_in_a_line_the_trial_keeps_whole(verl_cop
 
 def test_a_missing_module_is_refused(verl_copy):
     (verl_copy / "utils" / "tracking.py").unlink()
-    assert entry_points.missing(verl_copy) == ["verl.utils.tracking is missing"]
+    assert entry_points.entry_point_gaps(verl_copy) == ["verl.utils.tracking is missing"]
 
 
 def test_verl_with_the_plugin_exits_with_the_line_the_trial_records(verl_copy):

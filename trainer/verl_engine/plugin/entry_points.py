@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
-__all__ = ["EntryPoint", "ENTRY_POINTS", "TESTED_VERSIONS", "missing", "refusal", "verl_root", "verl_version"]
+__all__ = ["EntryPoint", "ENTRY_POINTS", "TESTED_VERSIONS", "entry_point_gaps", "refusal", "imported_verl_dir", "verl_version"]
 
 #: the verl versions whose source the entry points are read from, and that the tests run (docs/verl.md lists them)
 TESTED_VERSIONS = ("0.9.1",)
@@ -60,7 +60,7 @@ ENTRY_POINTS: tuple = (
 _Def = Union[ast.FunctionDef, ast.AsyncFunctionDef]
 
 
-def verl_root() -> Optional[Path]:
+def imported_verl_dir() -> Optional[Path]:
     """The directory of the ``verl`` package this process imports (its spec only: while the plugin runs, verl's
     ``__init__`` is still executing), or None without verl."""
     try:
@@ -178,7 +178,7 @@ def _check(root: Path, ep: EntryPoint) -> Optional[str]:
     return _signature_gap(node, ep)
 
 
-def missing(root: Path, entry_points: Sequence[EntryPoint] = ENTRY_POINTS) -> list[str]:
+def entry_point_gaps(root: Path, entry_points: Sequence[EntryPoint] = ENTRY_POINTS) -> list[str]:
     """Each entry point the verl tree at ``root`` lacks, or has with parameters the plugin cannot call, in one
     phrase each (empty: the plugin can wrap them all)."""
     out = []
@@ -196,10 +196,10 @@ _LINE_MAX = 300
 def refusal(root: Optional[Path] = None) -> Optional[str]:
     """The one line the plugin refuses verl with (None: verl has what the plugin wraps): short enough to be a trial's
     error whole; the missing pieces that do not fit are counted."""
-    root = root if root is not None else verl_root()
+    root = root if root is not None else imported_verl_dir()
     if root is None:
         return None  # no verl to patch: nothing would be wrapped, and nothing run
-    gaps = missing(root)
+    gaps = entry_point_gaps(root)
     if not gaps:
         return None
     head = (
