@@ -17,7 +17,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
-__all__ = ["EntryPoint", "ENTRY_POINTS", "TESTED_VERSIONS", "entry_point_gaps", "refusal", "imported_verl_dir", "verl_version"]
+__all__ = [
+    "EntryPoint",
+    "ENTRY_POINTS",
+    "TESTED_VERSIONS",
+    "entry_point_gaps",
+    "refusal",
+    "imported_verl_dir",
+    "verl_version",
+]
 
 #: the verl versions whose source the entry points are read from, and that the tests run (docs/verl.md lists them)
 TESTED_VERSIONS = ("0.9.1",)
