@@ -10,11 +10,12 @@ import signal
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 __all__ = [
     "prctl",
     "kill_descendants",
+    "processes_of",
     "die_with_parent",
     "write_json_atomic",
     "leave_rank",
@@ -110,55 +111,95 @@ def write_json_atomic(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def kill_descendants(grace_s: float = 5.0) -> None:
-    """SIGTERM every process below this one, wait up to ``grace_s``, SIGKILL the rest; reap as we go.
+def _live(procs) -> list:
+    """``procs`` less the dead and the zombies (a zombie is reaped, not signalled)."""
+    import psutil
 
-    With ``PR_SET_CHILD_SUBREAPER`` set, that includes orphans whose parent died first (a rank whose
-    launcher died, Ray's daemons after its driver): they are re-parented to us, not to init."""
+    out = []
+    for p in procs:
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.Error:
+            pass
+    return out
+
+
+def _reap_children() -> None:
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def kill_descendants(grace_s: float = 5.0, *, kill_s: float = 5.0, also: Callable[[], list] | None = None) -> list[int]:
+    """SIGTERM every process below this one (and each of ``also()``: psutil processes that are not below it), wait up
+    to ``grace_s``, SIGKILL the rest, wait up to ``kill_s``; reap as we go. -> the pids still alive (should be []).
+
+    With ``PR_SET_CHILD_SUBREAPER`` set, that includes orphans whose parent died first (a rank whose launcher died,
+    Ray's daemons after its driver): they are re-parented to us, not to init. The set is read again at each poll and
+    a process found late gets the signal of the moment: one forked after the first listing (a Ray worker its raylet
+    was starting, a daemon re-parented to us) gets its SIGTERM too, its chance to end cleanly."""
     import signal
     import time
 
     import psutil
 
+    me = os.getpid()
+
     def live() -> list:
         try:
             procs = psutil.Process().children(recursive=True)
         except psutil.Error:
-            return []
-        out = []
-        for p in procs:
-            try:
-                if p.status() != psutil.STATUS_ZOMBIE:
-                    out.append(p)
-            except psutil.Error:
-                pass
-        return out
+            procs = []
+        if also is not None:
+            seen = {p.pid for p in procs}
+            procs += [p for p in also() if p.pid not in seen and p.pid != me]
+        return _live(procs)
 
-    def reap() -> None:
-        while True:
-            try:
-                pid, _ = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
-
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-        procs = live()
-        if not procs:
+    start = time.monotonic()
+    sent: set[tuple[int, int]] = set()  # (pid, signal): SIGTERM once per process, its handler runs once
+    procs = live()
+    while procs:
+        elapsed = time.monotonic() - start
+        if elapsed > grace_s + kill_s:
             break
+        sig = signal.SIGTERM if elapsed < grace_s else signal.SIGKILL
         for p in procs:
-            try:
-                p.send_signal(sig)
-            except psutil.Error:
-                pass
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            reap()
-            if not live():
-                break
-            time.sleep(0.05)
-    reap()
+            if (p.pid, sig) not in sent:
+                try:
+                    p.send_signal(sig)  # psutil checks the pid is still this process (no reuse)
+                except psutil.Error:
+                    pass
+                sent.add((p.pid, sig))
+        time.sleep(0.05)
+        _reap_children()
+        procs = live()
+    _reap_children()
+    return [p.pid for p in live()]
+
+
+def processes_of(*, text: str | None = None, env: tuple[str, str] | None = None) -> list:
+    """This user's processes (never this one) whose command line holds ``text`` or whose environment has ``env``
+    (name, value): what belongs to one run wherever it was re-parented. Ray's daemons name their session's folder
+    on their command line; its workers inherit the environment of the driver that started the session."""
+    import psutil
+
+    uid, me, out = os.getuid(), os.getpid(), []
+    for p in psutil.process_iter(["pid", "uids", "cmdline"]):
+        try:
+            if p.pid == me or p.info["uids"] is None or p.info["uids"].real != uid:
+                continue
+            if text and text in " ".join(p.info["cmdline"] or ()):
+                out.append(p)
+            elif env and p.environ().get(env[0]) == env[1]:
+                out.append(p)
+        except psutil.Error:
+            pass
+    return out
 
 
 def leave_rank() -> None:
