@@ -27,6 +27,10 @@ A run with ``precision`` (or a study's ``front``) reads verl's per-step JSONL as
 ends verl once :func:`trainer.summary.measuring_done` says it has measured enough, as our own trainer
 does (status ok, ``stopped_early`` in the summary). On a CPU-only machine it also loads the CPU shim
 (:mod:`trainer.verl_engine.cpu`, verl 0.9.1 only) and adds ``CPU_KEYS``: nothing of it on a GPU.
+
+Each run starts a local Ray of its own in a folder of its own (never a cluster RAY_ADDRESS or ``ray start`` left on
+the node), and every process of it, Ray's daemons and workers included, has ended before the result is written
+(docs/verl.md, "Ray: each trial's own").
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ from trainer.launch.proc import (
     die_with_parent,
     kill_descendants,
     prctl,
+    processes_of,
     with_pythonpath,
     write_json_atomic,
 )
@@ -93,6 +98,8 @@ TRIAL_KEYS = (
     "trainer.default_local_dir",
     "trainer.resume_mode",
     "ray_kwargs.ray_init.include_dashboard",  # unless the run file sets it: no web UI to start in a short trial
+    "ray_kwargs.ray_init.address",  # "local": the trial's own Ray, whatever RAY_ADDRESS or a running cluster says
+    "ray_kwargs.ray_init._temp_dir",  # that Ray's sessions, sockets and logs: a folder of the trial's own
 )
 #: keys the CPU shim needs (verl 0.9.1 on a machine with no accelerator; never set on a GPU)
 CPU_KEYS = (
@@ -122,8 +129,9 @@ def run_device(spec: RunSpec) -> str:
     return detect_device(spec.device)
 
 
-def run_overrides(spec: RunSpec, *, device: str, workdir: Path) -> list[str]:
-    """The user's overrides, then what a trial adds (``++``: set whether or not verl's config has the key)."""
+def run_overrides(spec: RunSpec, *, device: str, workdir: Path, ray_dir: Optional[Path] = None) -> list[str]:
+    """The user's overrides, then what a trial adds (``++``: set whether or not verl's config has the key).
+    ``ray_dir``: the trial's Ray folder (:func:`ray_temp_dir`; default ``workdir/ray``, for a config composed only)."""
     out = list(spec.overrides)
     out += [
         f"++trainer.total_training_steps={spec.total_steps}",
@@ -136,6 +144,7 @@ def run_overrides(spec: RunSpec, *, device: str, workdir: Path) -> list[str]:
     ]
     if spec.get("ray_kwargs.ray_init.include_dashboard") is None:
         out.append("++ray_kwargs.ray_init.include_dashboard=False")  # docs/decisions.md#verl-no-ray-dashboard
+    out += _own_ray(spec, ray_dir or workdir / "ray")
     if device == "cpu":
         for key in STRATEGY_KEYS:
             value = spec.get(key)
@@ -176,6 +185,37 @@ def run_overrides(spec: RunSpec, *, device: str, workdir: Path) -> list[str]:
     return out
 
 
+#: a folder of each trial's Ray is at most this long: Ray puts its sockets at
+#: ``<folder>/session_<date>_<time>_<microseconds>_<pid>/sockets/plasma_store``, and a Unix socket's path has at most
+#: 107 bytes on Linux (``ray/_private/utils.py::validate_socket_filepath``)
+RAY_DIR_MAX_CHARS = 40
+#: names the processes of one trial's Ray in their environment (Ray's workers inherit the driver's)
+RUN_ENV = "PPOTUNE_VERL_RUN"
+
+
+def ray_temp_dir() -> Path:
+    """A new folder for one trial's Ray (``ray.init(_temp_dir=...)``): under the system's temporary folder when the
+    socket paths below it fit, else under ``/tmp``. Its own per trial: two ``--parallel`` trials share no session,
+    socket or log file of Ray's."""
+    root = tempfile.gettempdir()
+    if len(os.path.join(root, "ppotune-ray-XXXXXXXX")) > RAY_DIR_MAX_CHARS:
+        root = "/tmp"
+    return Path(tempfile.mkdtemp(prefix="ppotune-ray-", dir=root))
+
+
+def _own_ray(spec: RunSpec, ray_dir: Path) -> list[str]:
+    """A local Ray of the trial's own. verl's ``main_ppo`` calls ``ray.init(**ray_kwargs.ray_init)``; with no
+    address Ray joins the cluster RAY_ADDRESS names, else the last ``ray start``'s
+    (``ray/_private/services.py::get_ray_address_from_environment``): the trial's processes would be that cluster's,
+    started with its environment (no plugin, no file logger), out of the trial's reach. ``address=local`` starts a new
+    one whatever either says (``canonicalize_bootstrap_address``)."""
+    for key, ours in (("ray_kwargs.ray_init.address", "local"), ("ray_kwargs.ray_init._temp_dir", None)):
+        value = spec.get(key)
+        if value is not None and value != ours:
+            spec.notes.append(f"{key}={value}: not in a trial, which starts a Ray of its own (ended with the trial)")
+    return ["++ray_kwargs.ray_init.address=local", f"++ray_kwargs.ray_init._temp_dir={ray_dir}"]
+
+
 def shim_path(workdir: Path) -> Path:
     """A folder holding only our ``trainer`` package (a link): verl's processes import the shim from it and
     nothing else of ours (never this environment's site-packages, whose libraries would shadow verl's)."""
@@ -187,8 +227,13 @@ def shim_path(workdir: Path) -> Path:
     return d
 
 
-def verl_env(spec: RunSpec, *, device: str, metrics_path: Path) -> dict[str, str]:
+def verl_env(spec: RunSpec, *, device: str, metrics_path: Path, run_id: str = "") -> dict[str, str]:
+    """verl's environment: ours, less RAY_ADDRESS (the trial's Ray is its own: :func:`_own_ray`), with the plugin,
+    the shim on a CPU, the file logger's path and ``RUN_ENV=run_id`` (its processes found wherever they went)."""
     env = with_pythonpath(dict(os.environ), shim_path(metrics_path.parent))
+    env.pop("RAY_ADDRESS", None)
+    if run_id:
+        env[RUN_ENV] = run_id
     env["VERL_FILE_LOGGER_PATH"] = str(metrics_path)
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("RAY_DEDUP_LOGS", "0")  # every worker's error lines reach the log we classify
@@ -316,6 +361,7 @@ def run_verl(spec: RunSpec, *, result_path: Optional[Path]) -> int:
     # absolute: verl's processes (Ray's workers) do not run in our working directory
     workdir = Path(tempfile.mkdtemp(prefix="ppotune_verl_", dir=result_path.parent if result_path else None)).resolve()
     metrics = workdir / "metrics.jsonl"
+    ray_dir = ray_temp_dir()
     version, has_tq = verl_probe(spec.python)
     config = {"engine": "verl", "verl_version": version, "python": spec.python, "overrides": spec.overrides}
 
@@ -335,11 +381,12 @@ def run_verl(spec: RunSpec, *, result_path: Optional[Path]) -> int:
         if result_path:
             write_json_atomic(result_path, result)
         shutil.rmtree(workdir, ignore_errors=True)
+        shutil.rmtree(ray_dir, ignore_errors=True)
         return code
 
     try:
         _check_version(spec, device, version, has_tq)
-        overrides = run_overrides(spec, device=device, workdir=workdir)
+        overrides = run_overrides(spec, device=device, workdir=workdir, ray_dir=ray_dir)
         if spec.worst_case:
             overrides += _worst_case(spec, workdir)
     except ConfigError as e:
@@ -353,12 +400,12 @@ def run_verl(spec: RunSpec, *, result_path: Optional[Path]) -> int:
     config["command"] = cmd
     print("$ " + " ".join(cmd), flush=True)
     watch = Enough(spec, metrics, device)
-    env = verl_env(spec, device=device, metrics_path=metrics)
+    env = verl_env(spec, device=device, metrics_path=metrics, run_id=ray_dir.name)
     if spec.sweep:  # the plugin reads the schedule; a sweep measures every setting for its steps (no early stop)
         (workdir / "sweep.json").write_text(spec.schedule.to_json())
         env[SWEEP_ENV] = str(workdir / "sweep.json")
         spec.notes.append(f"in-run sweep: {len(spec.sweep)} settings of the per-step knobs in one verl run")
-    returncode, text, oom_line = _stream(cmd, env=env, cwd=workdir, enough=watch)
+    returncode, text, oom_line = _stream(cmd, env=env, cwd=workdir, enough=watch, end=lambda: _end_run(spec, ray_dir))
     text_rows = metrics.read_text() if metrics.is_file() else ""
     rows = steps_from_jsonl(text_rows, warmup=spec.warmup, device=device, schedule=spec.schedule)
     measured = [r for r in rows if not r["warmup"]]
@@ -406,10 +453,12 @@ def _check_version(spec: RunSpec, device: str, version: Optional[str], has_tq: b
         )
 
 
-def _stream(cmd: list[str], *, env: dict[str, str], cwd: Path, enough=lambda: None) -> tuple[int, str, list[str]]:
+def _stream(
+    cmd: list[str], *, env: dict[str, str], cwd: Path, enough=lambda: None, end=kill_descendants
+) -> tuple[int, str, list[str]]:
     """Run verl's driver, its output echoed and its last lines kept: (exit code, the tail, [the first OOM
     line] or []). SIGTERM and SIGINT are passed on to it; so is the end once ``enough()`` says it measured
-    enough (asked after each line); its descendants are killed once it ends."""
+    enough (asked after each line); once it ends, ``end()`` ends every process it left (its descendants)."""
     prctl(PR_SET_CHILD_SUBREAPER, 1)  # Ray's daemons that outlive the driver come back to us
     proc = subprocess.Popen(
         cmd,
@@ -451,8 +500,24 @@ def _stream(cmd: list[str], *, env: dict[str, str], cwd: Path, enough=lambda: No
         watchdog.cancel()
         for s, h in old.items():
             signal.signal(s, h)
-        kill_descendants()
+        end()
     return returncode, "\n".join(tail), oom_line
+
+
+#: how long the trial's processes get to end by themselves after SIGTERM (Ray's daemons shut their workers down)
+END_GRACE_S = 5.0
+
+
+def _end_run(spec: RunSpec, ray_dir: Path) -> None:
+    """End every process of the run before its result is written: what is below us (we are a subreaper: Ray's
+    daemons and workers whose parent died come back to us), and what names the trial's Ray session (its folder on a
+    daemon's command line, ``RUN_ENV`` in a worker's environment) wherever it went. Only the trial's own Ray is
+    touched: never ``ray stop``, which ends every Ray of the machine (another user's too). One that survives SIGKILL
+    (a process stuck in the kernel) is named in the result's notes."""
+    left = kill_descendants(END_GRACE_S, also=lambda: processes_of(text=str(ray_dir), env=(RUN_ENV, ray_dir.name)))
+    if left:
+        print(f"ppotune train: processes of the verl run alive after SIGKILL: {left}", flush=True)
+        spec.notes.append(f"processes of the verl run alive after SIGKILL: {left}")
 
 
 def train_verl(args: Any) -> int:

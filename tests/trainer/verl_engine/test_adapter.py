@@ -12,9 +12,12 @@ import pytest
 from trainer.config import ConfigError
 from trainer.verl_engine.adapter import (
     CPU_KEYS,
+    RAY_DIR_MAX_CHARS,
+    RUN_ENV,
     TRIAL_KEYS,
     classify_failure,
     load_run,
+    ray_temp_dir,
     run_overrides,
     steps_from_jsonl,
     verl_env,
@@ -89,6 +92,26 @@ def test_what_a_trial_adds(tmp_path):
     fsdp1 = load_run(_run_file(tmp_path, "overrides: [critic.strategy=fsdp]\n"))
     with pytest.raises(ConfigError, match="critic.strategy"):
         run_overrides(fsdp1, device="cpu", workdir=tmp_path)
+
+
+def test_a_trial_starts_a_ray_of_its_own(tmp_path, monkeypatch):
+    """``address=local`` in a folder of the trial's own, whatever the run file, RAY_ADDRESS or a ``ray start`` on the
+    node says (ray/_private/worker.py::init: "local" starts a new instance even with one running; RAY_ADDRESS is read
+    only for no address or "auto")."""
+    spec = load_run(_run_file(tmp_path, "overrides: ['++ray_kwargs.ray_init.address=auto']\n"))
+    ran = run_overrides(spec, device="cuda", workdir=tmp_path, ray_dir=Path("/tmp/r"))
+    assert ran[-2:] == ["++ray_kwargs.ray_init.address=local", "++ray_kwargs.ray_init._temp_dir=/tmp/r"]
+    assert any(n.startswith("ray_kwargs.ray_init.address=auto: not in a trial") for n in spec.notes)
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    env = verl_env(spec, device="cuda", metrics_path=tmp_path / "m", run_id="ppotune-ray-x")
+    assert "RAY_ADDRESS" not in env and env[RUN_ENV] == "ppotune-ray-x"
+    # Ray's sockets below the folder must fit a Unix socket path (107 bytes): a long TMPDIR falls back to /tmp
+    monkeypatch.setenv("TMPDIR", str(tmp_path / ("x" * 60)))
+    (tmp_path / ("x" * 60)).mkdir()
+    monkeypatch.setattr("tempfile.tempdir", None)  # gettempdir() reads TMPDIR again
+    one, two = ray_temp_dir(), ray_temp_dir()
+    assert one != two and one.parent == Path("/tmp") and len(str(one)) <= RAY_DIR_MAX_CHARS
+    one.rmdir(), two.rmdir()
 
 
 def test_environment_loads_the_shim_only_on_cpu(tmp_path):
