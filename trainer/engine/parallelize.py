@@ -80,7 +80,9 @@ def parallelize(model: nn.Module, knobs: ModelKnobs, *, device: torch.device, na
 
 
 def apply_checkpointing(model: nn.Module, knobs: ModelKnobs) -> None:
-    """``enable_gradient_checkpointing``: the blocks recompute their activations in backward (HF's own switch)."""
+    """``enable_gradient_checkpointing``: the blocks recompute their activations in backward (HF's own switch,
+    non-reentrant as verl sets it). With activation offload acting too, :func:`apply_offload` swaps it for verl's
+    reentrant checkpoint per layer once the model is wrapped, as verl does after its wrapping."""
     if knobs.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
