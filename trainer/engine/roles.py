@@ -388,6 +388,7 @@ def _vllm_rollout(cfg, models: _Models, device, notes: list[str]) -> "VLLMRollou
         weight_bytes=models.num_params * DTYPE_BYTES[ro.dtype],
         cpu_memory_gb=cfg.ppotune.vllm_cpu_memory_gb,
         rank=dist.get_rank(),
+        local_rank=device.index,  # the engine is checked against the rank's own device before vLLM is built
     )
     notes.extend(plan.notes)
     return VLLMRollout.build(models.shape, plan)
