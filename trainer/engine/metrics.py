@@ -14,6 +14,8 @@ from typing import Callable, Optional
 
 import torch
 
+from trainer.device_specs import peak_flops
+
 __all__ = [
     "PhaseMeter",
     "Unmapped",
@@ -32,32 +34,8 @@ __all__ = [
 
 GB = 1024**3
 
-# Dense peak FLOP/s per device (vendor sheets), bf16 tensor cores and plain fp32 (TF32 off: torch's default for
-# matmuls, which verl keeps); None where unknown -> MFU is null.
-_PEAK_FLOPS = {
-    "H200": (989e12, 67e12),
-    "H100": (989e12, 67e12),
-    "H800": (989e12, 67e12),
-    "A100": (312e12, 19.5e12),
-    "A800": (312e12, 19.5e12),
-    "L40S": (362e12, 91.6e12),
-    "A10": (125e12, 31.2e12),
-    "L4": (121e12, 30.3e12),
-    "4090": (165e12, 82.6e12),
-    "V100": (125e12, 15.7e12),
-}
 #: the phases whose FLOPs :func:`phase_flops` counts (the others move no model: reward, advantages)
 MODEL_PHASES = ("gen", "old_log_prob", "ref", "values", "update_critic", "update_actor")
-
-
-def peak_flops(device_name: str | None, dtype: str = "bfloat16") -> float | None:
-    """The device's dense peak for a compute dtype: bf16 (tensor cores) or fp32 (TF32 off, torch's default)."""
-    if not device_name:
-        return None
-    for key, (bf16, fp32) in _PEAK_FLOPS.items():
-        if key in device_name.upper():
-            return fp32 if dtype in ("float32", "fp32") else bf16
-    return None
 
 
 def actor_mfu(

@@ -21,15 +21,12 @@ docs/decisions.md#trial-time-from-the-job. Pure: the command reads the model's s
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import functools
 import math
-from pathlib import Path
 from typing import Optional
 
-import trainer
 from trainer.config import PPOConfig, need_critic, need_reference_policy, world_size
+from trainer.device_specs import device_spec
 from tuner.trials.launch import HANG_MARGIN, STARTUP_TIMEOUT_S, STEP_TIMEOUT_S
 
 __all__ = [
@@ -60,34 +57,6 @@ WEIGHT_BYTES = 2
 VLLM_START_S = {"graphs": 60.0, "eager": 20.0}
 #: the GPU a cuda estimate assumes when none is visible and none is named (``--assume-gpu``)
 DEFAULT_GPU = "H100"
-#: HBM bandwidth per device (vendor sheets, bytes/s), matched in order as the peak FLOP/s are: a PCIe H100 is slower
-_HBM_BYTES_PER_S = {
-    "H100 PCIE": 2.0e12,
-    "H200": 4.8e12,
-    "H100": 3.35e12,
-    "H800": 3.35e12,
-    "A100": 2.0e12,
-    "A800": 2.0e12,
-    "L40S": 0.864e12,
-    "A10": 0.6e12,
-    "L4": 0.3e12,
-    "4090": 1.0e12,
-    "V100": 0.9e12,
-}
-
-
-@functools.lru_cache(maxsize=1)
-def _peak_flops_table() -> dict:
-    """The dense peak FLOP/s per device, (bf16, fp32): ``_PEAK_FLOPS`` of trainer/engine/metrics.py, its one
-    definition, read as a literal because that module imports torch and the tuner never does."""
-    source = Path(trainer.__file__).parent / "engine" / "metrics.py"
-    for node in ast.parse(source.read_text()).body:
-        target = node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else None
-        if isinstance(target, ast.Name) and target.id == "_PEAK_FLOPS":
-            return ast.literal_eval(node.value)
-    raise AssertionError(f"{source}: no _PEAK_FLOPS table")
-
-
 @dataclasses.dataclass(frozen=True)
 class Gpu:
     """What the estimate reads of a device: its dense peak and its memory bandwidth."""
@@ -101,13 +70,11 @@ class Gpu:
 
 def gpu_named(name: Optional[str], *, dtype: str = "bfloat16") -> Gpu:
     """The figures of the device ``name`` (NVML's name, or e.g. ``H200``); DEFAULT_GPU's, marked assumed, for a name
-    the tables do not hold or none."""
-    table, upper = _peak_flops_table(), (name or "").upper()
-    key = next((k for k in _HBM_BYTES_PER_S if k in upper), None) if upper else None
-    assumed = key is None or key.split()[0] not in table  # "H100 PCIE": the H100's peak
-    key = DEFAULT_GPU if assumed else key
-    bf16, fp32 = table[key.split()[0]]
-    return Gpu(key, fp32 if dtype in ("float32", "fp32") else bf16, _HBM_BYTES_PER_S[key], assumed, name)
+    the data sheets (trainer.device_specs) do not hold or none."""
+    spec = device_spec(name)
+    assumed = spec is None
+    spec = spec or device_spec(DEFAULT_GPU)
+    return Gpu(spec.key, spec.flops(dtype), spec.hbm_bytes_per_s, assumed, name)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,13 +8,13 @@ import dataclasses
 
 import pytest
 
+from trainer import device_specs
 from tuner.memory_model.shape import ModelShape, param_counts
 from tuner.search import plan
 from tuner.search.trial_time import (
     ASSUMED_MFU,
     DEFAULT_GPU,
     Job,
-    _peak_flops_table,
     gpu_named,
     hang_limits,
     trial_time,
@@ -93,9 +93,10 @@ def test_the_limits_never_go_below_the_floors_and_a_flag_wins():
 
 
 def test_device_figures_come_from_the_trainers_table():
-    """One definition: the peak FLOP/s are trainer/engine/metrics.py's (read without importing torch)."""
+    """One definition: the estimate's figures and the trainer's MFU read the same data sheets
+    (trainer.device_specs)."""
     metrics = pytest.importorskip("trainer.engine.metrics")
-    assert _peak_flops_table() == metrics._PEAK_FLOPS
+    assert metrics.peak_flops is device_specs.peak_flops
     assert H100.name == "H100" and H100.peak_flops == metrics.peak_flops("NVIDIA H100 80GB HBM3")
     assert gpu_named("NVIDIA H100 PCIe").hbm_bytes_per_s < H100.hbm_bytes_per_s  # PCIe's HBM2e
     assert gpu_named("NVIDIA A100-SXM4-80GB", dtype="fp32").peak_flops == metrics.peak_flops("A100", "fp32")
