@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator, Optional
 
 import pytest
 
@@ -95,6 +97,35 @@ def no_processes_left():
         return [(p.pid, " ".join(p.cmdline())[:200]) for p in processes_with(marker)]
 
     return check
+
+
+@contextmanager
+def _busy_core() -> Iterator[subprocess.Popen]:
+    """One core kept busy (another job on the machine, the suite's other worker), ended on the way out."""
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        yield hog
+    finally:
+        hog.kill()
+        hog.wait()
+
+
+@pytest.fixture
+def cpu_hog() -> Iterator[subprocess.Popen]:
+    """A test that must hold under load: one core busy beside it for the test's length."""
+    with _busy_core() as hog:
+        yield hog
+
+
+@pytest.fixture(scope="module")
+def cpu_hog_if_asked() -> Iterator[Optional[subprocess.Popen]]:
+    """A module's long fixture under load when ``PPOTUNE_TEST_HOG=1`` (one core busy beside it; the default leaves
+    the suite's time as it is): None otherwise."""
+    if os.environ.get("PPOTUNE_TEST_HOG") != "1":
+        yield None
+        return
+    with _busy_core() as hog:
+        yield hog
 
 
 @pytest.fixture(scope="session")

@@ -9,9 +9,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import socket
 import statistics
 import subprocess
+import tempfile
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import jsonschema
 import optuna
@@ -19,8 +24,9 @@ import psutil
 import pytest
 import yaml
 
-from support import REPO, verl_preset_run, wait_until
+from support import REPO, processes_with, verl_preset_run, wait_until
 from trainer.contracts import PHASES, Status, TrialRecord
+from trainer.launch.proc import processes_of
 from trainer.verl_engine.adapter import SUPPORTED_VERL
 from trainer.verl_engine.overrides import override_key
 from tuner.trials.launch import launch_trial, train_command
@@ -31,16 +37,27 @@ SCHEMA = json.loads((REPO / "trainer" / "result_schema.json").read_text())
 MICRO = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"
 
 
-def ray_processes() -> list[str]:
-    """Ray's daemons and workers still alive anywhere on the machine (CI runs no other Ray)."""
+@contextmanager
+def own_tmp() -> Iterator[Path]:
+    """A short TMPDIR for what the test starts: each trial's Ray folder is made below it
+    (``trainer.verl_engine.adapter.ray_temp_dir``), so this test's Ray is told from any other on the machine."""
+    root = Path(tempfile.mkdtemp(prefix="p", dir="/tmp"))
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("TMPDIR", str(root))
+            yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def ray_left(root: Path) -> list[str]:
+    """This test's Ray processes still alive (a folder of theirs open or named, or the test's TMPDIR inherited),
+    read at once: the run ends them before it returns, with no waiting here."""
     out = []
-    for p in psutil.process_iter(["cmdline", "status"]):
+    for p in processes_of(text=str(root), env=("TMPDIR", str(root))):
         try:
-            cmd = " ".join(p.info["cmdline"] or [])
-            if p.info["status"] != psutil.STATUS_ZOMBIE and any(
-                m in cmd for m in ("raylet", "gcs_server", "default_worker.py", "ray::", "dashboard/agent.py")
-            ):
-                out.append(f"{p.pid} {cmd[:120]}")
+            if p.status() != psutil.STATUS_ZOMBIE:
+                out.append(f"{p.pid} {' '.join(p.cmdline())[:120]}")
         except psutil.Error:
             pass
     return out
@@ -99,7 +116,7 @@ TRIAL_WORLD = [
 
 
 @pytest.fixture(scope="module")
-def verl_study(cli, verl_run_file, tmp_path_factory) -> Path:
+def verl_study(cli, verl_run_file, tmp_path_factory, cpu_hog_if_asked) -> Path:
     """One small verl search of a GRPO job that every feature's test reads: 2 trials of 1 GPU for a 2-node job
     (--target-nodes 2), adaptive measurement (--precision), the worst-case probe of the pick (--probe 1), a report.
     Its space names a critic knob too, which a job without a critic does not search. A verl run per trial
@@ -116,7 +133,16 @@ def verl_study(cli, verl_run_file, tmp_path_factory) -> Path:
         f"  {CRITIC_KNOB}: {{type: bool, memory: decreasing}}\n"
     )
     out = tmp / "out"
-    r = cli(
+    with own_tmp() as root:
+        r = _verl_search(cli, grpo, space, out)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+        assert ray_left(root) == []
+    assert "trials run 1 GPUs for a 2 x 1 = 2-GPU job" in r.stdout
+    return out
+
+
+def _verl_search(cli, grpo: Path, space: Path, out: Path) -> subprocess.CompletedProcess:
+    return cli(
         "search",
         grpo,
         "--engine",
@@ -150,10 +176,6 @@ def verl_study(cli, verl_run_file, tmp_path_factory) -> Path:
         300,
         timeout=1500,
     )
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
-    assert "trials run 1 GPUs for a 2 x 1 = 2-GPU job" in r.stdout
-    assert wait_until(lambda: not ray_processes(), 20), ray_processes()
-    return out
 
 
 def _ok_trials(out: Path) -> tuple[optuna.Study, dict]:
@@ -247,7 +269,9 @@ def test_verl_export_writes_production_and_validate_runs_it(cli, verl_study, tmp
     # validate: the export against the study's baseline, verl both, at the trials' world (1 round of 2 steps)
     cfg = tmp_path / "e" / "best_config.yaml"
     args = ("validate", cfg, "--steps", 2, "--rounds", 1, "--storage", verl_study, "--out", tmp_path / "v")
-    r = cli(*args, "--engine-python", VERL_PY, timeout=900)
+    with own_tmp() as root:
+        r = cli(*args, "--engine-python", VERL_PY, timeout=900)
+        assert ray_left(root) == []
     assert r.returncode in (0, 1), r.stdout[-3000:] + r.stderr[-2000:]  # PASS or FAIL: both a verdict
     assert f"= trial #{chosen} of study" in r.stdout and "at the trials' world" in r.stdout
     (found,) = (tmp_path / "v").rglob("validate.json")
@@ -257,7 +281,6 @@ def test_verl_export_writes_production_and_validate_runs_it(cli, verl_study, tmp
     results = list(found.parent.rglob("result.json"))
     assert len(results) == 2
     assert all(all(o in json.loads(f.read_text())["config"]["overrides"] for o in TRIAL_WORLD) for f in results)
-    assert wait_until(lambda: not ray_processes(), 20), ray_processes()
 
 
 def test_verl_oom_under_a_memory_cap(cli, verl_python, tmp_path):
@@ -282,26 +305,82 @@ def test_verl_oom_under_a_memory_cap(cli, verl_python, tmp_path):
     run = tmp_path / "wide.yaml"
     overrides = yaml.safe_load((tmp_path / "wide" / "preset.yaml").read_text())["overrides"]
     run.write_text(yaml.safe_dump({"overrides": overrides, "ppotune": {"python": str(verl_python)}}))
-    r = _train(cli, run, tmp_path / "r.json", "--memory-limit-gb", 0.2)
+    with own_tmp() as root:
+        r = _train(cli, run, tmp_path / "r.json", "--memory-limit-gb", 0.2)
+        assert ray_left(root) == []
     res = json.loads((tmp_path / "r.json").read_text())
     assert r.returncode == 3 and res["status"] == "oom", (res["status"], res["error"], r.stdout[-2000:])
     # the allocator's own failure, whichever allocation hit the cap first: a tensor ("can't allocate memory")
     # or the checkpoint's mmap while loading ("Cannot allocate memory (12)", ENOMEM)
     assert "allocate memory" in res["error"].lower(), res["error"]
-    assert wait_until(lambda: not ray_processes(), 20), ray_processes()
 
 
-def test_verl_hang_is_killed_with_no_ray_process_left(verl_run_file, tmp_path):
-    """Too few logical CPUs for verl's placement bundles: it waits forever, with no error."""
+def test_verl_hang_is_killed_with_no_ray_process_left(verl_run_file, tmp_path, cpu_hog):
+    """Too few logical CPUs for verl's placement bundles: it waits forever, with no error. Killed with Ray's processes
+    up, on a loaded machine (one core busy beside it), and none of them left once the trial is recorded."""
     run = yaml.safe_load(verl_run_file.read_text())
     run["overrides"].append("++ray_kwargs.ray_init.num_cpus=1")
     hang = tmp_path / "hang.yaml"
     hang.write_text(yaml.safe_dump(run))
     cmd = train_command(hang, result_path=tmp_path / "r.json", engine="verl") + ["--nproc", "1", "--steps", "2"]
-    r = launch_trial(cmd, trial_dir=tmp_path, result_path=tmp_path / "r.json", timeout_s=20, grace_s=5)
+    with own_tmp() as root:
+        r = launch_trial(cmd, trial_dir=tmp_path, result_path=tmp_path / "r.json", timeout_s=45, grace_s=5)
+        assert ray_left(root) == []
     assert r.status == Status.HANG and r.leftover_pids == []
     assert "Started a local Ray instance" in Path(r.log_path).read_text()  # killed with Ray's processes up
-    assert wait_until(lambda: not ray_processes(), 20), ray_processes()
+
+
+@contextmanager
+def ray_cluster_on_the_node() -> Iterator[tuple[str, Path]]:
+    """``ray start --head`` in a folder of its own: (its address, the folder). Ended by
+    killing the processes of that folder only (``ray stop`` ends every Ray of the machine)."""
+    folder = Path(tempfile.mkdtemp(prefix="o", dir="/tmp"))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    args = ["--head", "--block", f"--port={port}", f"--temp-dir={folder}", "--num-cpus=1", "--disable-usage-stats"]
+    proc = subprocess.Popen([str(VERL_PY.parent / "ray"), "start", *args, "--include-dashboard=false"])
+    try:
+        address = folder / "ray_current_cluster"  # written by ray start once its head is up
+        assert wait_until(lambda: address.is_file() and address.read_text().strip(), 120), "ray start did not come up"
+        yield address.read_text().strip(), folder
+    finally:
+        start = psutil.Process(proc.pid)
+        cluster = {p.pid: p for p in [start, *start.children(recursive=True), *processes_of(text=str(folder))]}
+        left = list(cluster.values())
+        for how in (psutil.Process.terminate, psutil.Process.kill):
+            for p in left:
+                try:
+                    how(p)
+                except psutil.Error:
+                    pass
+            _, left = psutil.wait_procs(left, timeout=10)
+        shutil.rmtree(folder, ignore_errors=True)
+        assert not left, left
+
+
+def _cluster_pids(folder: Path) -> set[int]:
+    """The cluster's daemons (their command lines name its folder; its idle workers come and go by themselves)."""
+    return {p.pid for p in processes_with(str(folder))}
+
+
+def test_a_verl_trial_runs_its_own_ray_beside_a_cluster_on_the_node(cli, verl_run_file, tmp_path, monkeypatch):
+    """A cluster already on the node (``ray start``, named by RAY_ADDRESS) takes no trial: verl's ``ray.init`` would
+    join it (ray/_private/services.py::get_ray_address_from_environment) and run the trial's workers there, without
+    the trial's plugin or file logger ("exited 0 after 0 of N steps"). The trial is measured on a Ray of its own,
+    and the cluster is left as it was: the same processes, alive."""
+    with ray_cluster_on_the_node() as (address, folder):
+        before = _cluster_pids(folder)
+        monkeypatch.setenv("RAY_ADDRESS", address)
+        with own_tmp() as root:
+            r = _train(cli, verl_run_file, tmp_path / "r.json")
+            assert ray_left(root) == []
+        res = json.loads((tmp_path / "r.json").read_text())
+        assert r.returncode == 0 and res["status"] == "ok", (res["status"], res["error"], r.stdout[-2000:])
+        assert [s["step"] for s in res["steps"]] == [1, 2, 3]
+        assert "Started a local Ray instance" in r.stdout and "Connecting to existing Ray cluster" not in r.stdout
+        assert "++ray_kwargs.ray_init.address=local" in res["config"]["command"]
+        assert len(before) >= 2 and _cluster_pids(folder) == before  # gcs_server, raylet, ...
 
 
 def test_bad_engine_python_is_one_line_exit_2(cli, tmp_path):
@@ -345,9 +424,10 @@ def sweep_study(cli, verl_run_file, tmp_path_factory) -> Path:
     ppo.write_text(yaml.safe_dump(run))
     out = tmp / "out"
     args = ("search", ppo, "--engine", "verl", "--space", space, "--trials", 3, "--confirm", 0, "--probe", 0)
-    r = cli(*args, "--steps", 3, "--warmup", 1, "--nproc", 1, "--out", out, "--trial-timeout", 600, timeout=1200)
+    with own_tmp() as root:
+        r = cli(*args, "--steps", 3, "--warmup", 1, "--nproc", 1, "--out", out, "--trial-timeout", 600, timeout=1200)
+        assert ray_left(root) == []
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
-    assert wait_until(lambda: not ray_processes(), 20), ray_processes()
     return out
 
 

@@ -183,9 +183,10 @@ def kill_descendants(grace_s: float = 5.0, *, kill_s: float = 5.0, also: Callabl
 
 
 def processes_of(*, text: str | None = None, env: tuple[str, str] | None = None) -> list:
-    """This user's processes (never this one) whose command line holds ``text`` or whose environment has ``env``
-    (name, value): what belongs to one run wherever it was re-parented. Ray's daemons name their session's folder
-    on their command line; its workers inherit the environment of the driver that started the session."""
+    """This user's processes (never this one) whose command line holds ``text``, whose environment has ``env`` (name,
+    value) or that hold a file open under the folder ``text``: what belongs to one run wherever it was re-parented.
+    Ray's daemons name their session's folder on their command line; its workers inherit the environment of the driver
+    that started the session; its agents rewrite both, but every Ray process keeps its logs open in that folder."""
     import psutil
 
     uid, me, out = os.getuid(), os.getpid(), []
@@ -193,9 +194,11 @@ def processes_of(*, text: str | None = None, env: tuple[str, str] | None = None)
         try:
             if p.pid == me or p.info["uids"] is None or p.info["uids"].real != uid:
                 continue
-            if text and text in " ".join(p.info["cmdline"] or ()):
-                out.append(p)
-            elif env and p.environ().get(env[0]) == env[1]:
+            if (
+                (text and text in " ".join(p.info["cmdline"] or ()))
+                or (env and p.environ().get(env[0]) == env[1])
+                or (text and any(f.path.startswith(text) for f in p.open_files()))
+            ):
                 out.append(p)
         except psutil.Error:
             pass

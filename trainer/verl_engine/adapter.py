@@ -510,10 +510,10 @@ END_GRACE_S = 5.0
 
 def _end_run(spec: RunSpec, ray_dir: Path) -> None:
     """End every process of the run before its result is written: what is below us (we are a subreaper: Ray's
-    daemons and workers whose parent died come back to us), and what names the trial's Ray session (its folder on a
-    daemon's command line, ``RUN_ENV`` in a worker's environment) wherever it went. Only the trial's own Ray is
-    touched: never ``ray stop``, which ends every Ray of the machine (another user's too). One that survives SIGKILL
-    (a process stuck in the kernel) is named in the result's notes."""
+    daemons and workers whose parent died come back to us), and what belongs to the trial's Ray session wherever it
+    went (its folder on a daemon's command line, ``RUN_ENV`` in a worker's environment, a log open in that folder).
+    Only the trial's own Ray is touched: never ``ray stop``, which ends every Ray of the machine (another user's too).
+    One that survives SIGKILL (a process stuck in the kernel) is named in the result's notes."""
     left = kill_descendants(END_GRACE_S, also=lambda: processes_of(text=str(ray_dir), env=(RUN_ENV, ray_dir.name)))
     if left:
         print(f"ppotune train: processes of the verl run alive after SIGKILL: {left}", flush=True)

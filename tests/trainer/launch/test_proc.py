@@ -74,15 +74,20 @@ def test_a_process_of_the_run_outside_the_tree_is_ended():
     assert got["found"] == [got["pid"]] and got["left"] == [] and got["gone"] == [True, True], got
 
 
-def test_processes_of_reads_the_command_line():
+def test_processes_of_reads_the_command_line_and_the_open_files(tmp_path):
+    """A Ray daemon names its session's folder on its command line; an agent (``ray::DashboardAgent``) rewrote its
+    command line and environment but keeps its log open there."""
     got = _run(
-        """
-        p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "--temp-dir=/tmp/ppotune-ray-q1"])
-        time.sleep(0.3)
-        found = [x.pid for x in processes_of(text="/tmp/ppotune-ray-q1")]
-        none = processes_of(text="/tmp/ppotune-ray-q2")
-        p.kill(); p.wait()
-        print(json.dumps({"found": found, "pid": p.pid, "none": len(none)}))
+        f"""
+        p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "--temp-dir={tmp_path}/ray"])
+        log = "import time; f = open('{tmp_path}/ray/agent.log', 'w'); time.sleep(60)"
+        os.makedirs("{tmp_path}/ray")
+        q = subprocess.Popen([sys.executable, "-c", log])
+        time.sleep(0.5)
+        found = sorted(x.pid for x in processes_of(text="{tmp_path}/ray"))
+        none = processes_of(text="{tmp_path}/other")
+        p.kill(), q.kill(), p.wait(), q.wait()
+        print(json.dumps({{"found": found, "pids": sorted([p.pid, q.pid]), "none": len(none)}}))
         """
     )
-    assert got["found"] == [got["pid"]] and got["none"] == 0
+    assert got["found"] == got["pids"] and got["none"] == 0, got
