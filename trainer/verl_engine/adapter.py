@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from trainer.config import ConfigError, flatten
-from trainer.contracts import ExitCode
+from trainer.contracts import MEMORY_LINE, ExitCode, MemoryOutcome, memory_message
 from trainer.launch.device import detect_device
 from trainer.launch.proc import (
     PR_SET_CHILD_SUBREAPER,
@@ -114,10 +114,9 @@ CPU_KEYS = (
     "ray_kwargs.ray_init.num_cpus",
 )
 STRATEGY_KEYS = ("actor_rollout_ref.actor.strategy", "actor_rollout_ref.ref.strategy", "critic.strategy")
-_OOM = re.compile(
-    r"CUDA out of memory|OutOfMemoryError|can't allocate memory|DefaultCPUAllocator|MemoryError|"
-    r"std::bad_alloc|running low on memory|unable to mmap \d+ bytes"  # the last: a checkpoint's mmap under the cap
-)
+#: a line that says memory decided the run (trainer.contracts.MEMORY_MESSAGES, the table a rank's exception is read
+#: with too): an OOM, or a vLLM share too small for one sequence (verl may wait on that server for ever as well)
+_OOM = MEMORY_LINE
 _TAIL_LINES = 80
 OOM_GRACE_S = 30.0  # after an OOM line, how long verl gets to end by itself before it is ended
 
@@ -342,12 +341,18 @@ def critic_as_verl_runs(verl_flat: dict) -> dict:
 
 # --------------------------------------------------------------------------- verl's metrics -> our result
 def classify_failure(returncode: int, log_tail: str) -> tuple[str, str]:
-    """(result status, one-line error) of a verl run that did not finish: ``oom`` when any process ran out
-    of memory (the message surfaces inside Ray task errors and worker logs), else ``error``."""
+    """(result status, one-line error) of a verl run that did not finish, from the first line any process said about
+    memory (the message surfaces inside Ray task errors and worker logs): ``oom`` when it ran out; a config refusal
+    (``error`` with ``config:``: the trial is ``invalid``) when vLLM's share of the device holds no sequence, the
+    lower bound ``ppotune fit`` reads back; else ``error``."""
     lines = log_tail.splitlines()
     for line in lines:
-        if _OOM.search(line):
-            return "oom", line.strip()[-300:]
+        found = memory_message(line)
+        if found is not None:
+            text = line.strip()  # its last 300 characters, or 300 from where the message starts when it is earlier
+            start = min(re.search(found.pattern, text, re.IGNORECASE).start(), max(0, len(text) - 300))
+            status = "oom" if found.outcome is MemoryOutcome.OOM else "error"
+            return status, found.error(text[start : start + 300])
     err = next((ln.strip() for ln in reversed(lines) if re.search(r"Error|error:|Exception", ln)), None)
     return "error", (err or f"verl exited with code {returncode}")[-300:]
 

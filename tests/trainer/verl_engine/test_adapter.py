@@ -263,3 +263,48 @@ def test_verls_default_trainer_path_needs_transfer_queue(tmp_path):
     _check_version(spec, "cpu", "0.9.1", has_tq=True)
     legacy = load_run(_run_file(tmp_path, "overrides: [trainer.use_v1=False]\n"))
     _check_version(legacy, "cpu", "0.9.1", has_tq=False)
+
+
+# --------------------------------------------------------------------------- memory failures in verl's log
+# verl 0.9.1 runs vLLM as a server (workers/rollout/vllm_rollout/vllm_async_server.py::vLLMHttpServer, executor "mp"):
+# the worker's start-up refusal reaches the log as a Ray actor's error line, prefixed with the actor and pid.
+_VLLM_SHARE_BUSY = (
+    "(vLLMHttpServer pid=4242) ValueError: Free memory on device cuda:0 (30.12/79.19 GiB) on startup is less than "
+    "desired GPU memory utilization (0.95, 75.23 GiB). Decrease GPU memory utilization or reduce GPU memory used by "
+    "other processes."
+)  # vllm/v1/worker/utils.py::request_memory
+_VLLM_KV_TOO_SMALL = (
+    "(vLLMHttpServer pid=4242) ValueError: To serve at least one request with the model's max seq len (4096), (0.5 "
+    "GiB KV cache is needed, which is larger than the available KV cache memory (0.25 GiB). Based on the available "
+    "memory, the estimated maximum model length is 2048. Try increasing `gpu_memory_utilization` (which also controls "
+    "CPU memory on the CPU backend) or decreasing `max_model_len` when initializing the engine. See "
+    "https://docs.vllm.ai/en/latest/configuration/conserving_memory/ for more details."
+)  # vllm/v1/core/kv_cache_planning.py::_check_enough_kv_cache_memory
+
+
+def test_a_vllm_server_that_cannot_get_its_share_is_an_oom():
+    """The verl fit's first probe (vLLM at 0.95 of a device the trainer already uses) is an OOM, as in our engine."""
+    status, error = classify_failure(1, "Traceback ...\n" + _VLLM_SHARE_BUSY + "\nRuntimeError: Engine core failed")
+    assert status == "oom" and "less than desired GPU memory utilization" in error
+
+
+def test_a_vllm_share_too_small_for_one_sequence_is_a_config_refusal_the_fit_reads_back():
+    from trainer.contracts import VLLM_UTILIZATION_KEY, MemoryOutcome, memory_message
+
+    status, error = classify_failure(1, _VLLM_KV_TOO_SMALL + "\nRuntimeError: Engine core initialization failed")
+    # "config:": the tuner records it invalid (tuner.trials.launch), not a crash; the message is kept whole enough
+    # for the table to find it again, though the line is longer than the 300 characters an error keeps
+    assert status == "error" and error.startswith(f"config: {VLLM_UTILIZATION_KEY} too small"), error
+    assert len(_VLLM_KV_TOO_SMALL) > 300 and memory_message(error).outcome is MemoryOutcome.UNDERSIZED
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "(WorkerDict pid=7) NCCL WARN Cuda failure 'out of memory'",  # nccl src/include/checks.h::CUDACHECK
+        "(WorkerDict pid=7) NCCL WARN Failed to malloc 1048576 bytes",  # nccl src/include/alloc.h::ncclCallocDebug
+        "(vLLMHttpServer pid=9) RuntimeError: CUDA Error: out of memory at csrc/cumem_allocator.cpp:62",  # wake_up
+    ],
+)
+def test_the_log_is_read_with_the_ranks_table(line):
+    assert classify_failure(1, "line\n" + line) == ("oom", line)
