@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
-from tuner.fit.boundary import FITS, OOM, OVER, PREDICTED, FitState, KnobFit, Observation
+from tuner.fit.boundary import FITS, OOM, OVER, PREDICTED, TOO_SMALL, FitState, KnobFit, Observation
 
 __all__ = ["KnobAnswer", "knob_answers", "answer_values"]
 
@@ -30,6 +30,7 @@ class KnobAnswer:
     next_predicted_gb: Optional[float]  # the model's figure for the next value up, when it had one
     probes: int  # probes that measured this knob
     ladder: tuple = ()  # every value it could take
+    floor_value: Any = None  # the largest value too small (a vLLM share that holds no sequence), None: none seen
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -51,7 +52,7 @@ def _why(f: KnobFit, limit_gb: float) -> tuple[str, Optional[str], Optional[floa
     """(why the next value up does not fit, its verdict, its measured peak, the model's figure)."""
     if f.hi >= len(f.knob.ladder):
         return "top of the ladder", None, None, None
-    fails = [o for o in f.at(f.hi) if o.verdict != FITS]
+    fails = [o for o in f.at(f.hi) if o.verdict not in (FITS, TOO_SMALL)]
     if not fails:
         return "not measured", None, None, None
     last = fails[-1]
@@ -85,6 +86,14 @@ def _why(f: KnobFit, limit_gb: float) -> tuple[str, Optional[str], Optional[floa
     )
 
 
+def _none_fits(f: KnobFit, why: str) -> str:
+    """Why no value of the knob fits: the smallest fails, or none is left between the floor and what fails."""
+    if f.floor < 0:
+        return f"not even {f.knob.ladder[0]} fits: {why}"
+    small = f"vLLM's share holds no sequence at {f.knob.ladder[f.floor]} or below"
+    return small if f.hi >= len(f.knob.ladder) else f"{small}, and {f.knob.ladder[f.hi]} does not fit: {why}"
+
+
 def knob_answers(state: FitState, *, limit_gb: float) -> list[KnobAnswer]:
     """The table: one row per knob, in the order their passes run."""
     rows = []
@@ -100,12 +109,13 @@ def knob_answers(state: FitState, *, limit_gb: float) -> list[KnobAnswer]:
                 peak_gb=got.peak_gb if got is not None else None,
                 predicted_gb=got.predicted_gb if got is not None else None,
                 next_value=f.knob.ladder[f.hi] if f.hi < len(f.knob.ladder) else None,
-                next_why=why if f.lo >= 0 or f.hi > 0 else f"not even {f.knob.ladder[0]} fits: {why}",
+                next_why=why if f.lo >= 0 or not f.impossible else _none_fits(f, why),
                 next_verdict=verdict,
                 next_peak_gb=next_peak,
                 next_predicted_gb=next_pred,
                 probes=len({o.probe for o in f.observations if o.probe is not None}),
                 ladder=tuple(f.knob.ladder),
+                floor_value=f.knob.ladder[f.floor] if f.floor >= 0 else None,
             )
         )
     return rows

@@ -10,7 +10,11 @@ pass in the order the step runs them:
   **oom**; a pass no knob sizes (an ``adv`` holding what ``values`` left) is charged to the nearest earlier knob's;
 * passes after it: nothing (an earlier pass's memory may be what pushed them over, and an OOM ends the step);
 * an engine that says neither per-pass peaks nor the OOM's pass (verl): the outcome speaks for the one knob above
-  its known fit, else for none, and from then on one knob is probed at a time (:attr:`FitState.split`).
+  its known fit, else for none, and from then on one knob is probed at a time (:attr:`FitState.split`);
+* a failure whose message names its knob (:data:`trainer.contracts.MEMORY_MESSAGES`: vLLM's start-up refusals name
+  ``gpu_memory_utilization``) speaks for that knob whatever the pass: an OOM (the share is more than the device has
+  free) is an upper bound as any other; a share too small to hold one sequence is **too small**, the opposite bound:
+  that rung and every one below it cannot work at any limit (:attr:`KnobFit.floor`).
 
 :func:`next_probe` picks the rungs: a pending repeat first (an OOM one rung above a measured fit counts only once it
 happens twice: a noisy boundary), else the start (the base config's rungs, or the top without a model), else the
@@ -25,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
-from trainer.contracts import PHASES, Status
+from trainer.contracts import PHASES, MemoryOutcome, Status, memory_message
 from tuner.fit.ladder import SizeKnob
 
 __all__ = [
@@ -33,6 +37,7 @@ __all__ = [
     "OVER",
     "OOM",
     "PREDICTED",
+    "TOO_SMALL",
     "Observation",
     "KnobFit",
     "ProbeOutcome",
@@ -44,6 +49,8 @@ __all__ = [
 ]
 
 FITS, OVER, OOM, PREDICTED = "fits", "over", "oom", "predicted"
+#: vLLM's share at this rung holds no sequence: a lower bound (more memory is what it needs), never a crash
+TOO_SMALL = "too_small"
 _FAILS = (OVER, OOM, PREDICTED)
 
 
@@ -61,7 +68,7 @@ class Observation:
     """What one probe (or the memory model) says about one knob at one rung."""
 
     rung: int
-    verdict: str  # fits | over | oom | predicted
+    verdict: str  # fits | over | oom | predicted | too_small
     peak_gb: Optional[float] = None  # the knob's passes' peak (measured, or predicted), objective basis
     probe: Optional[int] = None  # the probe's trial number; None for a prediction
     phase: Optional[str] = None  # the pass it speaks of (over / oom: the pass that failed)
@@ -80,7 +87,7 @@ class Observation:
 
 @dataclass
 class KnobFit:
-    """One knob's interval and the evidence for it."""
+    """One knob's interval and the evidence for it: the answer lies above :attr:`low` and below ``hi``."""
 
     knob: SizeKnob
     lo: int = -1
@@ -109,25 +116,41 @@ class KnobFit:
         return measured_fit and len(fails) == 1 and fails[0].verdict == OOM and not fails[0].expected
 
     @property
+    def floor(self) -> int:
+        """The largest rung known too small (a vLLM share that holds no sequence): it and every rung below it cannot
+        work whatever the limit (-1: none)."""
+        return max((o.rung for o in self.observations if o.verdict == TOO_SMALL), default=-1)
+
+    @property
+    def low(self) -> int:
+        """The rung the answer lies above: the largest known fit, else the floor."""
+        return max(self.lo, self.floor)
+
+    @property
     def settled(self) -> bool:
-        return self.lo + 1 >= self.hi and not self.pending_repeat
+        return self.low + 1 >= self.hi and not self.pending_repeat
 
     @property
     def impossible(self) -> bool:
-        """Not even the smallest value fits."""
-        return self.hi == 0
+        """No value fits: not even the smallest, or none between the floor and the smallest that fails."""
+        return self.hi == 0 or (self.lo < 0 and self.floor + 1 >= self.hi)
 
     def record(self, obs: Observation) -> None:
         self.observations.append(obs)
         r = obs.rung
-        if obs.verdict == FITS:
+        if obs.verdict == TOO_SMALL:  # a start-up check of the share itself, not a noisy boundary: it outranks a fit
+            if r >= self.lo:
+                self.lo = max((o.rung for o in self.observations if o.verdict == FITS and o.rung > r), default=-1)
+        elif obs.verdict == FITS:
+            if r <= self.floor:
+                return
             if r >= self.hi:  # a failure at or below it was noise (an OOM that did not repeat)
                 above = [o.rung for o in self.observations if o.verdict in _FAILS and o.rung > r]
                 self.hi = min(above, default=len(self.knob.ladder))
             self.lo = max(self.lo, r)
         else:
             if r <= self.lo:  # a value that fitted fails now (in another combination, or noise)
-                self.lo = r - 1
+                self.lo = r - 1 if r - 1 > self.floor else -1
             self.hi = min(self.hi, r)
 
     def to_dict(self) -> dict:
@@ -231,6 +254,27 @@ def _charged(
     return above or [min(owners, key=lambda f: len(f.knob.phases))]
 
 
+def _first_line(error: Optional[str]) -> str:
+    return ((error or "no error recorded").strip().splitlines() or [""])[0]
+
+
+def _named(fits: Sequence[KnobFit], outcome: ProbeOutcome) -> Optional[tuple[KnobFit, MemoryOutcome]]:
+    """The knob a failed probe's own message names as the cause, and what it says of it (vLLM's start-up refusals
+    name its share: trainer.contracts.MEMORY_MESSAGES), whatever the status the probe was recorded with (a share too
+    small is a config refusal; an older study recorded vLLM's refusals as crashes). None: no such message, or an OOM
+    naming a knob the fit does not size (judged as any OOM). FitBlocked: a share too small that the fit cannot
+    raise."""
+    if outcome.status is Status.OK:
+        return None
+    found = memory_message(outcome.error)
+    if found is None or found.key is None:
+        return None
+    fit = next((f for f in fits if f.key == found.key), None)
+    if fit is None and found.outcome is MemoryOutcome.UNDERSIZED:
+        raise FitBlocked(f"{found.key} is not a size this fit varies: {_first_line(outcome.error)}")
+    return (fit, found.outcome) if fit is not None else None
+
+
 def _own_peak(knob: SizeKnob, by_phase: Mapping[str, float], offset: float) -> Optional[float]:
     got = [by_phase[p] for p in knob.phases if p in by_phase]
     return max(got) + offset if got else None
@@ -263,9 +307,13 @@ def judge_probe(
         f.record(obs)
         made.append((f.key, obs))
 
+    named = _named(state.fits, outcome)
+    if named is not None:
+        f, said = named
+        note(f, TOO_SMALL if said is MemoryOutcome.UNDERSIZED else OOM, None, outcome.oom_phase)
+        return made
     if outcome.status not in (Status.OK, Status.OOM):
-        first = (outcome.error or "no error recorded").strip().splitlines() or [""]
-        raise FitBlocked(f"a probe ended {outcome.status.value}: {first[0]}")
+        raise FitBlocked(f"a probe ended {outcome.status.value}: {_first_line(outcome.error)}")
     by_phase, peak = dict(outcome.by_phase_gb or {}), outcome.peak_gb
     within = outcome.status is Status.OK and (peak is None or peak <= limit_gb + 1e-12)
     if outcome.status is Status.OK and by_phase:
@@ -312,14 +360,15 @@ class ProbePlan:
 
 def _held(f: KnobFit, start: Mapping[str, int], split: bool) -> int:
     """A knob the probe does not test: at its known fit, else at its start (its smallest value once outcomes
-    cannot be told apart: an untested value must not be what fails)."""
+    cannot be told apart: an untested value must not be what fails), never at or below its floor."""
     if f.lo >= 0:
         return f.lo
-    return 0 if split or f.hi <= 0 else min(start.get(f.key, 0), f.hi - 1)
+    rung = 0 if split or f.hi <= 0 else min(start.get(f.key, 0), f.hi - 1)
+    return max(rung, min(f.floor + 1, f.hi - 1)) if f.floor >= 0 else rung
 
 
 def _candidate(f: KnobFit, start: Mapping[str, int], proposals: Mapping[str, int]) -> tuple[int, str]:
-    lo, hi = f.lo, f.hi
+    lo, hi = f.low, f.hi
     if f.pending_repeat:
         return hi, "repeat"
     inside = lambda r: max(lo + 1, min(hi - 1, int(r)))  # noqa: E731

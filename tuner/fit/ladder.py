@@ -34,7 +34,8 @@ from trainer.contracts import PHASES
 __all__ = ["SizeKnob", "size_knobs", "divisors", "UTILIZATION_LADDER"]
 
 _A, _REF, _RO, _C = "actor_rollout_ref.actor", "actor_rollout_ref.ref", "actor_rollout_ref.rollout", "critic"
-#: vLLM's ``gpu_memory_utilization`` rungs: too little holds no KV cache, all of it leaves the trainer nothing
+#: vLLM's ``gpu_memory_utilization`` rungs: all of it leaves the trainer nothing; too little holds no sequence, which
+#: vLLM refuses at start-up whatever the limit (a floor under the rung: tuner.fit.boundary's ``too_small``)
 UTILIZATION_LADDER = tuple(round(0.05 * k, 2) for k in range(2, 20))
 
 

@@ -42,14 +42,14 @@ def proposals(
 ) -> tuple[dict, list[tuple[str, Observation]]]:
     """(each open knob's proposed rung, the rungs ruled out by prediction: ``(key, Observation)`` not yet
     recorded). ``error``: the model's stated relative error (None: it rules nothing out)."""
-    held = {f.key: f.lo if f.lo >= 0 else start.get(f.key, 0) for f in state.fits}
+    held = {f.key: f.lo if f.lo >= 0 else max(start.get(f.key, 0), f.floor + 1) for f in state.fits}
     out, ruled = {}, []
     for f in state.fits:
         if f.settled or f.pending_repeat:
             continue
-        predicted = {r: _own(f, predict({**held, f.key: r})) for r in range(f.lo + 1, f.hi)}
+        predicted = {r: _own(f, predict({**held, f.key: r})) for r in range(f.low + 1, f.hi)}
         within = [r for r, gb in predicted.items() if gb <= limit_gb]
-        out[f.key] = max(within) if within else f.lo + 1
+        out[f.key] = max(within) if within else f.low + 1
         if error is not None:
             over = [r for r, gb in predicted.items() if r > out[f.key] and gb / (1.0 + error) > limit_gb]
             if over:
