@@ -61,3 +61,38 @@ def test_a_cap_above_the_device_is_the_whole_device(monkeypatch):
     _install(monkeypatch, fake)
     cap._cap(100.0)
     assert fake.fractions == {0: 1.0}  # torch refuses a fraction above 1
+
+
+# --------------------------------------------------------------------------- whose process group is capped
+# verl 0.9.1's trainer ranks join their group in verl/utils/distributed.py::initialize_global_process_group_ray
+# (workers/engine_workers.py calls it); vLLM's worker joins its own in
+# vllm/distributed/parallel_state.py::init_distributed_environment, after it has imported verl for
+# verl.workers.rollout.vllm_rollout.utils.vLLMColocateWorkerExtension (vllm/v1/worker/worker_base.py::init_worker
+# resolves worker_extension_cls before init_device), so the patch is in place there too. Each caller below is compiled
+# as a module of that name and calls ``torch.distributed.init_process_group`` as its upstream does.
+_CALLER = """
+import torch
+
+
+def join(**kwargs):
+    torch.distributed.init_process_group(backend="nccl", world_size=1, rank=0, **kwargs)
+"""
+
+
+def _caller(name: str):
+    module = {"__name__": name}
+    exec(compile(_CALLER, f"<{name}>", "exec"), module)
+    return module["join"]
+
+
+def test_the_cap_is_set_for_the_trainers_process_group_and_never_for_vllms(monkeypatch):
+    import torch.distributed as dist
+
+    joined, capped = [], []
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: joined.append(k))
+    monkeypatch.setattr(cap, "_cap", capped.append)
+    cap._install(10.0)
+    _caller("verl.utils.distributed")()
+    assert len(joined) == 1 and capped == [10.0]  # a trainer rank
+    _caller("vllm.distributed.parallel_state")()
+    assert len(joined) == 2 and capped == [10.0]  # vLLM's worker joins its group uncapped
