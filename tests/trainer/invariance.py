@@ -57,6 +57,13 @@ ACTIVATION_OFFLOAD = {
     "actor_rollout_ref.model.enable_activation_offload": True,
     f"{CRITIC}.model.enable_activation_offload": True,
 }
+CHECKPOINTING = {
+    "actor_rollout_ref.model.enable_gradient_checkpointing": True,
+    "critic.model.enable_gradient_checkpointing": True,
+}
+#: verl turns activation offload off below 3 layers (trainer/engine/offload.py::offload_layers): its variants and
+#: their references run a 3-layer tiny model
+LAYERS_3 = {"ppotune.tiny.num_hidden_layers": 3}
 
 #: The fp32 knob variants (2 ranks) that must reproduce ``base`` exactly.
 VARIANTS_2 = {
@@ -102,13 +109,15 @@ VARIANTS_2 = {
     },
     # saved activations to host memory and back (trainer.engine.offload.ActivationOffload: the worker asks for its
     # hooks on a CPU too), alone, on FSDP2, and with the recompute of gradient checkpointing
-    "activation_offload": ACTIVATION_OFFLOAD,
-    "fsdp2_activation_offload": {**FSDP2, **ACTIVATION_OFFLOAD},
-    "activation_offload_checkpointing": {
-        **ACTIVATION_OFFLOAD,
-        "actor_rollout_ref.model.enable_gradient_checkpointing": True,
-        "critic.model.enable_gradient_checkpointing": True,
-    },
+    "activation_offload": {**LAYERS_3, **ACTIVATION_OFFLOAD},
+    "fsdp2_activation_offload": {**LAYERS_3, **FSDP2, **ACTIVATION_OFFLOAD},
+    "activation_offload_checkpointing": {**LAYERS_3, **ACTIVATION_OFFLOAD, **CHECKPOINTING},
+    "fsdp2_activation_offload_checkpointing": {**LAYERS_3, **FSDP2, **ACTIVATION_OFFLOAD, **CHECKPOINTING},
+    # their references: the same knobs without activation offload
+    "layers_3": LAYERS_3,
+    "fsdp2_layers_3": {**LAYERS_3, **FSDP2},
+    "layers_3_checkpointing": {**LAYERS_3, **CHECKPOINTING},
+    "fsdp2_layers_3_checkpointing": {**LAYERS_3, **FSDP2, **CHECKPOINTING},
     # shard groups of one rank, replicated over the two (HSDP)
     "hybrid": _all_sections("fsdp_size", 1),
     "fsdp2_hybrid": {**FSDP2, **_all_sections("fsdp_size", 1)},
@@ -229,11 +238,13 @@ _ENTROPY_KNOBS = (
     "entropy_chunked_checkpointing_micro_1",
     "entropy_compiled",
 )
-_NOT_BASE = ("base", "critic_mini_4", "entropy", *_ENTROPY_KNOBS)
+_LAYERS_3 = tuple(v for v in VARIANTS_2 if VARIANTS_2[v].get("ppotune.tiny.num_hidden_layers") == 3)
+_NOT_BASE = ("base", "critic_mini_4", "entropy", *_ENTROPY_KNOBS, *_LAYERS_3)
 
 CHECKS_FP32 = [
     *(Check(v, "base") for v in VARIANTS_2 if v not in _NOT_BASE),
     Check("one_process", "base"),
+    *(Check(v, "layers_3") for v in _LAYERS_3 if v != "layers_3"),
     Check("critic_mini_4", "one_process_critic_mini_4"),
     Check("critic_mini_4", "base", parts=("actor",)),  # the critic's mini-batch does not touch the actor
     Check("entropy", "base", parts=("critic",)),
@@ -255,9 +266,10 @@ BIT_FOR_BIT = [
     ("param_offload", "base"),
     ("optimizer_offload", "base"),
     ("param_and_optimizer_offload", "base"),
-    ("activation_offload", "base"),
-    ("fsdp2_activation_offload", "fsdp2"),
-    ("activation_offload_checkpointing", "gradient_checkpointing"),
+    ("activation_offload", "layers_3"),
+    ("fsdp2_activation_offload", "fsdp2_layers_3"),
+    ("activation_offload_checkpointing", "layers_3_checkpointing"),
+    ("fsdp2_activation_offload_checkpointing", "fsdp2_layers_3_checkpointing"),
     ("fsdp2_offload_policy", "fsdp2"),
     ("grpo_param_and_optimizer_offload", "grpo_base"),
 ]
