@@ -220,8 +220,9 @@ class TrialRecord:
     duration_s: Optional[float] = None  # wall seconds the trial cost (0 when not launched)
     # what ran beside the trial while it was measured (tuner.trials.memory.LoadMeter): {"cpu_others" (host CPUs kept
     # busy outside the trial's processes and the tuner, mean), "cpu_others_share" (of the host's CPUs), "cpu_trial",
-    # "gpu_other_processes" (others on its GPUs, most at once), "gpu_other_memory_gb", "loaded" (over the tuner's
-    # thresholds: the confirmation claims nothing from it)}
+    # "gpu_other_processes" (others on its GPUs, most at once; "unknown" where NVML's PIDs are another namespace's, its
+    # memory then None), "gpu_other_memory_gb", "loaded" (over the tuner's thresholds: the confirmation claims
+    # nothing from it)}
     load: Optional[dict] = None
     returncode: Optional[int] = None
     oom_phase: Optional[str] = None

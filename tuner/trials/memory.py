@@ -318,11 +318,27 @@ def _busy_s(times) -> float:
     return sum(times) - idle - getattr(times, "guest", 0.0) - getattr(times, "guest_nice", 0.0)
 
 
+#: why the other processes on a trial's GPUs are not known (LoadMeter.note)
+GPU_OTHERS_UNKNOWN = (
+    "NVML lists processes on the trial's GPUs, none of them in its process tree: NVML gives the host's PIDs (the "
+    "driver knows no PID namespace) and this tuner sees another namespace's (a container without --pid=host), where "
+    "/proc shows no way to map them. Other processes on its GPUs are unknown: the load reading counts CPUs only "
+    "(run the container with --pid=host to count them)"
+)
+
+
 class LoadMeter:
     """What runs beside a trial: the host's busy CPU time less the trial's process tree's and the tuner's own (the
     tuner and every process it started; each process's CPU time counted from when it was first seen), and the other
-    processes on its GPUs (NVML: those not in its tree; where NVML's PIDs are another namespace's, more than one
-    process on a GPU)."""
+    processes on its GPUs (NVML: those not in its tree).
+
+    NVML reports the PIDs the driver sees, the host's, whatever namespace asks; psutil's are those of the namespace
+    whose /proc it reads. In the host's namespace they match. In a container without the host's, none of NVML's
+    matches the trial's, and nothing here can map them: ``/proc/<pid>/status``'s ``NSpid`` lists a process's PIDs
+    from the namespace of the /proc being read inward, so inside the container it holds the container's PID only (the
+    host's appears only in the host's /proc, where psutil's PIDs are the host's already). Guessing how many of the
+    listed processes are the trial's fails with a colocated vLLM (two of the trial's processes per GPU under verl): so
+    once NVML's processes never include one of the trial's, the other processes are "unknown", never load."""
 
     def __init__(self) -> None:
         self._t0: Optional[float] = None
@@ -332,6 +348,8 @@ class LoadMeter:
         self._me = psutil.Process()
         self.gpu_others = 0
         self.gpu_other_bytes = 0
+        self._matched = False  # an NVML process was one of the trial's: NVML and psutil share a PID namespace
+        self._unmatched = (0, 0)  # (most processes, their bytes) on a GPU at a sample where none was the trial's
 
     def sample(self, procs: list) -> None:
         now, busy = time.monotonic(), _busy_s(psutil.cpu_times())
@@ -355,12 +373,24 @@ class LoadMeter:
         """One GPU's compute processes (NVML's list) at this sample; ``pids``: the trial's tree."""
         if not running:
             return
-        if any(pr.pid in pids for pr in running):
-            others = [pr for pr in running if pr.pid not in pids]
-        else:  # NVML reports another PID namespace (a container): one rank per GPU is the trial's
-            others = sorted(running, key=lambda pr: getattr(pr, "usedGpuMemory", 0) or 0)[:-1]
-        self.gpu_others = max(self.gpu_others, len(others))
-        self.gpu_other_bytes = max(self.gpu_other_bytes, sum(getattr(pr, "usedGpuMemory", 0) or 0 for pr in others))
+        others = [pr for pr in running if pr.pid not in pids]
+        held = sum(getattr(pr, "usedGpuMemory", 0) or 0 for pr in others)
+        if len(others) < len(running):
+            self._matched = True
+            self.gpu_others = max(self.gpu_others, len(others))
+            self.gpu_other_bytes = max(self.gpu_other_bytes, held)
+        else:  # none is the trial's: it has not reached the GPU yet, or NVML's PIDs are another namespace's
+            self._unmatched = (max(self._unmatched[0], len(others)), max(self._unmatched[1], held))
+
+    @property
+    def gpu_known(self) -> bool:
+        """Whether the other processes on the trial's GPUs can be told: NVML listed one of the trial's (processes
+        listed when none was are others too: the trial had not reached the GPU), or never listed any."""
+        return self._matched or self._unmatched[0] == 0
+
+    def note(self) -> Optional[str]:
+        """Why the load reading says nothing of the GPUs, when it cannot (None: it can)."""
+        return None if self.gpu_known else GPU_OTHERS_UNKNOWN
 
     def figures(self) -> Optional[dict]:
         """``{cpu_others, cpu_others_share, cpu_trial, gpu_other_processes, gpu_other_memory_gb, loaded}`` (CPUs
@@ -371,13 +401,15 @@ class LoadMeter:
         ours = sum(last - first for first, last in self._cpu.values())
         others = max(0.0, (self._last[1] - self._busy0) - ours) / wall
         share = others / float(psutil.cpu_count() or 1)
+        gpu = max(self.gpu_others, self._unmatched[0]) if self._matched else self.gpu_others
+        held = max(self.gpu_other_bytes, self._unmatched[1]) if self._matched else self.gpu_other_bytes
         return {
             "cpu_others": round(others, 3),
             "cpu_others_share": round(share, 3),
             "cpu_trial": round(ours / wall, 3),
-            "gpu_other_processes": self.gpu_others,
-            "gpu_other_memory_gb": round(self.gpu_other_bytes / GIB, 3),
-            "loaded": is_loaded(share, self.gpu_others),
+            "gpu_other_processes": gpu if self.gpu_known else "unknown",
+            "gpu_other_memory_gb": round(held / GIB, 3) if self.gpu_known else None,
+            "loaded": is_loaded(share, gpu if self.gpu_known else 0),
         }
 
 
@@ -460,6 +492,8 @@ class MemorySampler(threading.Thread):
             pk.external_peak_gb = pk.process_rss_peak_gb
         pk.pids_seen = tuple(sorted(self._pids))
         pk.load = self.load.figures()
+        if self.load.note() is not None and pk.load is not None:
+            pk.notes.append(self.load.note())
         return pk
 
     @property
