@@ -182,3 +182,21 @@ def test_a_saved_view_comes_back_with_its_sizes_strides_and_values(view):
     (shape, stride, values) = seen[0]
     assert (shape, stride) == (h.shape, h.stride())
     assert torch.equal(values, h)
+
+
+def test_the_device_cache_goes_back_where_verl_gives_it_back(monkeypatch):
+    """``empty_device_cache`` on CUDA (after an offload, around the rollout's weight sync, as verl's calls): the
+    allocator's cached free segments go back to the device, so NVML and a colocated engine see them free; proven with
+    test_metrics_unmapped.py's FakeCuda (torch's ``release_cached_blocks``: the default pool's free segments only)."""
+    from tests.trainer.engine.test_metrics_unmapped import GPU, FakeCuda, FakeDevice, MiB, Pool
+    from trainer.engine.offload import empty_device_cache
+
+    cuda = FakeCuda(FakeDevice(0, 1000 * MiB, 0), FakeDevice(1, 1000 * MiB, 0)).install(monkeypatch)
+    kept = cuda.malloc(100 * MiB, GPU)
+    cuda.free(cuda.malloc(300 * MiB, GPU), GPU)  # the offloaded shards' blocks: freed, still cached
+    engine = cuda.malloc(200 * MiB, GPU, Pool())  # a vLLM pool's segment stays its pool's
+    held = cuda.mem_get_info(GPU)[1] - cuda.mem_get_info(GPU)[0]
+    empty_device_cache()
+    assert held - (cuda.mem_get_info(GPU)[1] - cuda.mem_get_info(GPU)[0]) == 300 * MiB
+    assert cuda.memory_reserved(GPU) == 300 * MiB  # the live tensor's segment and the engine's
+    cuda.free(kept, GPU), cuda.free(engine, GPU)
