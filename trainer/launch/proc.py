@@ -190,6 +190,7 @@ def processes_of(*, text: str | None = None, env: tuple[str, str] | None = None)
     import psutil
 
     uid, me, out = os.getuid(), os.getpid(), []
+    below = text.rstrip("/") + "/" if text else None  # a file in the folder, not in one whose name starts the same
     for p in psutil.process_iter(["pid", "uids", "cmdline"]):
         try:
             if p.pid == me or p.info["uids"] is None or p.info["uids"].real != uid:
@@ -197,7 +198,7 @@ def processes_of(*, text: str | None = None, env: tuple[str, str] | None = None)
             if (
                 (text and text in " ".join(p.info["cmdline"] or ()))
                 or (env and p.environ().get(env[0]) == env[1])
-                or (text and any(f.path.startswith(text) for f in p.open_files()))
+                or (below and any(f.path.startswith(below) for f in p.open_files()))
             ):
                 out.append(p)
         except psutil.Error:
