@@ -45,6 +45,7 @@ __all__ = [
     "oom_kind",
     "MemoryOutcome",
     "MemoryMessage",
+    "undersized",
     "MEMORY_MESSAGES",
     "MEMORY_LINE",
     "VLLM_UTILIZATION_KEY",
@@ -420,6 +421,14 @@ def memory_message(text: Optional[str]) -> Optional[MemoryMessage]:
         if text and rx.search(text):
             return m
     return None
+
+
+def undersized(error: Optional[str]) -> bool:
+    """A run refused because vLLM's share was too small for one sequence (:attr:`MemoryOutcome.UNDERSIZED`): a
+    bound on that knob's value, not a broken setup. The search tells it as an infeasible point (the sampler learns
+    the bound) and never counts it in a failure streak; the fit reads it as the share's floor."""
+    found = memory_message(error)
+    return found is not None and found.outcome is MemoryOutcome.UNDERSIZED
 
 
 def oom_kind(error: Optional[str], device: Optional[str]) -> str:

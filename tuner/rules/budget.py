@@ -16,7 +16,7 @@ from typing import Iterable, Optional
 
 from optuna.trial import FrozenTrial, TrialState
 
-from trainer.contracts import ExitCode, Status, TrialRecord
+from trainer.contracts import ExitCode, Status, TrialRecord, undersized
 
 __all__ = [
     "counted",
@@ -154,7 +154,7 @@ class FailureRule:
         self, *, number: int, status: Status, error: Optional[str], launched: bool, baseline: bool
     ) -> Optional[Halt]:
         """One finished trial; a :class:`Halt` when the search must stop now."""
-        if not launched:
+        if not launched or undersized(error):  # one knob's value too small (vLLM's share): other values run
             return None
         user_input = status is Status.INVALID
         if baseline and status in BASELINE_FAILED:

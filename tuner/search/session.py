@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional, Protocol
 
 import optuna
 
-from trainer.contracts import Status, TrialRecord
+from trainer.contracts import Status, TrialRecord, undersized
 from tuner.rules import candidates as decide
 from tuner.rules.budget import counted
 from tuner.search import fidelity
@@ -275,10 +275,11 @@ class TrialSession:
             )
 
     def _values(self, outcome: TrialOutcome) -> Optional[tuple[float, float]]:
-        """The objective values Optuna gets: measured for ok, penalized for OOM/hang, none for FAIL."""
+        """The objective values Optuna gets: measured for ok, penalized for OOM/hang and for a vLLM share too small
+        to run (a bound the sampler learns), none for FAIL."""
         if outcome.status == Status.OK:
             return float(outcome.record.throughput), float(outcome.record.peak_memory_gb or 0.0)
-        if outcome.status.complete:
+        if outcome.status.complete or (outcome.status == Status.INVALID and undersized(outcome.record.error)):
             return 0.0, self.penalty_gb
         return None
 

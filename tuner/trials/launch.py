@@ -32,7 +32,7 @@ from typing import Callable, Optional, Sequence
 
 import psutil
 
-from trainer.contracts import ExitCode, Status
+from trainer.contracts import ExitCode, Status, undersized
 from trainer.launch.proc import (
     PR_SET_CHILD_SUBREAPER,
     PR_SET_PDEATHSIG,
@@ -137,7 +137,8 @@ def classify(
         if status == "oom":
             return Status.OOM, error or "out of memory"
         if status == "error":
-            if (error or "").startswith("config:") or returncode == ExitCode.USAGE:
+            # a rank's "failed in phase ...: config: <key> too small" (vLLM's share) is the config's, as verl's is
+            if (error or "").startswith("config:") or returncode == ExitCode.USAGE or undersized(error):
                 return Status.INVALID, error
             return Status.CRASH, error or f"exit code {returncode}"
         return Status.CRASH, f"result file has unknown status {status!r}"

@@ -10,7 +10,7 @@ from optuna.trial import TrialState, create_trial
 
 from support import search_over, tiny_setup
 from tests.tuner.rules.test_candidates import frozen
-from trainer.contracts import DIRECTIONS, ExitCode, Status
+from trainer.contracts import CONSTRAINT_KEY, DIRECTIONS, ExitCode, Status, TrialRecord
 from tuner.rules.budget import (
     FailureRule,
     after_search_s,
@@ -76,6 +76,21 @@ def test_zero_never_stops_on_a_streak_and_invalid_is_the_users_input():
     assert seen(rule, 2, Status.INVALID, "config: x: bad").exit_code == ExitCode.USAGE
 
 
+#: what a rank records when vLLM's share holds no sequence (trainer.contracts.MemoryMessage.error over vLLM's
+#: vllm/v1/core/kv_cache_planning.py::_check_enough_kv_cache_memory)
+UNDERSIZED = (
+    "rank 0 failed in phase gen: config: actor_rollout_ref.rollout.gpu_memory_utilization too small: vLLM's share of "
+    "the device holds no sequence: ValueError: No available memory for the cache blocks. Try increasing "
+    "`gpu_memory_utilization` when initializing the engine."
+)
+
+
+def test_a_vllm_share_too_small_is_a_bound_never_a_streak_nor_a_failed_baseline():
+    rule = FailureRule(2)
+    assert seen(rule, 0, Status.INVALID, UNDERSIZED, baseline=True) is None  # a larger share may run
+    assert all(seen(rule, n, Status.INVALID, UNDERSIZED) is None for n in range(1, 6))
+
+
 def test_error_signature_is_the_first_clause_with_numbers_blanked():
     assert error_signature(Status.CRASH, "rank 1 died\nlater") == error_signature(Status.CRASH, "rank 12 died")
     assert error_signature(Status.CRASH, "rank 1 died") != error_signature(Status.HANG, "rank 1 died")
@@ -123,6 +138,29 @@ def test_without_the_rule_the_loop_runs_its_budget(setup):
     search = search_over(setup, study, storage, ReplayRunner({}), trials=4, sampler="grid", max_failures_in_a_row=0)
     search.run()
     assert search.halt is None and len(study.get_trials()) == 4
+
+
+class _Undersized:
+    """Every trial refused by vLLM for too small a share (what a real trial's classification gives it)."""
+
+    name = "undersized"
+
+    def run(self, request, stop):
+        from tuner.trials.launch import classify
+        from tuner.trials.runners import TrialOutcome
+
+        status, error = classify(1, {"status": "error", "error": UNDERSIZED})
+        return TrialOutcome(status, TrialRecord(error=error, duration_s=5.0))
+
+
+def test_the_loop_tells_a_vllm_share_too_small_as_an_infeasible_point_and_goes_on(setup):
+    study, storage = _study(setup, baseline=True)
+    search = search_over(setup, study, storage, _Undersized(), trials=4, sampler="grid", max_failures_in_a_row=2)
+    search.run()
+    assert search.halt is None and len(study.get_trials()) == 4
+    for t in study.get_trials():  # COMPLETE with penalized values: the sampler learns the bound
+        assert t.state == TrialState.COMPLETE and t.user_attrs["status"] == "invalid"
+        assert t.constraints[CONSTRAINT_KEY] > 0
 
 
 def test_stop_reason():

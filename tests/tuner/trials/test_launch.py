@@ -46,6 +46,18 @@ OK = {"status": "ok", "error": None, "summary": {"throughput": 10.0}}
         (2, {"status": "error", "error": "config: x.yaml: data.train_batch_size: must be > 0"}, {}, "invalid"),
         (1, {"status": "error", "error": "config: refused"}, {}, "invalid"),
         (1, {"status": "error", "error": "rank 1 failed in phase gen: boom"}, {}, "crash"),
+        # vLLM's share too small for one sequence, as a rank records it (trainer.contracts.MemoryMessage.error)
+        (
+            1,
+            {
+                "status": "error",
+                "error": "rank 0 failed in phase gen: config: actor_rollout_ref.rollout.gpu_memory_utilization too "
+                "small: vLLM's share of the device holds no sequence: ValueError: No available memory for the cache "
+                "blocks. Try increasing `gpu_memory_utilization` when initializing the engine.",
+            },
+            {},
+            "invalid",
+        ),
         (1, {"status": "weird"}, {}, "crash"),
         (2, None, {}, "invalid"),
         (3, None, {}, "oom"),
