@@ -135,8 +135,8 @@ class Status(str, enum.Enum):
     @property
     def complete(self) -> bool:
         """Always told to Optuna as COMPLETE (TPE learns from it). Two more are COMPLETE when they can
-        be: ``invalid`` refused before launch (penalized) and ``duplicate`` of a COMPLETE twin (its
-        values); the trial's Optuna state says. The others are FAIL."""
+        be: ``invalid`` refused before launch or by vLLM for too small a share (penalized: :func:`undersized`) and
+        ``duplicate`` of a COMPLETE twin (its values); the trial's Optuna state says. The others are FAIL."""
         return self in _COMPLETE
 
     @property
