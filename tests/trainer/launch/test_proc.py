@@ -48,7 +48,7 @@ def test_a_process_that_appears_while_ending_gets_its_sigterm():
         """
     )
     # first: gone (reaped here, so Popen reads 0), at the end of the grace
-    assert got["left"] == [] and got["late"] == ["term"] and 2.0 <= got["s"] < 4.0, got
+    assert got["left"] == [] and got["late"] == ["term"] and 2.0 <= got["s"] < 5.5, got
 
 
 def test_a_process_of_the_run_outside_the_tree_is_ended():
@@ -83,7 +83,10 @@ def test_processes_of_reads_the_command_line_and_the_open_files(tmp_path):
         log = "import time; f = open('{tmp_path}/ray/agent.log', 'w'); time.sleep(60)"
         os.makedirs("{tmp_path}/ray")
         q = subprocess.Popen([sys.executable, "-c", log])
-        time.sleep(0.5)
+        deadline = time.monotonic() + 20  # until the log is open (an interpreter's start-up on a loaded machine)
+        while not os.path.exists("{tmp_path}/ray/agent.log") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)
         found = sorted(x.pid for x in processes_of(text="{tmp_path}/ray"))
         none = processes_of(text="{tmp_path}/other")
         p.kill(), q.kill(), p.wait(), q.wait()
