@@ -161,6 +161,8 @@ def options_from_args(args: argparse.Namespace, *, seed: Optional[int] = None) -
         parallel=args.parallel,
         confirm=args.confirm,
         finalists=getattr(args, "finalists", DEFAULT_FINALISTS),
+        # the command that confirms later repeats this one (a test's parsed flags have no command line of their own)
+        command=tuple(sys.argv[1:]) if sys.argv[1:2] == ["search"] else (),
         probe=getattr(args, "probe", 0),
         predict_oom=not getattr(args, "no_memory_model", False),
         local_every=getattr(args, "local_every", 2),

@@ -42,6 +42,11 @@ __all__ = [
     "entry_of",
     "describe",
     "rounds_text",
+    "SUSPECT_RATIO",
+    "MAX_ROUNDS",
+    "Suspicion",
+    "suspicion",
+    "widen",
 ]
 
 #: the study user attribute holding :func:`aggregate`'s result
@@ -57,6 +62,14 @@ MAX_FINALISTS = 3
 #: ``ppotune search --finalists F`` default: at most this many finalists are re-run (each costs ``rounds`` trials,
 #: plus the baseline's)
 DEFAULT_FINALISTS = 2
+
+#: the single trials are suspect when the first round measured without load contradicts them by more than this
+#: factor, either way: the baseline's re-run against its own search trial, or a finalist's paired ratio against the
+#: ratio of its single trial to the baseline's (:func:`suspicion`): beyond what a short trial's own scatter explains
+#: (benchmarks/README.md, "Pick stability")
+SUSPECT_RATIO = 1.2
+#: the most rounds a confirmation runs however its budget stands (each widening or extension stays under it)
+MAX_ROUNDS = 10
 
 T = TypeVar("T", bound=Hashable)
 
@@ -101,6 +114,72 @@ def pick_finalists(cands: Sequence[Contender], *, exclude: Sequence[int] = (), c
     chosen = [c for c in cands if c.number not in exclude and (c.pareto or within_noise(best, c))]
     chosen.sort(key=lambda c: (-c.score, c.number))
     return [c.number for c in chosen[: max(0, cap)]]
+
+
+@dataclass(frozen=True)
+class Suspicion:
+    """The first clean round contradicts the single trials (:func:`suspicion`)."""
+
+    why: str  # what contradicts what, in a sentence's words
+    spread: float  # the largest factor between a figure and what the single trials said (>= SUSPECT_RATIO)
+
+
+def suspicion(
+    runs: Mapping[int, Sequence[Rerun]],
+    searched: Mapping[int, Rerun],
+    *,
+    finalists: Sequence[int],
+    baseline: Optional[int],
+    round_k: int,
+    ratio: float = SUSPECT_RATIO,
+) -> Optional[Suspicion]:
+    """Do the re-runs of round ``round_k`` (measured without load) contradict the single trials ``searched``?
+
+    Yes when the baseline's re-run is more than ``ratio`` away from its own search trial, either way, or a
+    finalist's paired ratio to the baseline is more than ``ratio`` away from its single trial's ratio to the
+    baseline's: the single trials then ranked the noise of one short run each, and configs they put behind the
+    finalists may be as fast (:func:`widen`). None without a baseline, or when the figures agree."""
+    if baseline is None:
+        return None
+    b_run, b_trial = _kth(runs, baseline, round_k), searched.get(baseline)
+    if b_run is None or b_trial is None or not (b_run.ok and b_trial.ok):
+        return None
+    whys, spread = [], 1.0
+    drift = b_run.throughput / b_trial.throughput
+    if max(drift, 1.0 / drift) > ratio:
+        whys.append(f"the baseline's re-run measured {drift:.2f}x its own search trial")
+        spread = max(drift, 1.0 / drift)
+    for n in finalists:
+        run, trial = _kth(runs, n, round_k), searched.get(n)
+        if run is None or trial is None or not (run.ok and trial.ok):
+            continue
+        single, paired = trial.throughput / b_trial.throughput, run.throughput / b_run.throughput
+        off = single / paired
+        if max(off, 1.0 / off) > ratio:
+            whys.append(f"#{n} measured {paired:.2f}x the baseline where the single trials said {single:.2f}x")
+            spread = max(spread, off, 1.0 / off)
+    return Suspicion("; ".join(whys), round(spread, 6)) if whys else None
+
+
+def _kth(runs: Mapping[int, Sequence[Rerun]], n: int, k: int) -> Optional[Rerun]:
+    got = runs.get(n) or ()
+    return got[k] if k < len(got) else None
+
+
+def widen(
+    cands: Sequence[Contender], finalists: Sequence[int], *, spread: float, exclude: Sequence[int] = (), cap: int
+) -> list[int]:
+    """The finalists once the single trials are suspect: ``finalists`` first, then every other candidate whose single
+    trial is within ``spread`` (the factor the confirmation showed the single trials to be off by) of a finalist's,
+    fastest first, at most ``cap`` in all. ``exclude``: the baseline (re-run in every round anyway)."""
+    thr = {c.number: c.throughput for c in cands}
+    floor = min((thr[n] for n in finalists if n in thr), default=None)
+    if floor is None:
+        return list(finalists)[: max(0, cap)]
+    taken = {*finalists, *exclude}
+    near = [c for c in cands if c.number not in taken and c.throughput * spread >= floor]
+    near.sort(key=lambda c: (-c.throughput, c.number))
+    return [*finalists, *(c.number for c in near)][: max(0, cap)]
 
 
 # --------------------------------------------------------------------------- when
@@ -280,13 +359,16 @@ def rank_confirmed(
 
 
 def rounds_text(conf: Mapping) -> str:
-    """How a confirmation's rounds ended: ``2 of at most 3 rounds, 1 under load: the leader separated`` (a study
-    confirmed before the rounds were adaptive: ``3 rounds``)."""
+    """How a confirmation's rounds ended: ``2 of at most 3 rounds, 1 under load: the leader separated``, or past the
+    cap (:class:`tuner.search.confirmation.ConfirmationStage` goes on while the leader has not separated and its
+    budget allows) ``5 rounds (3 asked, ...)`` (a study confirmed before the rounds were adaptive: ``3 rounds``)."""
     run, cap = conf.get("rounds_run"), conf.get("rounds")
     if run is None:
         return f"{cap} rounds"
     loaded = f", {conf['loaded_rounds']} under load (not claimed from)" if conf.get("loaded_rounds") else ""
     how = "the leader separated" if conf.get("separated") else "the leader did not separate"
+    if cap is not None and run - int(conf.get("loaded_rounds") or 0) > cap:  # past --confirm: within its budget
+        return f"{run} rounds ({cap} asked, more while the leader had not separated){loaded}: {how}"
     return f"{run} of at most {cap} rounds{loaded}: {how}"
 
 

@@ -10,7 +10,9 @@ Pure functions (no optuna, no process). The finalists and the baseline are re-ru
 * a finalist whose interval to the leader lies wholly below 1 leaves the race (it is no longer re-run), as does
   one whose re-run did not end ok (a config that ran out of memory once is no recommendation);
 * a round in which a run was measured under load (:attr:`Rerun.loaded`) is marked and not claimed from: it does
-  not count toward the cap ``rounds`` and is not in any figure; at most ``rounds`` of them are run again.
+  not count toward the cap ``rounds`` and is not in any figure; it is run again, at most ``rounds`` times (the
+  stage waits for the load to pass before it does: :mod:`tuner.search.confirmation`), so a confirmation runs at
+  most twice its cap in rounds and one more loaded round than the cap ends it.
 
 The interval (:func:`paired_interval`) is the mean of the log-ratios ± the wider of two half-widths: z(0.95) times
 the standard error the runs' own 90% intervals imply (each run's measured noise, at least a floor, so one round
@@ -177,7 +179,8 @@ def race(
 ) -> Race:
     """The race after the finished re-runs ``runs`` (config number -> its re-runs in trial-number order: a config's
     k-th re-run ran in round k), for ``finalists`` against ``baseline`` (None: the finalists among themselves),
-    capped at ``rounds`` clean rounds (and as many loaded ones). ``searched``: config number -> its search trial;
+    capped at ``rounds`` clean rounds (and as many loaded ones run again: the next loaded one ends it).
+    ``searched``: config number -> its search trial;
     a run's noise is at least ``noise_floor`` and the run-to-run noise they and the rounds so far show
     (:func:`repeat_noise`)."""
     state = Race(active=list(finalists), noise=noise_floor)
@@ -198,7 +201,7 @@ def race(
         state.done, state.why = True, "separated"
     elif len(state.clean) >= rounds:
         state.done, state.why = True, f"not separated after {len(state.clean)} rounds"
-    elif len(state.loaded) >= rounds:
+    elif len(state.loaded) > rounds:
         state.done, state.why = True, f"{len(state.loaded)} rounds under load"
     return state
 

@@ -35,7 +35,7 @@ from tuner.rules import candidates as decide
 from tuner.rules.budget import MAX_FAILURES_IN_A_ROW, FailureRule, Halt
 from tuner.rules.finalists import DEFAULT_FINALISTS
 from tuner.search.budget import Budget
-from tuner.search.confirmation import ConfirmationStage
+from tuner.search.confirmation import DEFAULT_LOAD_WAIT_S, ConfirmationStage
 from tuner.search.gate import MemoryGate
 from tuner.search.policy import SAMPLERS, ProposalPolicy, startup_trials
 from tuner.search.session import Proposal, SearchObserver, TrialEvent, TrialSession
@@ -59,6 +59,8 @@ class SearchOptions:
     parallel: int = 1  # trials at once in this process
     confirm: int = 0  # after the search, rounds of finalists re-run interleaved with the baseline
     finalists: int = DEFAULT_FINALISTS  # at most this many finalists confirmed
+    confirm_wait_s: float = DEFAULT_LOAD_WAIT_S  # the confirmation waits at most this long, in all, for load to pass
+    command: tuple = ()  # the search's own command line (after ``ppotune``): the one that confirms later repeats it
     probe: int = 0  # then the worst-case probe (tuner.trials.probe) of this many configs export would recommend
     predict_oom: bool = True  # skip candidates the study's memory model puts over the limit beyond its error
     local_every: int = 2  # after the sampler's start-up, every N-th proposal is the incumbent's nearest neighbour
@@ -77,6 +79,8 @@ class SearchOptions:
             raise ValueError(f"--sampler must be one of {list(SAMPLERS)}, got {self.sampler!r}")
         if self.confirm < 0:
             raise ValueError("--confirm must be >= 0")
+        if self.confirm_wait_s < 0:
+            raise ValueError("the confirmation's wait for load must be >= 0 seconds")
         if self.finalists < 1:
             raise ValueError("--finalists must be >= 1")
         if self.probe < 0:
@@ -177,9 +181,13 @@ class Search:
         if errors:
             raise errors[0]
         if self.options.confirm and not self.session.stop_event.is_set():
-            ConfirmationStage(self.session, budget=self.budget, selection=self.options.selection).run(
-                self.options.confirm, finalists=self.options.finalists
-            )
+            ConfirmationStage(
+                self.session,
+                budget=self.budget,
+                selection=self.options.selection,
+                load_wait_s=self.options.confirm_wait_s,
+                command=self.options.command,
+            ).run(self.options.confirm, finalists=self.options.finalists)
         if self.options.probe and not self.session.stop_event.is_set():
             WorstCaseStage(self.session, budget=self.budget, selection=self.options.selection).run(self.options.probe)
 

@@ -397,7 +397,8 @@ def test_the_confirmation_stage_runs_on_its_own_over_a_finished_study(setup):
 
 
 def test_the_stage_takes_the_run_to_run_noise_of_the_search_trials_and_their_re_runs(setup):
-    """Each config recorded twice, 30% apart: the stored ``run_noise`` is the pooled scatter of the finalists' and
+    """Each config recorded twice, 15% apart (within what a single trial may be off by: none is suspect): the stored
+    ``run_noise`` is the pooled scatter of the finalists' and
     the baseline's search trials with their re-runs (tuner.rules.race.repeat_noise), widened by Student's t for its
     degrees of freedom, above the floor."""
     from tuner.search.confirmation import ConfirmationStage
@@ -406,7 +407,7 @@ def test_the_stage_takes_the_run_to_run_noise_of_the_search_trials_and_their_re_
     table = {
         ident: [
             rs[0],
-            Recorded(rs[0].status, rs[0].throughput and 1.3 * rs[0].throughput, rs[0].peak_memory_gb, 1.0, 99),
+            Recorded(rs[0].status, rs[0].throughput and 1.15 * rs[0].throughput, rs[0].peak_memory_gb, 1.0, 99),
         ]
         for ident, rs in _table(space, flat).items()
     }

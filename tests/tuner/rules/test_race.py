@@ -118,15 +118,27 @@ def test_a_round_under_load_is_not_claimed_from_and_another_is_run():
     lead = conf["finalists"][0]
     assert conf["loaded_rounds"] == 1 and lead["rounds"] == 3 and lead["loaded_rounds"] == 1
     assert "; 1 round under load, not claimed from)" in confirm.describe(lead)
-    # every round under load: the cap's worth of them, then it stops and claims nothing
+    # every round under load: each is run again, the cap's worth of them; one more ends it, claiming nothing
     runs = {n: [ok(10 * k + n, 100.0, loaded=True) for k in range(3)] for n in (1, 0)}
+    assert not race(runs, finalists=[1], baseline=0, rounds=3).done
+    runs = {n: [ok(10 * k + n, 100.0, loaded=True) for k in range(4)] for n in (1, 0)}
     state = race(runs, finalists=[1], baseline=0, rounds=3)
-    assert state.done and state.why == "3 rounds under load" and not state.clean
+    assert state.done and state.why == "4 rounds under load" and not state.clean
     entry = confirm.aggregate(baseline=0, finalists=[1], rounds=3, headroom=0.1, runs=runs)["finalists"][0]
     assert entry["ratio"] is None and entry["throughput"] is None
     assert confirm.describe(entry) == (
-        "not confirmed (no re-run measured without load; 3 rounds under load, not claimed from)"
+        "not confirmed (no re-run measured without load; 4 rounds under load, not claimed from)"
     )
+
+
+def test_with_confirm_1_a_round_under_load_is_run_again_once():
+    """``--confirm 1``: the one round measured under load does not end the confirmation (it claimed nothing); the
+    round run again does, loaded or not."""
+    runs = {n: [ok(10 + n, 100.0, loaded=True)] for n in (1, 0)}
+    assert not race(runs, finalists=[1], baseline=0, rounds=1).done
+    runs = {n: [ok(10 + n, 100.0, loaded=True), ok(20 + n, 150.0 if n else 100.0)] for n in (1, 0)}
+    state = race(runs, finalists=[1], baseline=0, rounds=1)
+    assert state.done and state.clean == [1] and state.loaded == [0] and state.leader == 1
 
 
 def test_a_finalist_whose_rerun_failed_leaves_the_race():
