@@ -1,14 +1,18 @@
 """What every ``ppotune`` command spells the same way: ``-o KEY=VALUE`` overrides, the one error line, the
-one-line note on a deprecated spelling."""
+one-line note on a deprecated spelling, the check of a memory cap against the models' states."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any, Mapping, Optional
 
 from trainer.contracts import ExitCode
+from trainer.verl_engine.result import actor_shape
+from tuner.memory_model import ModelShape, flat_config
+from tuner.memory_model.floor import below_floor, memory_floor, tiny_shape
 
-__all__ = ["add_override_flag", "overrides_of", "command_error", "deprecated"]
+__all__ = ["add_override_flag", "overrides_of", "command_error", "deprecated", "cap_below_floor", "cap_text"]
 
 
 def add_override_flag(p: argparse.ArgumentParser, *, positional: bool = False, what: str = "the config") -> None:
@@ -67,3 +71,43 @@ def deprecated(command: str, old: str, new: str) -> None:
         file=sys.stderr,
         flush=True,
     )
+
+
+def _shapes(config: Mapping[str, Any]) -> tuple[list[ModelShape], Optional[str]]:
+    """The models' shapes (the actor's, the critic's when it is another checkpoint) read here without weights, or
+    ([], why not)."""
+    tiny = tiny_shape(config)
+    if tiny is not None:
+        return [tiny], None
+    flat = flat_config(config)
+    paths = dict.fromkeys(p for p in (flat["actor_rollout_ref.model.path"], flat.get("critic.model.path")) if p)
+    shapes = []
+    for path in paths:
+        found = actor_shape(path)
+        if found is None:
+            return [], f"no config.json readable here at {path}"
+        try:
+            shapes.append(ModelShape.from_dict(found))
+        except ValueError as e:
+            return [], f"{path}: {e}"
+    return shapes, None
+
+
+def cap_below_floor(
+    command: str, config: Mapping[str, Any], *, limit_gb: Optional[float], cap: str, source: str, on_gpu: bool
+) -> Optional[str]:
+    """The one line (:func:`tuner.memory_model.floor.below_floor`) when a cap of ``limit_gb`` GiB per rank is below
+    the models' states in ``config`` (nested or flat, at the run's world), else None. ``cap`` names the key and its
+    value. Where the model's shape cannot be read here (a verl run file's hub id) a note says the cap is not checked."""
+    if limit_gb is None:
+        return None
+    shapes, why = _shapes(config)
+    if not shapes:
+        print(f"ppotune {command}: note: {cap} not checked against the models' states: {why}", file=sys.stderr)
+        return None
+    return below_floor(limit_gb, memory_floor(config, shapes, on_gpu=on_gpu), cap=cap, source=source)
+
+
+def cap_text(flag: str, flag_value: Optional[float], key: str, value: Optional[float]) -> str:
+    """How a refusal names the cap: the command line's flag when it set it, else the config's key."""
+    return f"{flag} {flag_value:g}" if flag_value is not None else f"{key}: {value:g}"

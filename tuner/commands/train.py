@@ -28,12 +28,13 @@ import yaml
 
 from trainer.config import ConfigError, config_to_dict, load_config
 from trainer.contracts import ExitCode
+from trainer.launch.device import detect_device
 from trainer.launch.jobdir import JobDir, serve_layout, warm_refusal
 from trainer.launch.preflight import preflight, preflight_verl
 from trainer.launch.proc import write_json_atomic
 from trainer.launch.ranks import RankGroup
 from trainer.launch.result import build_result, error_result, exit_code, outcome_lines, read_rank_files
-from tuner.commands.flags import add_config_arguments, add_device_flag, overrides_of
+from tuner.commands.flags import add_config_arguments, add_device_flag, cap_below_floor, cap_text, overrides_of
 
 __all__ = ["add_arguments", "run", "serve"]
 
@@ -136,7 +137,7 @@ def run(args) -> int:
     if args.engine == "verl":
         from trainer.verl_engine.adapter import train_verl
 
-        refused = _verl_inputs_refused(args)
+        refused = _verl_inputs_refused(args) or _verl_below_floor(args)
         if refused is not None:
             return _refuse(refused, result_path)
         if result_path:  # --out DIR as for ppotune's engine: DIR/result.json, DIR made here
@@ -155,6 +156,9 @@ def run(args) -> int:
     except ConfigError as e:
         return _refuse(e, result_path)
     config = config_to_dict(cfg)
+    below = _below_floor(config, args.config, flag=args.memory_limit_gb)
+    if below is not None:
+        return _refuse(below, result_path)
     if args.serve:
         return serve(Path(args.serve), config)
     nproc = cfg.trainer.n_gpus_per_node
@@ -197,7 +201,42 @@ def run(args) -> int:
     return exit_code(result)
 
 
-def _refuse(e: ConfigError, result_path: Optional[Path]) -> int:
+def _below_floor(config: dict, source: str, *, flag: Optional[float]) -> Optional[str]:
+    """The one line when the config's cap is below the models' states (:mod:`tuner.memory_model.floor`): checked
+    here, before any rank starts, since a rank under such a cap dies in its set-up in a different way every run."""
+    limit = config["ppotune"]["memory_limit_gb"]
+    on_gpu = detect_device(config["ppotune"]["device"]) == "cuda"
+    cap = cap_text("--memory-limit-gb", flag, "ppotune.memory_limit_gb", limit)
+    return cap_below_floor("train", config, limit_gb=limit, cap=cap, source=source, on_gpu=on_gpu)
+
+
+def _verl_below_floor(args) -> Optional[str]:
+    """``--engine verl``: the cap against the models' states of verl's composed config (its model's
+    ``config.json``); None when there is no cap or the run file is refused (the adapter says why, as before)."""
+    from trainer.verl_engine.adapter import decision_base, load_run, run_device
+
+    try:
+        spec = load_run(
+            args.config,
+            list(args.overrides),
+            python=args.engine_python,
+            memory_limit_gb=args.memory_limit_gb,
+            device=args.device,
+            nproc=args.nproc,
+        )
+        if spec.memory_limit_gb is None:
+            return None
+        device = run_device(spec)
+        config = decision_base(spec, device=device)
+    except ConfigError:
+        return None
+    cap = cap_text("--memory-limit-gb", args.memory_limit_gb, "ppotune.memory_limit_gb", spec.memory_limit_gb)
+    return cap_below_floor(
+        "train", config, limit_gb=spec.memory_limit_gb, cap=cap, source=args.config, on_gpu=device == "cuda"
+    )
+
+
+def _refuse(e: "ConfigError | str", result_path: Optional[Path]) -> int:
     """A refused config or input: one line, the result file the tuner reads (``config:`` error), exit 2."""
     print(f"ppotune train: error: {e}", file=sys.stderr)
     if result_path:
@@ -352,6 +391,10 @@ def _serve_trial(
         pump.end([f"ppotune train: error: {e}"])
         return error_result(f"config: {e}", wall_s=time.time() - t0), False, False
     config = config_to_dict(cfg)
+    below = _below_floor(config, request["config"], flag=None)  # refused as a cold run refuses it
+    if below is not None:
+        pump.end([f"ppotune train: error: {below}"])
+        return error_result(f"config: {below}", config=config, wall_s=time.time() - t0), False, False
     if serve_layout(config) != layout or warm_refusal(config):
         why = warm_refusal(config) or f"its layout {serve_layout(config)} is not this job's {layout}"
         pump.end([f"ppotune train: error: not a trial for this warm job: {why}"])
