@@ -274,7 +274,8 @@ class ConfirmationStage:
         if cap + 1 > rules.MAX_ROUNDS or per_round > left:
             return False
         self.session.say(
-            f"confirm: not separated after {cap} rounds; one more ({left:.0f} s of the confirmation's budget left)"
+            f"confirm: not separated after {cap} round{'s' if cap != 1 else ''}; one more ({left:.0f} s of the "
+            "confirmation's budget left)"
         )
         return True
 

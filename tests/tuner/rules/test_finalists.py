@@ -60,6 +60,35 @@ def test_the_baseline_is_never_a_finalist_but_still_sets_the_best():
 
 
 # --------------------------------------------------------------------------- the schedule
+def test_single_trials_are_suspect_when_the_first_clean_round_contradicts_them_by_more_than_the_ratio():
+    searched = {0: Rerun(0, "ok", 100.0), 1: Rerun(1, "ok", 150.0), 2: Rerun(2, "ok", 140.0)}
+    # the baseline re-runs 1.19x its trial, #1 1.25x the baseline (1.5x said: 1.2x off), #2 1.17x (1.4x said)
+    runs = {0: [Rerun(10, "ok", 119.0)], 1: [Rerun(11, "ok", 148.75)], 2: [Rerun(12, "ok", 139.23)]}
+    assert confirm.suspicion(runs, searched, finalists=[1, 2], baseline=0, round_k=0) is None
+    runs[0] = [Rerun(10, "ok", 125.0)]  # 1.25x its trial: #1 now 1.19x the baseline for 1.5x said
+    got = confirm.suspicion(runs, searched, finalists=[1, 2], baseline=0, round_k=0)
+    assert got.why.startswith("the baseline's re-run measured 1.25x its own search trial; #1 measured 1.19x")
+    assert got.spread == pytest.approx(1.260504, abs=1e-6)  # #1: 1.5 / (148.75 / 125)
+    assert confirm.suspicion(runs, searched, finalists=[1, 2], baseline=None, round_k=0) is None
+    assert confirm.suspicion(runs, searched, finalists=[1, 2], baseline=0, round_k=1) is None  # no such round
+
+
+def test_widen_takes_what_is_within_the_spread_of_a_finalist_fastest_first_capped():
+    c = [
+        Contender(0, 100.0, None, True),  # the baseline
+        Contender(1, 200.0, None, True),
+        Contender(2, 180.0, None, False),
+        Contender(3, 130.0, None, False),
+        Contender(4, 120.0, None, True),
+        Contender(5, 110.0, None, False),
+    ]
+    # within 1.5x of the slower finalist (#2, 180): 120 and up
+    assert confirm.widen(c, [1, 2], spread=1.5, exclude=[0], cap=4) == [1, 2, 3, 4]
+    assert confirm.widen(c, [1, 2], spread=1.5, exclude=[0], cap=3) == [1, 2, 3]
+    assert confirm.widen(c, [1, 2], spread=1.1, exclude=[0], cap=4) == [1, 2]
+    assert confirm.widen(c, [1], spread=2.0, exclude=[0], cap=4) == [1, 2, 3, 4]
+
+
 def test_schedule_rotates_so_no_config_always_runs_first():
     plan = confirm.schedule(["A", "B", "C"], "base", 5)
     assert plan == [
