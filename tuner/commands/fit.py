@@ -13,6 +13,7 @@ import argparse
 import signal
 import sys
 from pathlib import Path
+from typing import Optional
 
 import optuna
 
@@ -26,9 +27,10 @@ from trainer.contracts import (
     StorageSpec,
     parse_storage,
 )
-from tuner.commands.flags import add_override_flag, command_error, overrides_of
+from tuner.commands.flags import add_override_flag, command_error, floor_of, overrides_of
 from tuner.fit.boundary import FitBlocked
 from tuner.fit.inputs import FitInputs, fit_inputs, ladder_space
+from tuner.memory_model.floor import below_floor
 from tuner.search.fit_probes import FIT_ATTR, FitRun, fit_attr, state_of
 from tuner.search.session import TrialSession
 from tuner.space import space_from_dict
@@ -107,7 +109,26 @@ def _inputs(args: argparse.Namespace, out: Path) -> tuple[FitInputs, StorageSpec
     check_storage_file(spec)
     flags = dict(nproc=args.nproc, memory_limit_gb=args.memory_limit_gb, headroom=args.memory_headroom)
     inputs = fit_inputs(args.base_config, engine=args.engine, overrides=flat, engine_python=args.engine_python, **flags)
+    below = _below_floor(args, inputs)
+    if below is not None:
+        raise ValueError(below)
     return inputs, spec
+
+
+def _below_floor(args: argparse.Namespace, inputs: FitInputs) -> Optional[str]:
+    """The one line when the cap every probe runs under is below the models' states (:mod:`tuner.memory_model.floor`):
+    no size would fit, and how each probe died would differ from run to run. The flag is named alone when it is below
+    by itself, else with the headroom that took the probes' cap below."""
+    given = args.memory_limit_gb
+    cap = (
+        f"--memory-limit-gb {given:g}" if given is not None else f"the device's {inputs.memory_gb:.3g} GiB per process"
+    )
+    floor = floor_of("fit", inputs.trial_base, cap=cap, on_gpu=inputs.on_gpu)
+    if floor is None:
+        return None
+    alone = below_floor(given, floor, cap=cap, source=args.base_config) if given is not None else None
+    less = f"{cap} less --memory-headroom {inputs.headroom:g} ({inputs.limit_gb:.3g} GiB)"
+    return alone or below_floor(inputs.limit_gb, floor, cap=less, source=args.base_config)
 
 
 def _study_attrs(args: argparse.Namespace, inputs: FitInputs) -> dict:

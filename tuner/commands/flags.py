@@ -10,9 +10,17 @@ from typing import Any, Mapping, Optional
 from trainer.contracts import ExitCode
 from trainer.verl_engine.result import actor_shape
 from tuner.memory_model import ModelShape, flat_config
-from tuner.memory_model.floor import below_floor, memory_floor, tiny_shape
+from tuner.memory_model.floor import MemoryFloor, below_floor, memory_floor, tiny_shape
 
-__all__ = ["add_override_flag", "overrides_of", "command_error", "deprecated", "cap_below_floor", "cap_text"]
+__all__ = [
+    "add_override_flag",
+    "overrides_of",
+    "command_error",
+    "deprecated",
+    "floor_of",
+    "cap_below_floor",
+    "cap_text",
+]
 
 
 def add_override_flag(p: argparse.ArgumentParser, *, positional: bool = False, what: str = "the config") -> None:
@@ -93,21 +101,29 @@ def _shapes(config: Mapping[str, Any]) -> tuple[list[ModelShape], Optional[str]]
     return shapes, None
 
 
-def cap_below_floor(
-    command: str, config: Mapping[str, Any], *, limit_gb: Optional[float], cap: str, source: str, on_gpu: bool
-) -> Optional[str]:
-    """The one line (:func:`tuner.memory_model.floor.below_floor`) when a cap of ``limit_gb`` GiB per rank is below
-    the models' states in ``config`` (nested or flat, at the run's world), else None. ``cap`` names the key and its
-    value. Where the model's shape cannot be read here (a verl run file's hub id) a note says the cap is not checked."""
-    if limit_gb is None:
-        return None
+def floor_of(command: str, config: Mapping[str, Any], *, cap: str, on_gpu: bool) -> Optional[MemoryFloor]:
+    """The models' states in ``config`` (nested or flat, at the run's world: :mod:`tuner.memory_model.floor`), or None
+    with a note that ``cap`` is not checked where the model's shape cannot be read here (a verl run file's hub id)."""
     shapes, why = _shapes(config)
     if not shapes:
         print(f"ppotune {command}: note: {cap} not checked against the models' states: {why}", file=sys.stderr)
         return None
-    return below_floor(limit_gb, memory_floor(config, shapes, on_gpu=on_gpu), cap=cap, source=source)
+    return memory_floor(config, shapes, on_gpu=on_gpu)
+
+
+def cap_below_floor(
+    command: str, config: Mapping[str, Any], *, limit_gb: Optional[float], cap: str, source: str, on_gpu: bool
+) -> Optional[str]:
+    """The one line (:func:`tuner.memory_model.floor.below_floor`) when a cap of ``limit_gb`` GiB per rank is below
+    the models' states in ``config``, else None. ``cap`` names the key and its value."""
+    if limit_gb is None:
+        return None
+    floor = floor_of(command, config, cap=cap, on_gpu=on_gpu)
+    return below_floor(limit_gb, floor, cap=cap, source=source) if floor is not None else None
 
 
 def cap_text(flag: str, flag_value: Optional[float], key: str, value: Optional[float]) -> str:
     """How a refusal names the cap: the command line's flag when it set it, else the config's key."""
-    return f"{flag} {flag_value:g}" if flag_value is not None else f"{key}: {value:g}"
+    if flag_value is not None:
+        return f"{flag} {flag_value:g}"
+    return f"{key}: {value:g}" if value is not None else key

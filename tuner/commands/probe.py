@@ -23,7 +23,7 @@ from trainer.config import (
     read_yaml_mapping,
 )
 from trainer.contracts import ExitCode, Status
-from tuner.commands.flags import add_device_flag, add_override_flag
+from tuner.commands.flags import add_device_flag, add_override_flag, cap_below_floor, cap_text
 from tuner.trials.launch import add_hang_flags, next_numbered_dir, stop_on_signals
 from tuner.trials.memory import nvml_available
 from tuner.trials.probe import PROBE_KEYS, probe
@@ -120,6 +120,12 @@ def run(args) -> int:
         return ExitCode.USAGE
     nproc = config["trainer"]["n_gpus_per_node"]
     device = "cuda" if config["ppotune"]["device"] != "cpu" and nvml_available() else "cpu"
+    limit = config["ppotune"]["memory_limit_gb"]
+    cap = cap_text("--memory-limit-gb", args.memory_limit_gb, "ppotune.memory_limit_gb", limit)
+    below = cap_below_floor("probe", config, limit_gb=limit, cap=cap, source=args.config, on_gpu=device == "cuda")
+    if below is not None:  # a probe under it would die in its set-up, differently every run
+        print(f"ppotune probe: error: {below}", file=sys.stderr)
+        return ExitCode.USAGE
     runner = SubprocessRunner(
         device_kind=device,
         nproc=nproc,
