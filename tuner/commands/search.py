@@ -45,7 +45,7 @@ from trainer.config.io import COMMAND_LINE, blame_command_line, check_override_k
 from trainer.contracts import ExitCode, StorageError, parse_storage
 from trainer.launch.preflight import preflight
 from trainer.verl_engine.result import actor_shape
-from tuner.commands.flags import command_error, overrides_of
+from tuner.commands.flags import cap_below_floor, cap_text, command_error, overrides_of
 from tuner.commands.search_flags import add_search_arguments as add_arguments
 from tuner.commands.search_flags import trial_length
 from tuner.fit.bounds import bounded_space, fitted_params, read_fit
@@ -277,6 +277,17 @@ def _inputs(args: argparse.Namespace) -> _Inputs:
     return _Inputs(options, space, base_nested, verl, plan, trial_base, trial_flat, near)
 
 
+def _below_floor(args: argparse.Namespace, inputs: _Inputs, device: dict) -> Optional[str]:
+    """The one line when the trials' cap is below the models' states of the base config (the baseline trial:
+    :mod:`tuner.memory_model.floor`): the baseline would die in its set-up, differently every run, and stop the
+    search. A config of the space with more states than the baseline is refused by its own trial (``ppotune train``
+    checks the same floor)."""
+    limit = inputs.verl.memory_limit_gb if inputs.verl is not None else inputs.trial_flat["ppotune.memory_limit_gb"]
+    cap = cap_text("--memory-limit-gb", args.memory_limit_gb, "ppotune.memory_limit_gb", limit)
+    on_gpu = device["kind"] == "cuda"
+    return cap_below_floor("search", inputs.trial_flat, limit_gb=limit, cap=cap, source=args.base_config, on_gpu=on_gpu)
+
+
 def _warn_if_shared(spec) -> None:
     shared_fs = network_filesystem(spec.path) if spec.path is not None else None
     if shared_fs:
@@ -328,6 +339,9 @@ def run(args: argparse.Namespace) -> int:
     _warn_if_shared(spec)
     want = run_options.get("device", "auto") if inputs.verl is not None else inputs.trial_flat["ppotune.device"]
     device = _device(want, assume_gpu=args.assume_gpu)
+    below = _below_floor(args, inputs, device)
+    if below is not None:
+        return _fail(below)
     timing = _trial_time(args, inputs, device)
     limits = _hang_limits(args, device, timing)
     nproc, parallel = inputs.trial_flat["trainer.n_gpus_per_node"], inputs.options.parallel
