@@ -10,11 +10,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 from trainer.summary import measuring_done, summarize_steps
-from trainer.verl_engine.schedule import Schedule
+from trainer.verl_engine.schedule import WINDOW_METRIC, Schedule
 
 _PLUGIN_MEMORY = "ppotune/memory/"
 
-__all__ = ["steps_from_jsonl", "lengths_of", "Enough"]
+__all__ = ["steps_from_jsonl", "lengths_of", "windows_of", "Enough"]
 
 
 def _num(v: Any) -> Optional[float]:
@@ -86,6 +86,21 @@ def lengths_of(rows: list[dict]) -> dict:
             if measured and q not in fig:
                 fig[q] = float(statistics.median(measured))
         out[part] = fig
+    return out
+
+
+def windows_of(rows: list[dict]) -> list[dict]:
+    """The phases' wall-clock windows the plugin put in each row (``ppotune/window/<phase>/<k>/start|end``), taken out
+    of the rows: ``[{"step", "phase", "start", "end"}, ...]`` in step order."""
+    out = []
+    for row in rows:
+        found: dict[tuple, dict] = {}
+        for key in [k for k in row if k.startswith(WINDOW_METRIC)]:
+            phase, k, edge = key[len(WINDOW_METRIC) :].rsplit("/", 2)
+            found.setdefault((phase, int(k)), {})[edge] = row.pop(key)
+        for (phase, _), w in sorted(found.items()):
+            if "start" in w and "end" in w:
+                out.append({"step": row["step"], "phase": phase, "start": w["start"], "end": w["end"]})
     return out
 
 

@@ -1,6 +1,8 @@
 """A verl run's result JSON (``trainer/result_schema.json``), as ppotune's own trainer writes it: verl's per-step
 rows, their summary, the actor's shape (read from the model's ``config.json``, for the memory model), and for an
-in-run sweep one entry per setting (its own rows, summary and status). Torch-free."""
+in-run sweep one entry per setting (its own rows, summary and status). ``phase_windows``: each phase's wall-clock
+windows per step (the passes, the rollout's generation and weight sync: trainer.verl_engine.plugin), in which the
+tuner reads what the trial held from its memory timeline. Torch-free."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from typing import Optional
 
 from trainer.contracts import RESULT_SCHEMA_VERSION, SHAPE_KEYS
 from trainer.summary import summarize_steps
-from trainer.verl_engine.metrics import lengths_of
+from trainer.verl_engine.metrics import lengths_of, windows_of
 
 __all__ = ["verl_result", "actor_shape"]
 
@@ -69,6 +71,7 @@ def verl_result(
     stopped: Optional[str] = None,
 ) -> dict:
     """The run's result JSON; ``spec``: its :class:`trainer.verl_engine.run_file.RunSpec`."""
+    windows = windows_of(rows)
     result = {
         "schema_version": RESULT_SCHEMA_VERSION,
         "status": status,
@@ -90,6 +93,8 @@ def verl_result(
         "log_tail": tail,
         "wall_s": time.time() - t0,
     }
+    if windows:
+        result["phase_windows"] = windows
     if spec.sweep:
         result["settings"] = _settings(spec, rows, device, status, error)
     return result

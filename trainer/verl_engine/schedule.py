@@ -31,6 +31,8 @@ __all__ = [
     "LOG_ENV",
     "SWEEP_ENV",
     "CALL_KEY",
+    "WINDOW_METRIC",
+    "ROLLOUT_PHASES",
 ]
 
 LOG_ENV = "PPOTUNE_VERL_PHASE_LOG"  # the phase log: one JSON line per worker call and rank (trainer.verl_engine.plugin)
@@ -59,6 +61,11 @@ PASS_OF_CALL: dict[str, str] = {
 }
 #: the metric each step's row carries: the index of the setting it ran
 SETTING_METRIC = "ppotune/setting"
+#: the prefix of a phase's wall-clock windows in a step's row: ``<prefix><phase>/<k>/start`` and ``.../end``
+#: (``time.time()`` seconds, the clock the tuner samples memory on: the same host), one pair per separate window
+WINDOW_METRIC = "ppotune/window/"
+#: the phases the driver records beside the passes (plugin.driver): the rollout awake, and its weight sync
+ROLLOUT_PHASES = ("generation", "weight_sync")
 
 
 def is_per_step(key: str) -> bool:

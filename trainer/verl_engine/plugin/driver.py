@@ -1,16 +1,35 @@
 """The driver side of :mod:`trainer.verl_engine.plugin`: each worker-group call of a pass carries its step and pass
-(and an in-run sweep's current setting) in its batch; each step's metrics row gets what the workers measured; in a
-sweep the train dataloader replays its order at each setting."""
+(and an in-run sweep's current setting) in its batch; each step's metrics row gets what the workers measured and the
+wall-clock window of each phase; in a sweep the train dataloader replays its order at each setting.
+
+Beside the passes the driver records the rollout's phases (:data:`ROLLOUT_PHASES`), read from the calls verl's
+trainers make on the rollout replicas each step (verl 0.9.1 ``checkpoint_engine/base.py::CheckpointEngineManager``,
+called by ``trainer/ppo/v1/trainer_sync.py``, ``trainer_colocate_async.py`` and v0's ``ray_trainer.py::fit``):
+``update_weights`` wakes the replicas and pushes the actor's weights (``on_init_end`` before the first step, then
+``on_step_end`` after each step's update): the phase ``weight_sync``; ``sleep_replicas`` frees their weights and KV
+cache once the step's generation is in (``on_sample_end``). The replicas hold their memory from the end of the wake
+to the end of the sleep, and the step's generation runs there (v1 submits it in ``prepare_step`` and waits for it in
+``ReplayBuffer.sample``): that window is the phase ``generation``. The tuner reads what the trial's processes held in
+each window from its own memory timeline (tuner.trials.memory), vLLM's servers included while they are awake."""
 
 from __future__ import annotations
 
 import functools
 import json
 import os
+import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
-from trainer.verl_engine.schedule import CALL_KEY, LOG_ENV, PASS_OF_CALL, SETTING_METRIC, SWEEP_ENV, Schedule
+from trainer.verl_engine.schedule import (
+    CALL_KEY,
+    LOG_ENV,
+    PASS_OF_CALL,
+    SETTING_METRIC,
+    SWEEP_ENV,
+    WINDOW_METRIC,
+    Schedule,
+)
 
 
 class _State:
@@ -21,6 +40,25 @@ class _State:
         path = os.environ.get(SWEEP_ENV)
         self.schedule: Optional[Schedule] = Schedule.read(path) if path else None
         self.log = Path(os.environ[LOG_ENV])
+        self.awake_since: Optional[float] = None  # when the replicas last finished waking (None: asleep, or unknown)
+
+    def phase(self, name: str, start: float, end: float) -> None:
+        """One window of a rollout phase, in the phase log beside the workers' lines (the step in progress)."""
+        with open(self.log, "a") as f:  # one short line: an atomic append
+            f.write(json.dumps({"step": self.step, "phase": name, "start": start, "end": end}) + "\n")
+
+    def synced(self, start: float, end: float) -> None:
+        self.phase("weight_sync", start, end)
+        self.awake_since = end
+
+    def woken(self, start: float, end: float) -> None:
+        self.awake_since = end
+
+    def slept(self, start: float, end: float) -> None:
+        # the first sleep (verl's _setup, right after the replicas start) follows no wake of ours: no window
+        if self.awake_since is not None:
+            self.phase("generation", self.awake_since, end)
+        self.awake_since = None
 
     def batch_keys(self, pass_name: str) -> dict:
         keys = {CALL_KEY: f"{self.step}:{pass_name}"}
@@ -45,8 +83,11 @@ class _State:
                     continue
                 if rec.get("step") == step:
                     lines.append(rec)
+        out.update(_windows(lines))
         for rec in lines:
-            p = rec["pass"]
+            p = rec.get("pass")
+            if p is None:  # a rollout phase's window (the driver's own line)
+                continue
             if rec.get("peak_gb") is not None:
                 key = f"ppotune/memory/{p}_gb"
                 out[key] = max(out.get(key, 0.0), float(rec["peak_gb"]))
@@ -59,6 +100,27 @@ class _State:
                     out[f"ppotune/lengths/{part}/p{q}"] = float(xs[min(len(xs) - 1, q * len(xs) // 100)])
                 out[f"ppotune/lengths/{part}/max"] = float(xs[-1])
         return out
+
+
+def _windows(lines: list[dict]) -> dict:
+    """Each phase's windows in a step's row (:data:`WINDOW_METRIC`): the ranks' lines of one call overlap and merge
+    into one window; calls apart (a weight sync before the first step and after it) stay apart."""
+    spans: dict[str, list[list[float]]] = {}
+    for rec in lines:
+        name, start, end = rec.get("pass") or rec.get("phase"), rec.get("start"), rec.get("end")
+        if name is not None and isinstance(start, (int, float)) and isinstance(end, (int, float)):
+            spans.setdefault(name, []).append([float(start), float(end)])
+    out: dict[str, float] = {}
+    for name, windows in spans.items():
+        merged: list[list[float]] = []
+        for start, end in sorted(windows):
+            if merged and start <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], end)
+            else:
+                merged.append([start, end])
+        for k, (start, end) in enumerate(merged):
+            out[f"{WINDOW_METRIC}{name}/{k}/start"], out[f"{WINDOW_METRIC}{name}/{k}/end"] = start, end
+    return out
 
 
 _STATE: Optional[_State] = None
@@ -120,9 +182,45 @@ def _patch_sampler(module) -> None:
         module.create_rl_sampler = _replaying(fn)
 
 
+def _timed(inner, record: Callable[[float, float], None]):
+    """``inner`` (a coroutine function) that tells ``record`` its wall-clock start and end."""
+
+    @functools.wraps(inner)
+    async def timed(*args, **kwargs):
+        start = time.time()
+        try:
+            return await inner(*args, **kwargs)
+        finally:
+            record(start, time.time())
+
+    return timed
+
+
+def _recorder(method: str) -> Callable[[float, float], None]:
+    return lambda start, end: getattr(_state(), method)(start, end)
+
+
+def _patch_rollout_calls(base) -> None:
+    """verl 0.9.1's ``CheckpointEngineManager.update_weights`` / ``sleep_replicas`` / ``wake_up_replicas``
+    (``checkpoint_engine/base.py``): the rollout's phases. Each is an ``async def`` under verl's ``auto_await``, which
+    runs it at once for a synchronous caller and hands an awaiting one the coroutine, telling them apart by its
+    caller's frame (``utils/ray_utils.py::auto_await``): so the ``async def`` inside is timed and put back under
+    ``auto_await``, never wrapped from outside (that would hide an awaiting caller from it)."""
+    cls = base.CheckpointEngineManager
+    for name, record in (("update_weights", "synced"), ("sleep_replicas", "slept"), ("wake_up_replicas", "woken")):
+        fn = getattr(cls, name)
+        inner = getattr(fn, "__wrapped__", None)
+        if getattr(fn, "_ppotune", False) or inner is None:
+            continue
+        patched = base.auto_await(_timed(inner, _recorder(record)))
+        patched._ppotune = True
+        setattr(cls, name, patched)
+
+
 #: what :mod:`trainer.verl_engine.plugin` patches in the trainer's process, once each module is imported
 PATCHES = {
     "verl.single_controller.ray.base": _patch_binding,
+    "verl.checkpoint_engine.base": _patch_rollout_calls,
     "verl.utils.tracking": _patch_tracking,
     **{
         name: _patch_sampler

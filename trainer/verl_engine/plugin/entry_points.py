@@ -62,6 +62,12 @@ ENTRY_POINTS: tuple = (
     EntryPoint("verl.workers.engine.fsdp.transformer_impl", "prepare_micro_batches"),  # its wrapper passes all on
     EntryPoint("verl.single_controller.ray.base", "func_generator", ("self", "method_name")),
     EntryPoint("verl.utils.tracking", "Tracking.log", ("self", "data", "step")),
+    # the rollout's phases: each method an async def under auto_await, which the driver puts back around its timing
+    *(
+        EntryPoint("verl.checkpoint_engine.base", f"CheckpointEngineManager.{m}", ("self",))
+        for m in ("update_weights", "sleep_replicas", "wake_up_replicas")
+    ),
+    EntryPoint("verl.checkpoint_engine.base", "auto_await", ("func",), exact=True),
     *(EntryPoint(m, "create_rl_sampler", ("data_config", "dataset"), exact=True) for m in _SAMPLER_MODULES),
 )
 

@@ -54,7 +54,7 @@ def _measured(fn):
         lengths = _lengths(data) if pass_name == "old_log_prob" else None
         _reset_peak()
         _MICRO_BATCHES[0] = 0
-        t0 = time.perf_counter()
+        t0, start = time.perf_counter(), time.time()
         out = fn(self, data, *args, **kwargs)
         line = {
             "step": int(step),
@@ -63,6 +63,9 @@ def _measured(fn):
             "peak_gb": _peak_gb(),
             "micro_batches": _MICRO_BATCHES[0],
             "seconds": time.perf_counter() - t0,
+            # the pass's window on the wall clock the tuner's memory sampler keeps its timeline on (the same host)
+            "start": start,
+            "end": time.time(),
         }
         if lengths:
             line["lengths"] = lengths
