@@ -88,6 +88,8 @@ def _pick_section(view: StudyView, choice: Choice) -> list[str]:
         )
     else:
         out.append(f"**Unconfirmed**: {choice.unconfirmed}. The figures below are single short trials.")
+    if conf and conf.get("load_wait"):
+        out.append(_load_wait_text(conf["load_wait"]))
     return out
 
 
@@ -137,7 +139,37 @@ def _confirmation_section(choice: Choice) -> list[str]:
     out = ["", "## Confirmation: finalists re-run side by side with the baseline", ""]
     out += _confirmation_table(conf)
     out += [f"- #{n} not eligible: {why}" for n, why in choice.left_out]
+    suspect = conf.get("suspect")
+    if suspect:
+        screened = sorted({n for ns in (conf.get("screening") or {}).values() for n in ns})
+        out += [
+            "",
+            f"The single trials were suspect: the first round measured without load contradicted them ({suspect['why']}"
+            f"). So the finalists widened from {', '.join(f'#{n}' for n in suspect['first_finalists'])} to every "
+            "config whose single trial was within that factor of a finalist's, and the rounds started again; the "
+            f"first round's re-runs ({', '.join(f'#{n}' for n in screened) or 'none'}) were a screening, nothing is "
+            "claimed from them.",
+        ]
+    if conf.get("rounds_run") and conf.get("spent_s") is not None and conf.get("budget_s") is not None:
+        out += [
+            "",
+            f"The re-runs took {conf['spent_s']:.0f} s; a race that has not separated goes on past the rounds asked "
+            f"while they take less than the search's own trials did ({conf['budget_s']:.0f} s).",
+        ]
     return out
+
+
+def _load_wait_text(wait: dict) -> str:
+    """Why a confirmation stopped before its end: the load outlasted its wait; how to confirm later."""
+    load = wait.get("load") or {}
+    busy = f"other processes kept {load['cpu_others']:.2f} CPUs busy" if load.get("cpu_others") is not None else ""
+    gpu = load.get("gpu_other_processes")
+    busy += f"{', ' if busy else ''}{gpu} other process(es) on its GPUs" if gpu not in (0, None) else ""
+    return (
+        f"The confirmation stopped under load: after a re-run measured under load it waited {wait['waited_s']:.0f} s "
+        f"(at most {wait['bound_s']:.0f} s) and the host was still busy ({busy or 'load'}). To confirm later, on a "
+        f"quiet machine: `{wait['reconfirm']}` (it resumes the study; its trials are done, so it only confirms)."
+    )
 
 
 def _knobs_section(view: StudyView, choice: Choice, overrides: dict) -> list[str]:

@@ -10,9 +10,9 @@ Pure functions (no optuna, no process). The finalists and the baseline are re-ru
 * a finalist whose interval to the leader lies wholly below 1 leaves the race (it is no longer re-run), as does
   one whose re-run did not end ok (a config that ran out of memory once is no recommendation);
 * a round in which a run was measured under load (:attr:`Rerun.loaded`) is marked and not claimed from: it does
-  not count toward the cap ``rounds`` and is not in any figure; it is run again, at most ``rounds`` times (the
-  stage waits for the load to pass before it does: :mod:`tuner.search.confirmation`), so a confirmation runs at
-  most twice its cap in rounds and one more loaded round than the cap ends it.
+  not count toward the cap ``rounds`` and is not in any figure; it is run again, at most ``rounds`` times and at
+  least :data:`MIN_LOADED_RERUNS` (the stage waits for the load to pass before it does:
+  :mod:`tuner.search.confirmation`); one loaded round more than that ends the race.
 
 The interval (:func:`paired_interval`) is the mean of the log-ratios ± the wider of two half-widths: z(0.95) times
 the standard error the runs' own 90% intervals imply (each run's measured noise, at least a floor, so one round
@@ -31,8 +31,22 @@ from typing import Iterable, Mapping, Optional, Sequence
 
 from trainer.contracts import Status
 
-__all__ = ["Z90", "t90", "RUN_NOISE_FLOOR", "Rerun", "run_noise", "repeat_noise", "paired_interval", "Race", "race"]
+__all__ = [
+    "MIN_LOADED_RERUNS",
+    "Z90",
+    "t90",
+    "RUN_NOISE_FLOOR",
+    "Rerun",
+    "run_noise",
+    "repeat_noise",
+    "paired_interval",
+    "Race",
+    "race",
+]
 
+#: loaded rounds run again however small the cap: with ``--confirm 1`` one stray loaded run would otherwise leave the
+#: confirmation with nothing to claim
+MIN_LOADED_RERUNS = 2
 #: the standard normal's 95% point: a two-sided 90% interval
 Z90 = 1.6449
 #: the least noise (standard deviation of its log-throughput) a run is taken to have, and its noise when it has no
@@ -179,7 +193,8 @@ def race(
 ) -> Race:
     """The race after the finished re-runs ``runs`` (config number -> its re-runs in trial-number order: a config's
     k-th re-run ran in round k), for ``finalists`` against ``baseline`` (None: the finalists among themselves),
-    capped at ``rounds`` clean rounds (and as many loaded ones run again: the next loaded one ends it).
+    capped at ``rounds`` clean rounds (and as many loaded ones run again, at least :data:`MIN_LOADED_RERUNS`: the
+    next loaded one ends it).
     ``searched``: config number -> its search trial;
     a run's noise is at least ``noise_floor`` and the run-to-run noise they and the rounds so far show
     (:func:`repeat_noise`)."""
@@ -201,7 +216,7 @@ def race(
         state.done, state.why = True, "separated"
     elif len(state.clean) >= rounds:
         state.done, state.why = True, f"not separated after {len(state.clean)} rounds"
-    elif len(state.loaded) > rounds:
+    elif len(state.loaded) > max(rounds, MIN_LOADED_RERUNS):
         state.done, state.why = True, f"{len(state.loaded)} rounds under load"
     return state
 

@@ -44,6 +44,9 @@ __all__ = ["ConfirmationStage", "DEFAULT_LOAD_WAIT_S", "LOAD_POLL_S", "host_load
 DEFAULT_LOAD_WAIT_S = 600.0
 #: one reading of the host's load while waiting: the window the meter averages over (at least its shortest)
 LOAD_POLL_S = 5.0
+#: how often a reading samples: a trial's own meter's rate (tuner.trials.memory.MemorySampler, 10 Hz), so the tuner's
+#: own processes that start and end inside a window are counted as its own, as they are in a trial
+SAMPLE_S = 0.1
 
 
 def host_load(window_s: float = LOAD_POLL_S, *, wait: Callable[[float], object] = time.sleep) -> Optional[dict]:
@@ -52,8 +55,14 @@ def host_load(window_s: float = LOAD_POLL_S, *, wait: Callable[[float], object] 
     trial's load has, :func:`tuner.trials.memory.is_loaded`), NVML's processes on this tuner's GPUs counted as the
     meter counts them. Its figures (``loaded`` among them), or None when the window said nothing."""
     meter = LoadMeter()
-    meter.sample([])
-    wait(window_s)
+    end = time.monotonic() + window_s
+    while True:  # at a trial's rate: a process of this tuner's seen once is its own, not another's
+        meter.sample([])
+        left = end - time.monotonic()
+        if left <= 0:
+            break
+        if wait(min(SAMPLE_S, left)):  # a stop (an Event's wait says True): no reading
+            return None
     if nvml_available():
         import pynvml
 
@@ -63,7 +72,6 @@ def host_load(window_s: float = LOAD_POLL_S, *, wait: Callable[[float], object] 
                 meter.gpu(list(pynvml.nvmlDeviceGetComputeRunningProcesses(h)), mine)
             except Exception:  # noqa: BLE001 - a GPU NVML cannot read adds no load to the reading
                 continue
-    meter.sample([])
     return meter.figures()
 
 

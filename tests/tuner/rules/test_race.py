@@ -131,11 +131,13 @@ def test_a_round_under_load_is_not_claimed_from_and_another_is_run():
     )
 
 
-def test_with_confirm_1_a_round_under_load_is_run_again_once():
-    """``--confirm 1``: the one round measured under load does not end the confirmation (it claimed nothing); the
-    round run again does, loaded or not."""
-    runs = {n: [ok(10 + n, 100.0, loaded=True)] for n in (1, 0)}
+def test_with_confirm_1_rounds_under_load_are_run_again_twice():
+    """``--confirm 1``: the rounds measured under load do not end the confirmation (they claimed nothing): two are
+    run again (MIN_LOADED_RERUNS), a third ends it; a clean one ends it with its claim."""
+    runs = {n: [ok(10 * k + n, 100.0, loaded=True) for k in range(2)] for n in (1, 0)}
     assert not race(runs, finalists=[1], baseline=0, rounds=1).done
+    runs = {n: [ok(10 * k + n, 100.0, loaded=True) for k in range(3)] for n in (1, 0)}
+    assert race(runs, finalists=[1], baseline=0, rounds=1).why == "3 rounds under load"
     runs = {n: [ok(10 + n, 100.0, loaded=True), ok(20 + n, 150.0 if n else 100.0)] for n in (1, 0)}
     state = race(runs, finalists=[1], baseline=0, rounds=1)
     assert state.done and state.clean == [1] and state.loaded == [0] and state.leader == 1

@@ -19,6 +19,7 @@ import pytest
 
 from support import search_over, tiny_setup
 from tests.tuner.rules.test_finalists import ORDER, SPACE, Said, _reruns, _study, _table
+from tuner.results import why
 from tuner.rules import finalists as rules
 from tuner.search.confirmation import ConfirmationStage, host_load, reconfirm_command
 from tuner.trials.runners import ReplayRunner, TrialOutcome
@@ -103,6 +104,12 @@ def test_load_that_outlasts_the_wait_stops_and_says_how_to_confirm_later(finals)
     wait = conf["load_wait"]
     assert wait["waited_s"] == 15.0 and wait["bound_s"] == 12.0 and wait["load"]["loaded"]
     assert wait["reconfirm"] == "ppotune search configs/tiny_cpu.yaml --trials 5 --confirm 1"
+    assert why._load_wait_text(wait) == (
+        "The confirmation stopped under load: after a re-run measured under load it waited 15 s (at most 12 s) and "
+        "the host was still busy (other processes kept 1.00 CPUs busy). To confirm later, on a quiet machine: "
+        "`ppotune search configs/tiny_cpu.yaml --trials 5 --confirm 1` (it resumes the study; its trials are done, "
+        "so it only confirms)."
+    )
     # later, on a quiet host: the same study confirms from where it stopped, launching re-runs only
     before = runner.launched
     ConfirmationStage(search.session, probe=Probe([]), clock=probe.clock).run(1)
