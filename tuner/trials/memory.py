@@ -16,6 +16,12 @@ Like NVML's per-GPU figure, the psutil objective is per rank: the peak RSS of th
 process of the tree (on CPU a rank stands for a GPU, and ``--memory-limit-gb`` caps each process).
 The summed RSS of the whole tree is kept beside it (``tree_rss_peak_gb``).
 
+The sampler also keeps a bounded :class:`Timeline` of what the trial held (``time.time()``: the clock verl's plugin
+stamps its phases with, on the same host): per GPU the trial's processes' NVML memory (the device's used memory where
+NVML's PIDs never matched the trial's), or on a CPU the largest process's RSS, each on the basis of the external peak.
+:func:`held_in_windows` reads it over a run's phase windows (trainer.verl_engine.plugin): what the trial held in each
+phase, vLLM's servers included while they are awake and not while they sleep.
+
 The same thread meters the trial's load (:class:`LoadMeter`): the host's CPU time spent outside the trial's
 process tree and outside the tuner itself, and other processes on the trial's GPUs (NVML). A trial measured beside
 another job runs slower for a reason that is not its knobs: :func:`is_loaded` marks it, and the confirmation claims
@@ -24,6 +30,8 @@ nothing from a round with such a run.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import os
 import threading
 import time
@@ -35,6 +43,8 @@ import psutil
 __all__ = [
     "MemoryPeaks",
     "MemorySampler",
+    "Timeline",
+    "held_in_windows",
     "LoadMeter",
     "LOADED_CPU_SHARE",
     "is_loaded",
@@ -284,6 +294,75 @@ def process_tree(root_pid: int) -> list[psutil.Process]:
         return []
 
 
+#: buckets a timeline keeps: past it neighbours merge in pairs (each its time span and its lanes' maxima), so a long
+#: trial keeps its whole run at a coarser grain
+TIMELINE_BUCKETS = 8192
+
+
+class Timeline:
+    """What a trial held over time, bounded: buckets ``[first time, last time, (GB per lane)]`` in time order (a lane
+    a GPU; on a CPU the one largest process). A bucket is one sample until the timeline is full; then neighbours
+    merge, keeping their span and each lane's maximum, so a window reads at least what was held in it."""
+
+    def __init__(self, cap: int = TIMELINE_BUCKETS) -> None:
+        self.cap = max(2, cap)
+        self.buckets: list[list] = []
+        self.stride = 1  # samples a bucket holds: doubled at each merge, so every bucket spans as many
+        self._in_last = 0
+
+    def add(self, t: float, lanes: Sequence[float]) -> None:
+        if self.buckets and self._in_last < self.stride:
+            last = self.buckets[-1]
+            last[1], last[2] = t, _lane_max(last[2], lanes)
+            self._in_last += 1
+            return
+        self.buckets.append([t, t, tuple(lanes)])
+        self._in_last = 1
+        if len(self.buckets) > self.cap:
+            pairs = zip(self.buckets[0::2], self.buckets[1::2])
+            merged = [[a[0], b[1], _lane_max(a[2], b[2])] for a, b in pairs]
+            self.buckets = merged + (self.buckets[-1:] if len(self.buckets) % 2 else [])
+            self.stride *= 2
+            self._in_last = self.stride
+
+    def peak(self, start: float, end: float) -> Optional[float]:
+        """The most any lane held in ``[start, end]`` (GB), over the buckets that overlap it; None: no sample there."""
+        inside = [max(b[2]) for b in self.buckets if b[1] >= start and b[0] <= end and b[2]]
+        return max(inside) if inside else None
+
+
+def _lane_max(a: Sequence[float], b: Sequence[float]) -> tuple:
+    """Each lane's maximum (a lane missing from one, a GPU NVML failed to read at that sample, counts as 0)."""
+    return tuple(max(x, y) for x, y in itertools.zip_longest(a, b, fillvalue=0.0))
+
+
+def held_in_windows(timeline: Optional[Timeline], windows: Sequence[dict]) -> Optional[dict]:
+    """What the trial held in each of a run's phase windows (``[{"step", "phase", "start", "end"}]``: a verl
+    result's ``phase_windows``), max over its GPUs: ``{"by_phase": {phase: GB}, "by_step": {step: {phase: GB,
+    "step": GB}}}``; a step's ``"step"`` spans its first window's start to its last window's end. None without a
+    timeline or windows; a window no sample fell in has no figure."""
+    if timeline is None or not timeline.buckets or not windows:
+        return None
+    by_phase: dict[str, float] = {}
+    by_step: dict[str, dict] = {}
+    spans: dict[str, list] = {}
+    for w in windows:
+        step = str(w["step"])
+        span = spans.setdefault(step, [w["start"], w["end"]])
+        span[0], span[1] = min(span[0], w["start"]), max(span[1], w["end"])
+        gb = timeline.peak(w["start"], w["end"])
+        if gb is None:
+            continue
+        by_phase[w["phase"]] = round(max(by_phase.get(w["phase"], 0.0), gb), 3)
+        mine = by_step.setdefault(step, {})
+        mine[w["phase"]] = round(max(mine.get(w["phase"], 0.0), gb), 3)
+    for step, (start, end) in spans.items():
+        gb = timeline.peak(start, end)
+        if gb is not None:
+            by_step.setdefault(step, {})["step"] = round(gb, 3)
+    return {"by_phase": by_phase, "by_step": by_step}
+
+
 @dataclass
 class MemoryPeaks:
     external_peak_gb: Optional[float] = None  # the external measure: NVML per-process (or device) / summed RSS
@@ -298,11 +377,13 @@ class MemoryPeaks:
     # why the figures are not what they claim to be (a GPU NVML could not resolve, a device order guessed): one
     # line each, for the trial's notes
     notes: list = field(default_factory=list)
+    # what the trial held over time, on the external peak's basis (None: not sampled)
+    timeline: Optional[Timeline] = None
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d.pop("pids_seen")
-        d.pop("load")
+        d = asdict(dataclasses.replace(self, timeline=None))
+        for key in ("pids_seen", "load", "timeline"):
+            d.pop(key)
         return d
 
 
@@ -433,6 +514,9 @@ class MemorySampler(threading.Thread):
         self.peaks = MemoryPeaks(external_source=self.source, notes=notes)
         self.load = LoadMeter()
         self._pids: set[int] = set()
+        # per GPU the trial's processes and the device's used memory (NVML), or the largest process's RSS: the one
+        # on the external peak's basis becomes MemoryPeaks.timeline at stop()
+        self._held, self._used = Timeline(), Timeline()
 
     # ---- sampling
     def _sample(self) -> None:
@@ -448,24 +532,32 @@ class MemorySampler(threading.Thread):
             rss += r
             largest = max(largest, r)
         self.load.sample(procs)
+        now = time.time()
         pk = self.peaks
         pk.samples += 1
         if procs:
             pk.tree_rss_peak_gb = max(pk.tree_rss_peak_gb or 0.0, rss / GIB)
             pk.process_rss_peak_gb = max(pk.process_rss_peak_gb or 0.0, largest / GIB)
+            if not self._handles:
+                self._held.add(now, (largest / GIB,))
         if self._handles:
             import pynvml
 
             dev_used, proc_used = 0, 0
+            held, used = [], []
             for h in self._handles:
                 try:
-                    dev_used = max(dev_used, pynvml.nvmlDeviceGetMemoryInfo(h).used)
+                    used.append(pynvml.nvmlDeviceGetMemoryInfo(h).used)
+                    dev_used = max(dev_used, used[-1])
                     running = list(pynvml.nvmlDeviceGetComputeRunningProcesses(h))
                     self.load.gpu(running, pids)
                     mine = sum((getattr(pr, "usedGpuMemory", None) or 0) for pr in running if pr.pid in pids)
+                    held.append(mine)
                     proc_used = max(proc_used, mine)
                 except Exception:
                     continue
+            self._held.add(now, [b / GIB for b in held])
+            self._used.add(now, [b / GIB for b in used])
             pk.device_used_peak_gb = max(pk.device_used_peak_gb or 0.0, dev_used / GIB)
             if proc_used:
                 pk.process_peak_gb = max(pk.process_peak_gb or 0.0, proc_used / GIB)
@@ -488,8 +580,10 @@ class MemorySampler(threading.Thread):
             # PIDs in a container's namespace often do not match NVML's host PIDs: then the
             # device's used memory is the best outside view there is.
             pk.external_peak_gb = pk.process_peak_gb if pk.process_peak_gb is not None else pk.device_used_peak_gb
+            pk.timeline = self._held if pk.process_peak_gb is not None else self._used
         else:
             pk.external_peak_gb = pk.process_rss_peak_gb
+            pk.timeline = self._held
         pk.pids_seen = tuple(sorted(self._pids))
         pk.load = self.load.figures()
         if self.load.note() is not None and pk.load is not None:
