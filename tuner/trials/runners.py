@@ -28,7 +28,7 @@ from trainer.contracts import Status, TrialRecord, oom_kind
 from tuner.rules.candidates import effective_of
 from tuner.space import Space
 from tuner.trials.launch import TrialRun, launch_trial, train_command
-from tuner.trials.memory import visible_gpus
+from tuner.trials.memory import held_in_windows, visible_gpus
 
 __all__ = [
     "TrialRequest",
@@ -128,6 +128,7 @@ def trial_record(run: TrialRun, *, config_path: Path, gpus: Optional[list[str]],
             "samples": mem.samples,
             # per phase, on the objective's basis (CPU: above the post-start level): what tuner.memory_model fits
             "by_phase_gb": phase_peaks(summary, above_start=above_start),
+            **_held_by_phase(run, engine),
         },
         model_shape=res.get("model") or None,
         timing_s=summary.get("timing_s") or {},
@@ -148,6 +149,17 @@ def trial_record(run: TrialRun, *, config_path: Path, gpus: Optional[list[str]],
         load=mem.load,
     )
     return record
+
+
+def _held_by_phase(run: TrialRun, engine: str) -> dict:
+    """A verl trial's phases as its processes held them (the memory timeline over the result's ``phase_windows``,
+    on the external peak's basis: vLLM's servers counted while awake): ``external_by_phase_gb`` {phase: GB} and
+    ``external_by_step_gb`` {step: {phase: GB, "step": GB}} (what an in-run sweep's settings are read from)."""
+    windows = (run.result or {}).get("phase_windows") if engine == "verl" else None
+    held = held_in_windows(run.memory.timeline, windows or [])
+    if not held:
+        return {}
+    return {"external_by_phase_gb": held["by_phase"], "external_by_step_gb": held["by_step"]}
 
 
 def phase_peaks(summary: dict, *, above_start: bool) -> dict:

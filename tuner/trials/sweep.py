@@ -10,10 +10,14 @@ crash), so the sampler, the report and export read them like any other. A settin
 inferred OOM where it is at least as hungry as the one that ran out of memory on every monotone knob, else left to
 the sampler (the asked config is then interrupted: its params are enqueued again).
 
-Each setting's figures are its own steps' (its first step after the change unmeasured); its memory is the largest
-per-pass peak of its steps plus what the run held beside the passes (the run's peak over the largest per-pass
-peak of all its steps: the other processes, the CUDA context), so that a setting's memory is on the same basis as
-a trial run alone. Its duration is the run's, shared evenly among the settings that ran.
+Each setting's figures are its own steps' (its first step after the change unmeasured). Its memory is what the
+trial's processes held over its own steps (the sampler's timeline over each step's window: generation, weight sync
+and the passes, vLLM's servers counted while awake: ``memory["external_by_step_gb"]``, tuner.trials.runners), or
+its largest per-pass peak where that is higher (a spike between two samples), on the same basis as a trial run alone.
+Without a timeline (a result without phase windows) it falls back to the largest per-pass peak of its steps plus what
+the run held beside the passes (the run's peak over the largest per-pass peak of all its steps: one offset for every
+setting, which under-reports a lighter setting by the difference of the passes); the record's notes say which. Its
+duration is the run's, shared evenly among the settings that ran.
 """
 
 from __future__ import annotations
@@ -166,11 +170,38 @@ def _beside_passes(settings: list[dict], run_peak: Optional[float]) -> Optional[
     return max(0.0, run_peak - max(passes))
 
 
+def _held_over_steps(rec: TrialRecord, setting: dict) -> Optional[dict]:
+    """What the trial's processes held over the setting's own steps (the run's timeline, per step: every phase's
+    window and the step's whole span), or None where the run kept no timeline of them."""
+    by_step = (rec.memory or {}).get("external_by_step_gb") or {}
+    mine = {str(r["step"]): by_step[str(r["step"])] for r in setting["steps"] if str(r["step"]) in by_step}
+    spans = [v["step"] for v in mine.values() if v.get("step") is not None]
+    if not spans:
+        return None
+    by_phase: dict[str, float] = {}
+    for phases in mine.values():
+        for p, v in phases.items():
+            if p != "step":
+                by_phase[p] = max(by_phase.get(p, 0.0), v)
+    return {"external_peak_gb": max(spans), "external_by_phase_gb": by_phase, "external_by_step_gb": mine}
+
+
 def _setting_record(rec: TrialRecord, setting: dict, offset: Optional[float], ran: int) -> TrialRecord:
     summary = setting["summary"]
     by_phase = {p: v for p, v in (summary.get("peak_memory_by_phase_gb") or {}).items() if v}
-    peak = max(by_phase.values()) + offset if by_phase and offset is not None else rec.peak_memory_gb
+    held = _held_over_steps(rec, setting)
     memory = {**(rec.memory or {}), "by_phase_gb": by_phase, "samples": None}
+    if held is not None:
+        peak = max([held["external_peak_gb"], *by_phase.values()])
+        memory.update(held)
+        how = "its memory is what the trial held over its own steps (the memory timeline over their phase windows)"
+    else:
+        peak = max(by_phase.values()) + offset if by_phase and offset is not None else rec.peak_memory_gb
+        memory.pop("external_by_phase_gb", None)
+        how = (
+            "no memory timeline of its steps: its memory is its largest per-pass peak plus the one offset the run"
+            " held beside its passes (the same for every setting)"
+        )
     return dataclasses.replace(
         rec,
         throughput=summary.get("throughput"),
@@ -184,7 +215,7 @@ def _setting_record(rec: TrialRecord, setting: dict, offset: Optional[float], ra
         timing_s=summary.get("timing_s") or {},
         error=setting.get("error") or (rec.error if setting["status"] != "ok" else None),
         duration_s=(rec.duration_s or 0.0) / max(1, ran),
-        notes=[*(rec.notes or []), f"measured in an in-run sweep of {ran} settings (one verl start-up)"],
+        notes=[*(rec.notes or []), f"measured in an in-run sweep of {ran} settings (one verl start-up); {how}"],
     )
 
 
