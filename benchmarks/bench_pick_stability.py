@@ -38,12 +38,15 @@ BASE = REPO / "configs" / "tiny_cpu.yaml"
 SPACE = REPO / "search_spaces" / "tiny_cpu.yaml"
 
 
-def ppotune(*args: str, cwd: Path, log: Path) -> None:
+def ppotune(*args: str, cwd: Path, log: Path, ok: tuple = (0,)) -> None:
+    """``ppotune ARGS`` in ``cwd``, its output appended to ``log``; an exit code outside ``ok`` raises."""
     with log.open("a") as out:
         out.write(f"$ ppotune {shlex.join(args)}\n")
         out.flush()
-        subprocess.run([sys.executable, "-m", "tuner.cli", *args], cwd=cwd, check=True, stdout=out,
-                       stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+        got = subprocess.run([sys.executable, "-m", "tuner.cli", *args], cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
+                             env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+    if got.returncode not in ok:
+        raise RuntimeError(f"ppotune {shlex.join(args)} exited {got.returncode} (see {log})")
 
 
 def hog_for(seconds: float) -> threading.Thread:
@@ -79,8 +82,8 @@ def one_run(k: int, out: Path, args: argparse.Namespace, busy: bool) -> dict:
         hog.join()
     ppotune("export", "--out", "ppotune_out", cwd=home, log=log)
     t3 = time.monotonic()
-    ppotune("validate", "--steps", str(args.steps), "--rounds", str(args.rounds), "--storage", "ppotune_out",
-            cwd=home, log=log)  # fmt: skip
+    validate = ("validate", "--steps", str(args.steps), "--rounds", str(args.rounds), "--storage", "ppotune_out")
+    ppotune(*validate, cwd=home, log=log, ok=(0, 1))  # 1 is validate's FAIL: a measurement too
     t4 = time.monotonic()
     found = sorted(home.glob("**/validate.json"))
     got = json.loads(found[-1].read_text())

@@ -66,9 +66,9 @@ DEFAULT_FINALISTS = 2
 #: the single trials are suspect when the first round measured without load contradicts them by more than this
 #: factor, either way: the baseline's re-run against its own search trial, or a finalist's paired ratio against the
 #: ratio of its single trial to the baseline's (:func:`suspicion`): beyond what a short trial's own scatter explains
-#: (benchmarks/README.md, "Pick stability")
+#: (see docs/decisions.md#confirm-suspect-and-load-wait)
 SUSPECT_RATIO = 1.2
-#: the most rounds a confirmation runs however its budget stands (each widening or extension stays under it)
+#: the most rounds a confirmation runs however its budget stands (see docs/decisions.md#confirm-suspect-and-load-wait)
 MAX_ROUNDS = 10
 
 T = TypeVar("T", bound=Hashable)

@@ -41,6 +41,7 @@ __all__ = ["ConfirmationStage", "DEFAULT_LOAD_WAIT_S", "LOAD_POLL_S", "host_load
 
 #: the longest a confirmation waits for load to pass, all its waits together (``--timeout`` bounds it too): long
 #: enough for a test run or a build beside the tuner to end, short enough that a search left alone still finishes
+#: (see docs/decisions.md#confirm-suspect-and-load-wait)
 DEFAULT_LOAD_WAIT_S = 600.0
 #: one reading of the host's load while waiting: the window the meter averages over (at least its shortest)
 LOAD_POLL_S = 5.0
