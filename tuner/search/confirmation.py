@@ -406,16 +406,18 @@ def extra_budget_s(trials: list) -> float:
     return total
 
 
+def _finished_reruns(trials: list) -> list[TrialRecord]:
+    """Every finished confirmation re-run's record, whichever config it re-ran."""
+    recs = [TrialRecord.from_user_attrs(t.user_attrs) for t in trials if t.state.is_finished()]
+    return [r for r in recs if r.confirm_of is not None]
+
+
 def _rerun_seconds(trials: list) -> float:
-    return sum(
-        float(TrialRecord.from_user_attrs(t.user_attrs).duration_s or 0.0)
-        for t in trials
-        if t.user_attrs.get("confirm_of") is not None and t.state.is_finished()
-    )
+    return sum(float(r.duration_s or 0.0) for r in _finished_reruns(trials))
 
 
 def _rerun_count(trials: list) -> int:
-    return sum(1 for t in trials if t.user_attrs.get("confirm_of") is not None and t.state.is_finished())
+    return len(_finished_reruns(trials))
 
 
 def _contenders(df, mask, front) -> list[rules.Contender]:
