@@ -367,8 +367,10 @@ def rounds_text(conf: Mapping) -> str:
         return f"{cap} rounds"
     loaded = f", {conf['loaded_rounds']} under load (not claimed from)" if conf.get("loaded_rounds") else ""
     how = "the leader separated" if conf.get("separated") else "the leader did not separate"
-    if cap is not None and run - int(conf.get("loaded_rounds") or 0) > cap:  # past --confirm: within its budget
-        return f"{run} rounds ({cap} asked, more while the leader had not separated){loaded}: {how}"
+    if cap is not None and run > cap:  # past --confirm: rounds under load run again, or more within the budget
+        clean = run - int(conf.get("loaded_rounds") or 0) > cap
+        more = "more while the leader had not separated" if clean else "the ones under load run again"
+        return f"{run} rounds ({cap} asked, {more}){loaded}: {how}"
     return f"{run} of at most {cap} rounds{loaded}: {how}"
 
 

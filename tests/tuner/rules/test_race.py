@@ -138,6 +138,11 @@ def test_with_confirm_1_rounds_under_load_are_run_again_twice():
     assert not race(runs, finalists=[1], baseline=0, rounds=1).done
     runs = {n: [ok(10 * k + n, 100.0, loaded=True) for k in range(3)] for n in (1, 0)}
     assert race(runs, finalists=[1], baseline=0, rounds=1).why == "3 rounds under load"
+    conf = confirm.aggregate(baseline=0, finalists=[1], rounds=1, headroom=0.1, runs=runs)
+    assert confirm.rounds_text(conf) == (
+        "3 rounds (1 asked, the ones under load run again), 3 under load (not claimed from): "
+        "the leader did not separate"
+    )
     runs = {n: [ok(10 + n, 100.0, loaded=True), ok(20 + n, 150.0 if n else 100.0)] for n in (1, 0)}
     state = race(runs, finalists=[1], baseline=0, rounds=1)
     assert state.done and state.clean == [1] and state.loaded == [0] and state.leader == 1
