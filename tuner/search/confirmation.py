@@ -265,9 +265,13 @@ class ConfirmationStage:
         cands = self._contenders()
         exclude = [p.baseline] if p.baseline is not None else []
         wider = rules.widen(cands, p.finalists, spread=found.spread, exclude=exclude, cap=2 * cap_finalists)
+        p.suspect = found.why
+        if wider == p.finalists:  # no other config within the spread: the round stands, the race goes on
+            self.session.say(f"confirm: the single trials are suspect ({found.why}); no other config is within it")
+            return
         everyone = _reruns(trials, {*wider, p.baseline})
         p.offsets = {n: len(rs) for n, rs in everyone.items()}
-        p.finalists, p.suspect = wider, found.why
+        p.finalists = wider
         self.session.say(
             f"confirm: the single trials are suspect ({found.why}): finalists now "
             f"{', '.join(f'#{n}' for n in wider)}; the rounds start again, the first ones kept as a screening"
