@@ -240,3 +240,23 @@ def test_rounds_go_past_the_cap_while_not_separated_and_the_budget_allows(finals
     search, study = _searched(finals, ReplayRunner(_table(space, flat, close=True), rng=random.Random(0)))
     ConfirmationStage(search.session).run(2)
     assert study.user_attrs[rules.CONFIRMATION_ATTR]["rounds_run"] == 2
+
+
+def test_suspect_single_trials_with_no_other_config_near_keep_their_round(finals):
+    """``--finalists 1``: #1 (320) is 1.67x off like the baseline, but no other config's single trial is within
+    1.67x of it (the next, #3, at 160): the suspicion is recorded, the round stands, nothing is screened."""
+    space, _, flat = finals
+
+    def cold_baseline(k, o):
+        if k == 1:
+            o.record.throughput *= 0.6
+        return o
+
+    search, study = _searched(finals, Shaped(_table(space, flat), rng=random.Random(0), shape=cold_baseline))
+    ConfirmationStage(search.session).run(1, finalists=1)
+    conf = study.user_attrs[rules.CONFIRMATION_ATTR]
+    assert (
+        conf["suspect"]["why"].startswith("the baseline's re-run measured 1.67x") and conf["suspect"]["offsets"] == []
+    )
+    assert [e["number"] for e in conf["finalists"]] == [1] and not any(conf["screening"].values())
+    assert [r.confirm_of for _, r in _reruns(study)][:2] == [1, 0]
