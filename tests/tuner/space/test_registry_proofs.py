@@ -13,7 +13,7 @@ import ast
 
 import pytest
 
-from invariance import CHECKS_BF16, CHECKS_FP32, GRPO, VARIANTS_1, VARIANTS_2, VARIANTS_BF16_2
+from invariance import CHECKS_BF16, CHECKS_FP32, GRPO, LAYERS_3, VARIANTS_1, VARIANTS_2, VARIANTS_BF16_2
 from support import REPO
 from tests.trainer.engine.test_vllm_rollout import ENGINE_VARIANTS
 from trainer.config import FOLLOWS
@@ -23,11 +23,13 @@ VARIANTS = {**VARIANTS_2, **VARIANTS_BF16_2, **VARIANTS_1}
 CHECKED = {c.variant for c in CHECKS_FP32 + CHECKS_BF16}
 #: what the invariance variants vary that is not a knob: the algorithm itself (the suite's references for the
 #: entropy knobs, and the critic's mini-batch: a different algorithm it proves acts; the GRPO job the GRPO
-#: variants start from), and the training set-up
+#: variants start from), and the training set-up (the model's depth: activation offload's variants and their
+#: references need 3 layers, below which verl turns the offload off)
 NOT_KNOBS = {
     "actor_rollout_ref.actor.entropy_coeff",
     "critic.ppo_mini_batch_size",
     *GRPO,
+    *LAYERS_3,
 }
 
 
