@@ -449,6 +449,34 @@ def test_samples_from_trials_take_ok_trials_with_phase_peaks():
     assert s.lengths == TYPICAL and s.shape == WIDE
 
 
+def test_a_verl_gpu_trials_rollout_windows_are_its_generation_and_push_and_vllm_counts_once():
+    """A verl trial on a GPU: the plugin's allocator peaks cover the training passes; vLLM's servers are in the
+    tuner's timeline over the rollout's windows (memory.external_by_phase_gb). Those become the gen and
+    update_weights phases, so the objective's offset over the largest phase is the context, not vLLM again."""
+    shape = {**WIDE.to_dict(), "num_params": None}
+    lengths = TYPICAL.to_dict()
+    attrs = dict(
+        status="ok",
+        memory={
+            "by_phase_gb": {"old_log_prob": 12.0, "update_actor": 26.0},
+            "external_by_phase_gb": {"generation": 34.0, "weight_sync": 36.0, "update_actor": 26.5},
+        },
+        memory_source="nvml",
+        model_shape=shape,
+        lengths={"prompt": lengths["prompt"], "response": lengths["response"]},
+        peak_memory_gb=36.5,
+    )
+    t = create_trial(state=TrialState.COMPLETE, values=[1.0, 36.5], user_attrs={**attrs, "overrides": {}})
+    (s,) = samples_from_trials([t], {"data": {"train_batch_size": 32}})
+    passes = {"old_log_prob": 12.0, "update_actor": 26.0}
+    assert s.on_gpu and s.by_phase_gb == {**passes, "gen": 34.0, "update_weights": 36.0}
+    assert s.peak_gb - max(s.by_phase_gb.values()) == 0.5  # the objective's gap: not vLLM's 10 GB again
+    on_cpu = {**attrs, "memory_source": "rss_above_start"}  # a CPU's timeline is another basis: left out
+    t = create_trial(state=TrialState.COMPLETE, values=[1.0, 36.5], user_attrs={**on_cpu, "overrides": {}})
+    (s,) = samples_from_trials([t], {"data": {"train_batch_size": 32}})
+    assert "gen" not in s.by_phase_gb
+
+
 def test_units_are_gib():
     t = phase_terms(small_config(), SMALL, TYPICAL, on_gpu=True)
     pred = MemoryModel.analytic(SMALL, on_gpu=True, lengths=TYPICAL).predict(small_config())

@@ -12,6 +12,7 @@ from typing import Any, Iterable, Mapping, Optional
 
 from trainer.config import flatten
 from trainer.contracts import PHASES, Status, TrialRecord
+from trainer.verl_engine.schedule import ROLLOUT_PHASES
 from tuner.memory_model.shape import ModelShape
 from tuner.memory_model.workload import Lengths
 
@@ -19,6 +20,9 @@ __all__ = ["Sample", "sample_from_attrs", "samples_from_trials", "CPU_SOURCES"]
 
 #: ``TrialRecord.memory_source`` values of a CPU measurement (resident memory); others are a GPU's
 CPU_SOURCES = ("rss_above_start", "rss", "psutil")
+#: verl's rollout phases (the plugin's windows) as the model's phases: what the device held while vLLM's servers
+#: were awake is the generation phase, the weight sync's the push
+_ROLLOUT_AS = dict(zip(ROLLOUT_PHASES, ("gen", "update_weights")))
 
 
 @dataclass(frozen=True)
@@ -45,13 +49,23 @@ def sample_from_attrs(attrs: Mapping[str, Any], base_flat: Mapping[str, Any], *,
         return None
     if rec.peak_memory_gb is None or rec.memory_source in (None, "replay"):
         return None
+    on_gpu = rec.memory_source not in CPU_SOURCES
+    phases = {p: float(v) for p, v in by_phase.items() if p in PHASES and v is not None}
+    if on_gpu:
+        # a verl trial's allocator peaks cover its training passes only; vLLM's servers are measured in the
+        # rollout's windows (what the device held): those are the generation and push phases, so the objective's
+        # offset over the largest phase does not carry vLLM a second time beside the engine's own term
+        held = (rec.memory or {}).get("external_by_phase_gb") or {}
+        for window, phase in _ROLLOUT_AS.items():
+            if phase not in phases and held.get(window) is not None:
+                phases[phase] = float(held[window])
     return Sample(
         config={**base_flat, **(rec.overrides or {})},
         shape=ModelShape.from_dict(rec.model_shape),
         lengths=lengths,
-        by_phase_gb={p: float(v) for p, v in by_phase.items() if p in PHASES and v is not None},
+        by_phase_gb=phases,
         peak_gb=float(rec.peak_memory_gb),
-        on_gpu=rec.memory_source not in CPU_SOURCES,
+        on_gpu=on_gpu,
         number=number,
     )
 
