@@ -100,9 +100,14 @@ def _what(flat: Mapping[str, Any], on_gpu: bool) -> str:
     return f"{named} {dtype} states{where} sharded over {shard} rank{'s' if shard != 1 else ''}"
 
 
+#: what every refusal below the floor says: a search reads a trial refused so as out of memory at that cap
+#: (tuner.trials.launch.classify), not as a config the user got wrong
+BELOW_FLOOR = "is below what a rank holds from its first step on"
+
+
 def below_floor(limit_gb: float, floor: MemoryFloor, *, cap: str, source: str) -> Optional[str]:
     """The one line a cap of ``limit_gb`` GiB below the floor gets, or None when it is not below. ``cap`` names the
     key and its value (``--memory-limit-gb 0.001``), ``source`` the config file."""
     if limit_gb * GIB >= floor.bytes_per_rank:
         return None
-    return f"{cap} is below what a rank holds from its first step on: {floor.shown()} ({floor.what}; {source})"
+    return f"{cap} {BELOW_FLOOR}: {floor.shown()} ({floor.what}; {source})"

@@ -41,6 +41,7 @@ from trainer.launch.proc import (
     signals_caught,
     with_pythonpath,
 )
+from tuner.memory_model.floor import BELOW_FLOOR
 from tuner.trials.memory import MemoryPeaks, MemorySampler
 from tuner.trials.watch import PollVerdict, StepWatch, poll_trial, timeout_reason, total_timeout_text
 
@@ -136,6 +137,9 @@ def classify(
             return Status.OK, None
         if status == "oom":
             return Status.OOM, error or "out of memory"
+        if status == "error" and BELOW_FLOOR in (error or ""):
+            # this config's states alone are over the trial's cap: out of memory there, as hungrier configs are
+            return Status.OOM, error
         if status == "error":
             # a rank's "failed in phase ...: config: <key> too small" (vLLM's share) is the config's, as verl's is
             if (error or "").startswith("config:") or returncode == ExitCode.USAGE or undersized(error):

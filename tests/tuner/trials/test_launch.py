@@ -58,6 +58,17 @@ OK = {"status": "ok", "error": None, "summary": {"throughput": 10.0}}
             {},
             "invalid",
         ),
+        # a trial whose own states are over the cap (tuner.memory_model.floor, refused by ppotune train, exit 2)
+        (
+            2,
+            {
+                "status": "error",
+                "error": "config: ppotune.memory_limit_gb: 0.5 is below what a rank holds from its first step on: "
+                "0.62 GiB (the actor's fp32 states sharded over 1 rank; trial.yaml)",
+            },
+            {},
+            "oom",
+        ),
         (1, {"status": "weird"}, {}, "crash"),
         (2, None, {}, "invalid"),
         (3, None, {}, "oom"),
