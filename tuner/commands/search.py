@@ -59,7 +59,7 @@ from tuner.search.policy import build_sampler
 from tuner.search.progress import ConsoleObserver, Display, seed_display, summary
 from tuner.search.session import TrialSession
 from tuner.search.trial_time import HangLimits, TrialTime, gpu_named, hang_limits, job_of, trial_time
-from tuner.space import Space, base_flat_config, load_space
+from tuner.space import Space, base_flat_config, from_params, load_space
 from tuner.study import lifecycle as st
 from tuner.study.opening import OpenedStudy, existing_trials, open_for_search, study_attrs
 from tuner.study.selection import Selection
@@ -274,6 +274,7 @@ def _inputs(args: argparse.Namespace) -> _Inputs:
         )
     space.validate(trial_flat)
     near = fitted_params(space, fitted, trial_flat)
+    options = dataclasses.replace(options, fitted=from_params(near))  # the confirmation re-runs the fit's config
     return _Inputs(options, space, base_nested, verl, plan, trial_base, trial_flat, near)
 
 

@@ -122,7 +122,8 @@ class ConfirmationStage:
     ``selection``: the headroom the finalists keep, and the pick whose first choice is always one of them;
     ``load_wait_s``: the longest all waits for load together take; ``probe``: the host's load now, as
     :func:`host_load` reads it; ``clock``: seconds, for the waits; ``command``: the search's command line, for the
-    one that confirms later)."""
+    one that confirms later; ``seeds``: knob values of configs the search had reasons beyond their one trial to
+    rate (the fit's largest sizes, the hints' corner): each measured and eligible one is a finalist too)."""
 
     def __init__(
         self,
@@ -134,11 +135,13 @@ class ConfirmationStage:
         probe: Optional[Callable[[], Optional[dict]]] = None,
         clock: Callable[[], float] = time.monotonic,
         command: Sequence[str] = (),
+        seeds: Sequence[dict] = (),
     ):
         self.session = session
         self.budget = budget
         self.selection = selection or Selection()
         self.load_wait_s, self.clock, self.command = load_wait_s, clock, tuple(command)
+        self.seeds = [dict(v) for v in seeds]
         # a stop ends a reading's window at once, as it ends a trial
         self.probe = probe or (lambda: host_load(LOAD_POLL_S, wait=session.stop_event.wait))
         self.waited_s = 0.0
@@ -329,10 +332,25 @@ class ConfirmationStage:
         top = rank_trials(df, fit.mask, front, self.selection.pick)[:1]
         if top and top[0] != baseline and top[0] not in finalists:  # min-memory, knee: what export takes first
             finalists = top + finalists[: cap - 1]
+        finalists += [n for n in self._seeded({c.number for c in cands}) if n != baseline and n not in finalists]
         if not finalists:
             self.session.say("confirm: no finalist besides the baseline fits the memory limit; nothing to do")
             return None
         return finalists, baseline
+
+    def _seeded(self, eligible: set) -> list[int]:
+        """The search trials that measured :attr:`seeds` (in their order), among ``eligible``: a seed's one trial is
+        as noisy as any, and a config the fit or the hints rate fastest deserves a re-run when it lands behind the
+        finalists by a draw (docs/how-it-works.md, "Finalists confirmed side by side")."""
+        s = self.session
+        known = decide.known_configs(s.study.get_trials(deepcopy=False), s.space, s.trial_flat)
+        out = []
+        for values in self.seeds:
+            cand = s.space.complete(values, s.trial_flat)
+            t = known.get(s.space.identity(cand.effective))
+            if t is not None and t.number in eligible and t.number not in out:
+                out.append(t.number)
+        return out
 
     def _next(self, p: _Plan, cap: int) -> "Race | tuple[Optional[int], list[int], Proposal] | None":
         """The next re-run to launch (its round and that round's members, or None for an interrupted trial run

@@ -61,6 +61,7 @@ class SearchOptions:
     finalists: int = DEFAULT_FINALISTS  # at most this many finalists confirmed
     confirm_wait_s: float = DEFAULT_LOAD_WAIT_S  # the confirmation waits at most this long, in all, for load to pass
     command: tuple = ()  # the search's own command line (after ``ppotune``): the one that confirms later repeats it
+    fitted: dict = field(default_factory=dict)  # --from-fit: the fit's knob values (a finalist when measured)
     probe: int = 0  # then the worst-case probe (tuner.trials.probe) of this many configs export would recommend
     predict_oom: bool = True  # skip candidates the study's memory model puts over the limit beyond its error
     local_every: int = 2  # after the sampler's start-up, every N-th proposal is the incumbent's nearest neighbour
@@ -187,9 +188,17 @@ class Search:
                 selection=self.options.selection,
                 load_wait_s=self.options.confirm_wait_s,
                 command=self.options.command,
+                seeds=self._seeds(),
             ).run(self.options.confirm, finalists=self.options.finalists)
         if self.options.probe and not self.session.stop_event.is_set():
             WorstCaseStage(self.session, budget=self.budget, selection=self.options.selection).run(self.options.probe)
+
+    def _seeds(self) -> list[dict]:
+        """The configs the confirmation re-runs whatever their one trial said: the fit's largest sizes, and the
+        hints' corner when the search went there first."""
+        seeds = [self.options.fitted] if self.options.fitted else []
+        corner = self.policy.corner() if self.options.corner else None
+        return seeds + ([dict(corner.params)] if corner is not None else [])
 
     def worker(self, slot: int) -> None:
         while not self.session.stop_event.is_set():

@@ -260,3 +260,16 @@ def test_suspect_single_trials_with_no_other_config_near_keep_their_round(finals
     )
     assert [e["number"] for e in conf["finalists"]] == [1] and not any(conf["screening"].values())
     assert [r.confirm_of for _, r in _reruns(study)][:2] == [1, 0]
+
+
+def test_the_fits_config_and_the_corner_are_finalists_whatever_their_one_trial_said(finals):
+    """``seeds`` (the fit's knob values, the hints' corner): a measured, eligible one joins the finalists past
+    ``--finalists``; an unmeasured one or the baseline adds nothing."""
+    from tests.tuner.rules.test_finalists import GC, MICRO
+
+    space, _, flat = finals
+    search, _ = _searched(finals, ReplayRunner(_table(space, flat), rng=random.Random(0)))
+    # #3 is micro-batch 2 with checkpointing (160 tokens/s): behind #1 (320) and #2 (100, on the front)
+    assert ConfirmationStage(search.session).plan(1, finalists=1)[0] == [1]
+    seeds = [{MICRO: 2, GC: True}, {MICRO: 2, GC: False}, {MICRO: 4, GC: False}]  # #3, the baseline, an OOM
+    assert ConfirmationStage(search.session, seeds=seeds).plan(1, finalists=1)[0] == [1, 3]
