@@ -64,7 +64,7 @@ from trainer.launch.proc import (
 from trainer.verl_engine.metrics import Enough, lengths_of, steps_from_jsonl
 from trainer.verl_engine.result import verl_result
 from trainer.verl_engine.run_file import RunSpec, load_run
-from trainer.verl_engine.schedule import LOG_ENV, SWEEP_ENV
+from trainer.verl_engine.schedule import LOG_ENV, RUN_ENV, SWEEP_ENV
 
 __all__ = [
     "RunSpec",
@@ -188,8 +188,6 @@ def run_overrides(spec: RunSpec, *, device: str, workdir: Path, ray_dir: Optiona
 #: ``<folder>/session_<date>_<time>_<microseconds>_<pid>/sockets/plasma_store``, and a Unix socket's path has at most
 #: 107 bytes on Linux (``ray/_private/utils.py::validate_socket_filepath``)
 RAY_DIR_MAX_CHARS = 40
-#: names the processes of one trial's Ray in their environment (Ray's workers inherit the driver's)
-RUN_ENV = "PPOTUNE_VERL_RUN"
 
 
 def ray_temp_dir() -> Path:

@@ -30,6 +30,7 @@ __all__ = [
     "SETTING_METRIC",
     "LOG_ENV",
     "SWEEP_ENV",
+    "RUN_ENV",
     "CALL_KEY",
     "WINDOW_METRIC",
     "ROLLOUT_PHASES",
@@ -37,6 +38,9 @@ __all__ = [
 
 LOG_ENV = "PPOTUNE_VERL_PHASE_LOG"  # the phase log: one JSON line per worker call and rank (trainer.verl_engine.plugin)
 SWEEP_ENV = "PPOTUNE_VERL_SWEEP"  # an in-run sweep's schedule (Schedule as JSON)
+#: names one trial's verl run in the environment of all its processes (Ray's workers inherit the driver's): how the
+#: adapter finds them wherever they went, and what keeps two trials' weight-sync sockets apart (plugin.worker)
+RUN_ENV = "PPOTUNE_VERL_RUN"
 CALL_KEY = "ppotune_call"  # the batch key a worker call's "step:pass" travels in
 
 #: the verl keys a run may change at a step boundary: {key: (the pass, the batch key its worker call reads)}

@@ -65,3 +65,44 @@ def test_each_calls_peak_is_its_own_not_the_processs(monkeypatch, tmp_path):
     measured(None, _Batch("1:update_critic"), 1)
     peaks = [json.loads(line)["peak_gb"] for line in log.read_text().splitlines()]
     assert peaks == [8.0, 3.0]  # the critic's update alone, not the actor's 8 GiB before it
+
+
+def _verl_weight_sync_sides(job_id: str):
+    """verl 0.9.1's two ends of the weight sync, as they build the socket path: the sender
+    (verl/workers/rollout/vllm_rollout/vllm_rollout.py::ServerAdapter.__init__) and vLLM's worker
+    (verl/workers/rollout/vllm_rollout/utils.py::vLLMColocateWorkerExtension._get_zmq_handle); every local Ray's first
+    job id is the same, which is what made two trials on one node share the path."""
+    import types
+
+    class ServerAdapter:
+        def __init__(self, replica_rank: int = 0, local_rank: int = 0):
+            self.zmq_handle = f"ipc:///tmp/rl-colocate-zmq-{job_id}-replica-{replica_rank}-rank-{local_rank}.sock"
+
+    class vLLMColocateWorkerExtension:  # noqa: N801 - verl's name
+        local_rank = 0
+
+        def _get_zmq_handle(self) -> str:
+            return f"ipc:///tmp/rl-colocate-zmq-{job_id}-replica-0-rank-{self.local_rank}.sock"
+
+    return types.SimpleNamespace(ServerAdapter=ServerAdapter), types.SimpleNamespace(
+        vLLMColocateWorkerExtension=vLLMColocateWorkerExtension
+    )
+
+
+def test_two_trials_weight_sync_sockets_differ_and_each_trials_two_ends_meet(monkeypatch):
+    from trainer.verl_engine.schedule import RUN_ENV
+
+    handles = []
+    for run in ("ppotune-ray-aaaa1111", "ppotune-ray-bbbb2222"):
+        monkeypatch.setenv(RUN_ENV, run)
+        sender, receiver = _verl_weight_sync_sides("01000000")  # both trials' Ray: the same first job id
+        worker._patch_sender(sender)
+        worker._patch_receiver(receiver)
+        worker._patch_sender(sender)  # patched once however often the hook runs
+        sent = sender.ServerAdapter().zmq_handle
+        assert sent == receiver.vLLMColocateWorkerExtension()._get_zmq_handle()
+        assert run in sent and len(sent[len("ipc://") :]) < 107  # a Unix socket path's limit
+        handles.append(sent)
+    assert handles[0] != handles[1]
+    monkeypatch.delenv(RUN_ENV)
+    assert worker.per_run_socket(handles[0]) == handles[0]  # outside a trial: verl's path as it is

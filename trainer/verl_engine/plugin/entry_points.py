@@ -68,6 +68,9 @@ ENTRY_POINTS: tuple = (
         for m in ("update_weights", "sleep_replicas", "wake_up_replicas")
     ),
     EntryPoint("verl.checkpoint_engine.base", "auto_await", ("func",), exact=True),
+    # the weight sync's socket, on both sides (plugin.worker.per_run_socket)
+    EntryPoint("verl.workers.rollout.vllm_rollout.vllm_rollout", "ServerAdapter.__init__", ("self",)),
+    EntryPoint("verl.workers.rollout.vllm_rollout.utils", "vLLMColocateWorkerExtension._get_zmq_handle", ("self",)),
     *(EntryPoint(m, "create_rl_sampler", ("data_config", "dataset"), exact=True) for m in _SAMPLER_MODULES),
 )
 

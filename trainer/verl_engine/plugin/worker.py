@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 import torch
 
-from trainer.verl_engine.schedule import CALL_KEY, LOG_ENV
+from trainer.verl_engine.schedule import CALL_KEY, LOG_ENV, RUN_ENV
 
 GIB = float(1 << 30)
 _MICRO_BATCHES = [0]  # micro-batches verl cut since the current call began (calls run one at a time per process)
@@ -40,8 +40,61 @@ def _patch_engine(transformer_impl) -> None:
     transformer_impl.prepare_micro_batches = counted
 
 
+#: verl 0.9.1's weight-sync socket: ``ipc:///tmp/rl-colocate-zmq-{ray job id}-replica-R-rank-r.sock``, built by the
+#: sender (vllm_rollout.py ServerAdapter.__init__) and the receiver (utils.py
+#: vLLMColocateWorkerExtension._get_zmq_handle) alike. Every local Ray's first job id is the same, so two trials on
+#: one node would bind one path (the sender removes and rebinds it each update): the trial's run id goes in.
+_ZMQ_PREFIX = "ipc:///tmp/rl-colocate-zmq-"
+
+
+def per_run_socket(handle: str) -> str:
+    """``handle`` with this trial's run id (``RUN_ENV``) after verl's prefix; as it was outside a trial or for a
+    handle of another form (another verl)."""
+    run = os.environ.get(RUN_ENV, "")
+    if not run or not handle.startswith(_ZMQ_PREFIX) or handle.startswith(f"{_ZMQ_PREFIX}{run}-"):
+        return handle
+    return f"{_ZMQ_PREFIX}{run}-{handle[len(_ZMQ_PREFIX):]}"
+
+
+def _patch_sender(vllm_rollout) -> None:
+    """The trainer side of the weight sync (``ServerAdapter.__init__`` sets ``zmq_handle``)."""
+    cls = vllm_rollout.ServerAdapter
+    init = cls.__init__
+    if getattr(init, "_ppotune", False):
+        return
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        if isinstance(getattr(self, "zmq_handle", None), str):
+            self.zmq_handle = per_run_socket(self.zmq_handle)
+
+    __init__._ppotune = True
+    cls.__init__ = __init__
+
+
+def _patch_receiver(utils) -> None:
+    """vLLM's side of the weight sync, in vLLM's worker (``vLLMColocateWorkerExtension._get_zmq_handle``)."""
+    cls = utils.vLLMColocateWorkerExtension
+    get = cls._get_zmq_handle
+    if getattr(get, "_ppotune", False):
+        return
+
+    @functools.wraps(get)
+    def _get_zmq_handle(self):
+        return per_run_socket(get(self))
+
+    _get_zmq_handle._ppotune = True
+    cls._get_zmq_handle = _get_zmq_handle
+
+
 #: what :mod:`trainer.verl_engine.plugin` patches in a worker process, once each module is imported
-PATCHES = {"verl.workers.engine_workers": _patch_workers, "verl.workers.engine.fsdp.transformer_impl": _patch_engine}
+PATCHES = {
+    "verl.workers.engine_workers": _patch_workers,
+    "verl.workers.engine.fsdp.transformer_impl": _patch_engine,
+    "verl.workers.rollout.vllm_rollout.vllm_rollout": _patch_sender,
+    "verl.workers.rollout.vllm_rollout.utils": _patch_receiver,
+}
 
 
 def _measured(fn):
