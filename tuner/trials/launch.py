@@ -431,6 +431,9 @@ def kill_leftovers(pids: Sequence[int]) -> list[int]:
     return leftovers
 
 
+_REAPER_MARGIN_S = 15.0
+
+
 def terminate_reaped(proc: subprocess.Popen, grace_s: float, known_pids: set) -> Optional[int]:
     """SIGTERM the wrapper (it terminates its tree), then SIGKILL whatever is left (``known_pids``: the
     tree's processes seen while it ran, in case the wrapper itself is gone)."""
@@ -439,7 +442,9 @@ def terminate_reaped(proc: subprocess.Popen, grace_s: float, known_pids: set) ->
     except ProcessLookupError:
         pass
     try:
-        return proc.wait(timeout=grace_s + 5.0)
+        # the wrapper's own end takes up to its grace and its SIGKILL wait (trainer.launch.proc.kill_descendants):
+        # cut short, its group's SIGKILL would orphan what sits in groups of its own (Ray's workers) to init
+        return proc.wait(timeout=grace_s + _REAPER_MARGIN_S)
     except subprocess.TimeoutExpired:
         pass
     pids = set(known_pids) | {p.pid for p in _tree(proc.pid)}
