@@ -7,7 +7,6 @@ and FSDP2 over a one-rank gloo group in this process, the hooks run on a CPU (``
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from trainer.engine import offload as ofl
 from trainer.engine import parallelize as pz
@@ -15,16 +14,6 @@ from trainer.engine.parallel import ShardKnobs
 
 CPU = torch.device("cpu")
 ROWS, WIDTH = 3, 12
-
-
-@pytest.fixture(scope="module")
-def one_rank():
-    """A one-rank gloo process group for FSDP (destroyed afterwards: other tests see none)."""
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _model(layers: int, *, tied: bool = False):

@@ -4,7 +4,6 @@ group in this process."""
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from trainer.engine import parallelize as pz
 from trainer.engine.logits import token_entropy
@@ -12,16 +11,6 @@ from trainer.engine.offload import ActivationOffload, offload_layers
 from trainer.engine.parallel import Sharded, ShardKnobs
 
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(scope="module")
-def one_rank():
-    """A one-rank gloo process group for FSDP (destroyed afterwards: other tests see none)."""
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _tiny_model(layers: int = 2):
