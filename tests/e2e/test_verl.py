@@ -284,7 +284,8 @@ def test_verl_export_writes_production_and_validate_runs_it(cli, verl_study, tmp
 
 
 def test_verl_oom_under_a_memory_cap(cli, verl_python, tmp_path):
-    """A 512-wide, 4-layer preset under a 0.2 GB cap per trainer rank: the CPU allocator fails for real."""
+    """A 512-wide, 4-layer preset under a 0.45 GB cap per trainer rank, just above what its ranks' states hold
+    (tuner.memory_model.floor refuses less before launch): the CPU allocator fails for real."""
     r = cli(
         "make-preset",
         "verl",
@@ -306,7 +307,7 @@ def test_verl_oom_under_a_memory_cap(cli, verl_python, tmp_path):
     overrides = yaml.safe_load((tmp_path / "wide" / "preset.yaml").read_text())["overrides"]
     run.write_text(yaml.safe_dump({"overrides": overrides, "ppotune": {"python": str(verl_python)}}))
     with own_tmp() as root:
-        r = _train(cli, run, tmp_path / "r.json", "--memory-limit-gb", 0.2)
+        r = _train(cli, run, tmp_path / "r.json", "--memory-limit-gb", 0.45)
         assert ray_left(root) == []
     res = json.loads((tmp_path / "r.json").read_text())
     assert r.returncode == 3 and res["status"] == "oom", (res["status"], res["error"], r.stdout[-2000:])
