@@ -217,6 +217,8 @@ PROOFS: dict[str, str] = {
     "tuner/trials/memory.py::MemorySampler._sample": (
         "tests/tuner/trials/test_memory_nvml.py::test_the_sampler_reads_a_prefix_through_nvml_and_notes_what_it_cannot"
     ),
+    "tuner/trials/memory.py::_running": "tests/tuner/trials/test_memory_timeline.py::"
+    "test_each_phase_reads_what_the_trials_processes_held_vllm_only_while_awake",
     "tuner/trials/memory.py::gpu_info": "tests/tuner/trials/test_memory_gpu_info.py::"
     "test_gpu_info_reads_the_device_cuda_names",
     "tuner/trials/memory.py::nvml_available": "tests/tuner/trials/test_memory_gpu_info.py::"

@@ -19,7 +19,6 @@ Three things keep one noisy draw from deciding (docs/how-it-works.md, "Confirmat
 
 from __future__ import annotations
 
-import os
 import shlex
 import time
 from dataclasses import dataclass, field
@@ -35,9 +34,9 @@ from tuner.search.budget import Budget
 from tuner.search.session import Proposal, TrialSession
 from tuner.study.frame import headroom_filter, measured_feasible, missing, pareto_mask, trials_frame
 from tuner.study.selection import Selection, rank_trials
-from tuner.trials.memory import LoadMeter, nvml_available, process_tree, resolve_visible, visible_gpus
+from tuner.trials.memory import host_load
 
-__all__ = ["ConfirmationStage", "DEFAULT_LOAD_WAIT_S", "LOAD_POLL_S", "host_load", "reconfirm_command"]
+__all__ = ["ConfirmationStage", "DEFAULT_LOAD_WAIT_S", "LOAD_POLL_S", "reconfirm_command"]
 
 #: the longest a confirmation waits for load to pass, all its waits together (``--timeout`` bounds it too): long
 #: enough for a test run or a build beside the tuner to end, short enough that a search left alone still finishes
@@ -45,37 +44,6 @@ __all__ = ["ConfirmationStage", "DEFAULT_LOAD_WAIT_S", "LOAD_POLL_S", "host_load
 DEFAULT_LOAD_WAIT_S = 600.0
 #: one reading of the host's load while waiting: the window the meter averages over (at least its shortest)
 LOAD_POLL_S = 5.0
-#: how often a reading samples: a trial's own meter's rate (tuner.trials.memory.MemorySampler, 10 Hz), so the tuner's
-#: own processes that start and end inside a window are counted as its own, as they are in a trial
-SAMPLE_S = 0.1
-
-
-def host_load(window_s: float = LOAD_POLL_S, *, wait: Callable[[float], object] = time.sleep) -> Optional[dict]:
-    """The load a trial started now would be measured under: :class:`tuner.trials.memory.LoadMeter` run over
-    ``window_s`` seconds with no trial (every process outside this tuner's tree is another's: the same definition a
-    trial's load has, :func:`tuner.trials.memory.is_loaded`), NVML's processes on this tuner's GPUs counted as the
-    meter counts them. Its figures (``loaded`` among them), or None when the window said nothing."""
-    meter = LoadMeter()
-    end = time.monotonic() + window_s
-    while True:  # at a trial's rate: a process of this tuner's seen once is its own, not another's
-        meter.sample([])
-        left = end - time.monotonic()
-        if left <= 0:
-            break
-        if wait(min(SAMPLE_S, left)):  # a stop (an Event's wait says True): no reading
-            return None
-    if nvml_available():
-        import pynvml
-
-        mine = {p.pid for p in process_tree(os.getpid())}
-        for h in resolve_visible(visible_gpus()).handles:
-            try:
-                meter.gpu(list(pynvml.nvmlDeviceGetComputeRunningProcesses(h)), mine)
-            except Exception:  # noqa: BLE001 - a GPU NVML cannot read adds no load to the reading
-                continue
-    return meter.figures()
-
-
 def reconfirm_command(command: Sequence[str], rounds: int) -> str:
     """``command`` (a ``ppotune search`` command line, its arguments after ``ppotune``) with ``--confirm rounds``:
     the study's trials are done, so run again it resumes the study and only confirms."""

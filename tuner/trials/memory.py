@@ -31,21 +31,21 @@ nothing from a round with such a run.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import os
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import psutil
+
+from tuner.trials.timeline import Timeline
 
 __all__ = [
     "MemoryPeaks",
     "MemorySampler",
-    "Timeline",
-    "held_in_windows",
     "LoadMeter",
+    "host_load",
     "LOADED_CPU_SHARE",
     "is_loaded",
     "nvml_available",
@@ -294,75 +294,6 @@ def process_tree(root_pid: int) -> list[psutil.Process]:
         return []
 
 
-#: buckets a timeline keeps: past it neighbours merge in pairs (each its time span and its lanes' maxima), so a long
-#: trial keeps its whole run at a coarser grain
-TIMELINE_BUCKETS = 8192
-
-
-class Timeline:
-    """What a trial held over time, bounded: buckets ``[first time, last time, (GB per lane)]`` in time order (a lane
-    a GPU; on a CPU the one largest process). A bucket is one sample until the timeline is full; then neighbours
-    merge, keeping their span and each lane's maximum, so a window reads at least what was held in it."""
-
-    def __init__(self, cap: int = TIMELINE_BUCKETS) -> None:
-        self.cap = max(2, cap)
-        self.buckets: list[list] = []
-        self.stride = 1  # samples a bucket holds: doubled at each merge, so every bucket spans as many
-        self._in_last = 0
-
-    def add(self, t: float, lanes: Sequence[float]) -> None:
-        if self.buckets and self._in_last < self.stride:
-            last = self.buckets[-1]
-            last[1], last[2] = t, _lane_max(last[2], lanes)
-            self._in_last += 1
-            return
-        self.buckets.append([t, t, tuple(lanes)])
-        self._in_last = 1
-        if len(self.buckets) > self.cap:
-            pairs = zip(self.buckets[0::2], self.buckets[1::2])
-            merged = [[a[0], b[1], _lane_max(a[2], b[2])] for a, b in pairs]
-            self.buckets = merged + (self.buckets[-1:] if len(self.buckets) % 2 else [])
-            self.stride *= 2
-            self._in_last = self.stride
-
-    def peak(self, start: float, end: float) -> Optional[float]:
-        """The most any lane held in ``[start, end]`` (GB), over the buckets that overlap it; None: no sample there."""
-        inside = [max(b[2]) for b in self.buckets if b[1] >= start and b[0] <= end and b[2]]
-        return max(inside) if inside else None
-
-
-def _lane_max(a: Sequence[float], b: Sequence[float]) -> tuple:
-    """Each lane's maximum (a lane missing from one, a GPU NVML failed to read at that sample, counts as 0)."""
-    return tuple(max(x, y) for x, y in itertools.zip_longest(a, b, fillvalue=0.0))
-
-
-def held_in_windows(timeline: Optional[Timeline], windows: Sequence[dict]) -> Optional[dict]:
-    """What the trial held in each of a run's phase windows (``[{"step", "phase", "start", "end"}]``: a verl
-    result's ``phase_windows``), max over its GPUs: ``{"by_phase": {phase: GB}, "by_step": {step: {phase: GB,
-    "step": GB}}}``; a step's ``"step"`` spans its first window's start to its last window's end. None without a
-    timeline or windows; a window no sample fell in has no figure."""
-    if timeline is None or not timeline.buckets or not windows:
-        return None
-    by_phase: dict[str, float] = {}
-    by_step: dict[str, dict] = {}
-    spans: dict[str, list] = {}
-    for w in windows:
-        step = str(w["step"])
-        span = spans.setdefault(step, [w["start"], w["end"]])
-        span[0], span[1] = min(span[0], w["start"]), max(span[1], w["end"])
-        gb = timeline.peak(w["start"], w["end"])
-        if gb is None:
-            continue
-        by_phase[w["phase"]] = round(max(by_phase.get(w["phase"], 0.0), gb), 3)
-        mine = by_step.setdefault(step, {})
-        mine[w["phase"]] = round(max(mine.get(w["phase"], 0.0), gb), 3)
-    for step, (start, end) in spans.items():
-        gb = timeline.peak(start, end)
-        if gb is not None:
-            by_step.setdefault(step, {})["step"] = round(gb, 3)
-    return {"by_phase": by_phase, "by_step": by_step}
-
-
 @dataclass
 class MemoryPeaks:
     external_peak_gb: Optional[float] = None  # the external measure: NVML per-process (or device) / summed RSS
@@ -494,6 +425,42 @@ class LoadMeter:
         }
 
 
+def _running(handle) -> list:
+    """NVML's compute processes on one GPU (``pid``, ``usedGpuMemory``): what the sampler and the load read."""
+    import pynvml
+
+    return list(pynvml.nvmlDeviceGetComputeRunningProcesses(handle))
+
+
+#: how often a reading of the host's load samples: a trial's own meter's rate (MemorySampler's 10 Hz), so the tuner's
+#: own processes that start and end inside a window are counted as its own, as they are in a trial
+_LOAD_SAMPLE_S = 0.1
+
+
+def host_load(window_s: float, *, wait: Callable[[float], object] = time.sleep) -> Optional[dict]:
+    """The load a trial started now would be measured under: :class:`LoadMeter` run over ``window_s`` seconds with
+    no trial (every process outside this tuner's tree is another's: the same definition a trial's load has,
+    :func:`is_loaded`), NVML's processes on this tuner's GPUs counted as the meter counts them. Its figures
+    (``loaded`` among them), or None when the window said nothing or ``wait`` said stop (an Event's wait: True)."""
+    meter = LoadMeter()
+    end = time.monotonic() + window_s
+    while True:
+        meter.sample([])
+        left = end - time.monotonic()
+        if left <= 0:
+            break
+        if wait(min(_LOAD_SAMPLE_S, left)):
+            return None
+    if nvml_available():
+        mine = {p.pid for p in process_tree(os.getpid())}
+        for h in resolve_visible(visible_gpus()).handles:
+            try:
+                meter.gpu(_running(h), mine)
+            except Exception:  # noqa: BLE001 - a GPU NVML cannot read adds no load to the reading
+                continue
+    return meter.figures()
+
+
 class MemorySampler(threading.Thread):
     """Sample a process tree's memory at ``hz`` until :meth:`stop`; keep the peaks."""
 
@@ -549,7 +516,7 @@ class MemorySampler(threading.Thread):
                 try:
                     used.append(pynvml.nvmlDeviceGetMemoryInfo(h).used)
                     dev_used = max(dev_used, used[-1])
-                    running = list(pynvml.nvmlDeviceGetComputeRunningProcesses(h))
+                    running = _running(h)
                     self.load.gpu(running, pids)
                     mine = sum((getattr(pr, "usedGpuMemory", None) or 0) for pr in running if pr.pid in pids)
                     held.append(mine)

@@ -28,7 +28,8 @@ from trainer.contracts import Status, TrialRecord, oom_kind
 from tuner.rules.candidates import effective_of
 from tuner.space import Space
 from tuner.trials.launch import TrialRun, launch_trial, train_command
-from tuner.trials.memory import held_in_windows, visible_gpus
+from tuner.trials.memory import visible_gpus
+from tuner.trials.timeline import held_in_windows
 
 __all__ = [
     "TrialRequest",

@@ -21,7 +21,8 @@ from support import search_over, tiny_setup
 from tests.tuner.rules.test_finalists import ORDER, SPACE, Said, _reruns, _study, _table
 from tuner.results import why
 from tuner.rules import finalists as rules
-from tuner.search.confirmation import ConfirmationStage, host_load, reconfirm_command
+from tuner.search.confirmation import ConfirmationStage, reconfirm_command
+from tuner.trials.memory import host_load
 from tuner.trials.runners import ReplayRunner, TrialOutcome
 
 

@@ -20,7 +20,8 @@ import pytest
 
 from tests.tuner.trials.test_memory_nvml import A100, A100_B, fake_pynvml
 from tuner.trials import memory
-from tuner.trials.memory import MemorySampler, Timeline, held_in_windows
+from tuner.trials.memory import MemorySampler
+from tuner.trials.timeline import Timeline, held_in_windows
 
 GIB = 1 << 30
 ASLEEP_GB = 0.1  # vLLM's worker while its pool is unmapped: its CUDA context

@@ -17,9 +17,10 @@ import pytest
 from tests.tuner.trials.test_sweep import MICRO, _setup
 from trainer.contracts import Status
 from tuner.trials.launch import TrialRun
-from tuner.trials.memory import MemoryPeaks, Timeline
+from tuner.trials.memory import MemoryPeaks
 from tuner.trials.runners import TrialOutcome, trial_record
 from tuner.trials.sweep import split_outcome
+from tuner.trials.timeline import Timeline
 
 VLLM_GB, ASLEEP_GB = 30.0, 0.1
 #: per setting, each phase's (FSDP rank's GB, vLLM worker's GB): the heavier setting's update holds 40 GB
