@@ -48,6 +48,8 @@ if _VERL_UNPACKED.is_dir():
 def _env() -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    # the suite's two workers are each other's load: a search's confirmation waits a little for it, not 600 s
+    env.setdefault("PPOTUNE_CONFIRM_WAIT_S", "20")
     return env
 
 

@@ -54,6 +54,7 @@ from tuner.rules.budget import MAX_FAILURES_IN_A_ROW, count_progress
 from tuner.rules.finalists import DEFAULT_FINALISTS
 from tuner.rules.world import WorldPlan, plan_world, trial_overrides
 from tuner.search import plan
+from tuner.search.confirmation import DEFAULT_LOAD_WAIT_S
 from tuner.search.loop import Search, SearchOptions
 from tuner.search.policy import build_sampler
 from tuner.search.progress import ConsoleObserver, Display, seed_display, summary
@@ -160,6 +161,7 @@ def options_from_args(args: argparse.Namespace, *, seed: Optional[int] = None) -
         timeout_s=args.timeout,
         parallel=args.parallel,
         confirm=args.confirm,
+        confirm_wait_s=getattr(args, "confirm_wait", DEFAULT_LOAD_WAIT_S),
         finalists=getattr(args, "finalists", DEFAULT_FINALISTS),
         # the command that confirms later repeats this one (a test's parsed flags have no command line of their own)
         command=tuple(sys.argv[1:]) if sys.argv[1:2] == ["search"] else (),

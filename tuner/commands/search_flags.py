@@ -5,12 +5,14 @@ its study lives, how each trial runs, how the search proposes and stops, how tri
 from __future__ import annotations
 
 import argparse
+import os
 
 from trainer.contracts import DEFAULT_HEADROOM, DEFAULT_OUT_DIR
 from trainer.summary import MIN_MEASURED_STEPS
 from tuner.commands.flags import add_override_flag
 from tuner.rules.budget import MAX_FAILURES_IN_A_ROW
 from tuner.rules.finalists import DEFAULT_FINALISTS, DEFAULT_ROUNDS, MAX_FINALISTS
+from tuner.search.confirmation import DEFAULT_LOAD_WAIT_S
 from tuner.search.policy import SAMPLERS
 from tuner.study import lifecycle as st
 from tuner.study.selection import DEFAULT_PICK, PICKS
@@ -22,6 +24,18 @@ __all__ = ["add_search_arguments", "trial_length", "DEFAULT_STEPS", "DEFAULT_WAR
 #: file's ``ppotune.steps``/``ppotune.warmup`` say
 DEFAULT_STEPS, DEFAULT_WARMUP = 8, 1
 
+
+#: the default of ``--confirm-wait`` where one is set for every search a process starts (a test suite whose two
+#: workers are each other's load)
+CONFIRM_WAIT_ENV = "PPOTUNE_CONFIRM_WAIT_S"
+
+
+def _confirm_wait_default() -> float:
+    value = os.environ.get(CONFIRM_WAIT_ENV)
+    try:
+        return float(value) if value else DEFAULT_LOAD_WAIT_S
+    except ValueError:
+        return DEFAULT_LOAD_WAIT_S
 
 def add_search_arguments(p: argparse.ArgumentParser) -> None:
     for flags in (_study_flags, _trial_flags, _search_flags, _stage_flags, _output_flags):
@@ -222,6 +236,16 @@ def _stage_flags(p: argparse.ArgumentParser) -> None:
         "round after round until the leader's paired-ratio interval separates from the runner-up's, at most R "
         "rounds measured without load; export ranks them by their paired throughput ratios to the baseline "
         f"(default {DEFAULT_ROUNDS}; 0: off)",
+    )
+    p.add_argument(
+        "--confirm-wait",
+        type=float,
+        default=_confirm_wait_default(),
+        metavar="S",
+        help="the longest the confirmation waits, all its waits together, for load beside it to pass before a round "
+        f"measured under load runs again (default {DEFAULT_LOAD_WAIT_S:g}, or ${CONFIRM_WAIT_ENV}: a machine that "
+        "is always busy, a test suite; 0: never wait, the confirmation then stops and why.md says how to confirm "
+        "later)",
     )
     p.add_argument(
         "--finalists",
