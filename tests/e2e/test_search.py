@@ -244,7 +244,7 @@ def test_duplicate_proposal_is_recorded_not_run(shared):
 
 
 def test_confirm_reruns_the_finalists_interleaved_with_the_baseline(shared):
-    """--confirm 1: at most one round, the finalists then the baseline, each a real re-run of the same config (its
+    """--confirm 1: one round (run again once load passes), the finalists then the baseline, each a real re-run of the same config (its
     own trial with confirm_of, outside the budget); their paired ratios are the study attribute ``confirmation``."""
     study = shared.study
     trials = by_number(study)
@@ -259,32 +259,35 @@ def test_confirm_reruns_the_finalists_interleaved_with_the_baseline(shared):
         assert not reruns and all(dominated(t) for t in measured if t.number != 0)
         pytest.skip("the baseline dominated the other ok trials: nothing was confirmed this time")
     finalists = [e["number"] for e in conf["finalists"]]
-    assert conf["baseline"] == 0 and conf["rounds"] == 1 and conf["complete"] and finalists
-    for n in finalists:  # a measured config besides the baseline, on the front or within noise of the best
+    assert conf["baseline"] == 0 and conf["rounds"] == 1 and finalists
+    # the finalists of the first round (widened later when that round contradicted the single trials)
+    first = (conf.get("suspect") or {}).get("first_finalists") or finalists
+    for n in first:  # a measured config besides the baseline, on the front or within noise of the best
         assert n != 0 and trials[n].user_attrs["status"] == "ok" and "confirm_of" not in trials[n].user_attrs
         best = max(measured, key=lambda t: t.values[0]).user_attrs.get("throughput_ci")
         ci = trials[n].user_attrs.get("throughput_ci")
         assert not dominated(trials[n]) or (best and ci and ci[1] >= best[0]), n
     # round 1: the finalists, then the baseline; each re-run is the same config, and no budget trial
-    assert [t.user_attrs["confirm_of"] for t in reruns] == finalists + [0]
+    assert [t.user_attrs["confirm_of"] for t in reruns[: len(first) + 1]] == first + [0]
     for c in reruns:
         orig = trials[c.user_attrs["confirm_of"]]
         assert c.params == orig.params and c.user_attrs["overrides"] == orig.user_attrs["overrides"]
         assert not counted(c) and c.user_attrs["baseline"] is False
         assert c.user_attrs["status"] == "ok" and c.user_attrs["throughput"] > 0
+    out = shared.runs[-1].stdout
+    assert "confirm round 1: " + " ".join(f"#{n}" for n in first + [0]) in out
+    loaded = any((c.user_attrs.get("load") or {}).get("loaded") for c in reruns)
+    assert bool(conf["loaded_rounds"]) == loaded
+    if conf.get("load_wait"):  # the load beside it (the other test worker) outlasted the wait: said, not claimed
+        assert loaded and not conf["complete"] and "--confirm" in conf["load_wait"]["reconfirm"]
+        assert "under load" in out
+        return
+    assert conf["complete"]
+    if loaded or conf.get("suspect") or len(reruns) != len(first) + 1:
+        return  # a round ran again once the load had passed, or the finalists widened: the race's own tests
     # the aggregate, by hand: one round, so the ratio is the finalist's re-run over the baseline's, and its interval
     # comes from the two runs' own measured noise (tuner.rules.race.paired_interval)
     base_thr = reruns[-1].user_attrs["throughput"]
-    out = shared.runs[-1].stdout
-    assert "confirm round 1: " + " ".join(f"#{n}" for n in finalists + [0]) in out
-    loaded = any((c.user_attrs.get("load") or {}).get("loaded") for c in reruns)
-    assert bool(conf["loaded_rounds"]) == loaded
-    if loaded:  # measured beside another job (the other test worker): the round is not claimed from, and says so
-        for e, c in zip(conf["finalists"], reruns):
-            assert e["trials"] == [c.number] and e["rounds"] == 0 and e["loaded_rounds"] == 1
-            assert e["ratio"] is None and e["throughput"] is None
-        assert "under load" in out
-        return
     for e, c in zip(conf["finalists"], reruns):
         assert e["trials"] == [c.number] and e["rounds"] == 1
         assert e["ratio"] == pytest.approx(c.user_attrs["throughput"] / base_thr, rel=1e-5)
