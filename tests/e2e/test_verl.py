@@ -366,23 +366,32 @@ def _cluster_pids(folder: Path) -> set[int]:
     return {p.pid for p in processes_with(str(folder))}
 
 
-def test_a_verl_trial_runs_its_own_ray_beside_a_cluster_on_the_node(cli, verl_run_file, tmp_path, monkeypatch):
+def test_a_verl_search_runs_its_own_ray_beside_a_cluster_on_the_node(cli, verl_run_file, tmp_path, monkeypatch):
     """A cluster already on the node (``ray start``, named by RAY_ADDRESS) takes no trial: verl's ``ray.init`` would
     join it (ray/_private/services.py::get_ray_address_from_environment) and run the trial's workers there, without
-    the trial's plugin or file logger ("exited 0 after 0 of N steps"). The trial is measured on a Ray of its own,
-    and the cluster is left as it was: the same processes, alive."""
+    the trial's plugin or file logger ("exited 0 after 0 of N steps"). A search's trials (one verl run, its in-run
+    sweep of two settings) are measured on a Ray of their own, and the cluster is left as it was: the same processes,
+    alive."""
+    space = tmp_path / "space.yaml"
+    space.write_text(f"knobs:\n  {MICRO}: {{type: pow2, low: 1, high: 2, memory: increasing}}\n")
+    out = tmp_path / "out"
     with ray_cluster_on_the_node() as (address, folder):
         before = _cluster_pids(folder)
         monkeypatch.setenv("RAY_ADDRESS", address)
         with own_tmp() as root:
-            r = _train(cli, verl_run_file, tmp_path / "r.json")
+            r = cli(
+                "search", verl_run_file, "--engine", "verl", "--engine-python", VERL_PY, "--space", space,
+                "--trials", 2, "--confirm", 0, "--probe", 0, "--sampler", "grid", "--steps", 4, "--warmup", 1,
+                "--nproc", 1, "--out", out, timeout=900,
+            )  # fmt: skip
             assert ray_left(root) == []
-        res = json.loads((tmp_path / "r.json").read_text())
-        assert r.returncode == 0 and res["status"] == "ok", (res["status"], res["error"], r.stdout[-2000:])
-        assert [s["step"] for s in res["steps"]] == [1, 2, 3]
-        assert "Started a local Ray instance" in r.stdout and "Connecting to existing Ray cluster" not in r.stdout
-        assert "++ray_kwargs.ray_init.address=local" in res["config"]["command"]
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
         assert len(before) >= 2 and _cluster_pids(folder) == before  # gcs_server, raylet, ...
+    trials = optuna.load_study(study_name=None, storage=f"sqlite:///{out / 'study.db'}").get_trials()
+    records = [TrialRecord.from_user_attrs(t.user_attrs) for t in trials]
+    assert [rec.status for rec in records] == [Status.OK, Status.OK], [(rec.status, rec.error) for rec in records]
+    logs = "\n".join(Path(rec.log_path).read_text() for rec in records if rec.log_path)
+    assert "Started a local Ray instance" in logs and "Connecting to existing Ray cluster" not in logs
 
 
 def test_bad_engine_python_is_one_line_exit_2(cli, tmp_path):
