@@ -244,8 +244,9 @@ def test_duplicate_proposal_is_recorded_not_run(shared):
 
 
 def test_confirm_reruns_the_finalists_interleaved_with_the_baseline(shared):
-    """--confirm 1: one round (run again once load passes), the finalists then the baseline, each a real re-run of the same config (its
-    own trial with confirm_of, outside the budget); their paired ratios are the study attribute ``confirmation``."""
+    """--confirm 1: one round (run again once load passes), the finalists then the baseline, each a real re-run of
+    the same config (its own trial with confirm_of, outside the budget); their paired ratios are the study attribute
+    ``confirmation``."""
     study = shared.study
     trials = by_number(study)
     reruns = [t for t in study.get_trials() if "confirm_of" in t.user_attrs]
