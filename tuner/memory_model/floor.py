@@ -19,13 +19,14 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
 from trainer.config.keys import absent_role
+from tuner.memory_model.fit import GB
 from tuner.memory_model.shape import ModelShape, shape_of_config
 from tuner.memory_model.terms import flat_config, phase_terms, world_of
 from tuner.memory_model.workload import Lengths
 
 __all__ = ["MemoryFloor", "memory_floor", "below_floor", "tiny_shape", "TINY_VOCAB_SIZE"]
 
-GIB = 1024**3
+GIB = GB  # the memory model's one GiB (tuner.memory_model.fit.GB)
 #: The embedded model's vocabulary: its character-level tokenizer's, rounded up to a multiple of 8
 #: (``trainer.engine.models.tiny_qwen2_config``; the tuner does not import the engine: a test checks they agree).
 TINY_VOCAB_SIZE = 104
